@@ -1,0 +1,92 @@
+"""Byte layout of a unified KV page (DESIGN.md "Memory manager").
+
+A page belongs to one (sequence, layer, KV head) and one precision (key bits, value bits). It has six
+segments, each 16-byte aligned:
+
+    keys      [T, D] elements of the cache dtype (16-bit precision) or packed ints (8/4/2-bit)
+    key_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits)
+    values    [T, D] like keys
+    val_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits)
+    score     [T]    float32 token significance
+    position  [T]    int32 token position in its sequence
+
+"16 bits" means the unquantized cache dtype (fp16/bf16 on GPU, fp32 allowed on CPU), so its element
+size is `full_itemsize`. Every page has the same byte size; tokens per page T follow from the precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIGN = 16
+SUPPORTED_BITS = (16, 8, 4, 2)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _segment_bytes(tokens: int, head_dim: int, bits: int, full_itemsize: int) -> tuple[int, int]:
+    """Bytes of the data segment and of its scale/zero segment for `tokens` tokens."""
+    if bits == 16:
+        return _align(tokens * head_dim * full_itemsize), 0
+    return _align(tokens * head_dim * bits // 8), _align(tokens * 4)
+
+
+def _page_bytes_needed(tokens: int, head_dim: int, key_bits: int, value_bits: int, full_itemsize: int) -> int:
+    kd, km = _segment_bytes(tokens, head_dim, key_bits, full_itemsize)
+    vd, vm = _segment_bytes(tokens, head_dim, value_bits, full_itemsize)
+    return kd + km + vd + vm + 2 * _align(tokens * 4)
+
+
+def page_bytes_for(block_size: int, head_dim: int, full_itemsize: int) -> int:
+    """Page size in bytes: what a full-precision (16/16) page of `block_size` tokens needs."""
+    return _page_bytes_needed(block_size, head_dim, 16, 16, full_itemsize)
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """Where each segment of a page of one precision starts (byte offsets) and how many tokens it holds."""
+
+    key_bits: int
+    value_bits: int
+    head_dim: int
+    page_bytes: int
+    full_itemsize: int
+    tokens: int
+    k_off: int
+    k_meta_off: int
+    v_off: int
+    v_meta_off: int
+    score_off: int
+    pos_off: int
+
+    @staticmethod
+    def make(key_bits: int, value_bits: int, head_dim: int, page_bytes: int, full_itemsize: int) -> "PageFormat":
+        for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
+            if b not in SUPPORTED_BITS:
+                raise ValueError(f"{name}={b}: a page precision uses bits from {SUPPORTED_BITS}")
+        if page_bytes % ALIGN:
+            raise ValueError(f"page_bytes={page_bytes} must be a multiple of {ALIGN}")
+        tokens = 0
+        while _page_bytes_needed(tokens + 1, head_dim, key_bits, value_bits, full_itemsize) <= page_bytes:
+            tokens += 1
+        if tokens == 0:
+            raise ValueError(f"page_bytes={page_bytes} holds no token of K{key_bits}V{value_bits}, head_dim {head_dim}")
+        kd, km = _segment_bytes(tokens, head_dim, key_bits, full_itemsize)
+        vd, vm = _segment_bytes(tokens, head_dim, value_bits, full_itemsize)
+        k_off = 0
+        k_meta_off = k_off + kd
+        v_off = k_meta_off + km
+        v_meta_off = v_off + vd
+        score_off = v_meta_off + vm
+        pos_off = score_off + _align(tokens * 4)
+        return PageFormat(key_bits, value_bits, head_dim, page_bytes, full_itemsize, tokens,
+                          k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off)
+
+    @property
+    def name(self) -> str:
+        return f"K{self.key_bits}V{self.value_bits}"
+
+    def token_bytes(self) -> float:
+        """Bytes per token on a full page of this precision (metadata included)."""
+        return self.page_bytes / self.tokens
