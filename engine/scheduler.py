@@ -1,0 +1,106 @@
+"""Continuous batching: FCFS admission of whole prompts, decode of everything running, and
+preemption by recompute when the page pool runs out.
+
+A step is either a prefill batch (newly admitted prompts, prioritized like vLLM) or a decode batch
+(one token for every running sequence). Page accounting asks the memory manager for the device's free
+page count once per step and plans against each sequence's worst-case growth.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Optional
+
+from engine.config import SchedulerConfig
+from engine.memory import MemoryManager
+from engine.model_runner import Batch
+from engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, mm: MemoryManager):
+        self.config = config
+        self.mm = mm
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) and give its pages back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.mm.free([seq.slot])
+            seq.slot = None
+        seq.num_cached = 0
+
+    def _decode_demand(self) -> int:
+        return sum(self.mm.pages_to_grow(s.num_cached, s.num_cached + 1) for s in self.running)
+
+    def schedule(self) -> tuple[Optional[Batch], list[Sequence]]:
+        """The next batch (or None when idle), and sequences that must finish because they cannot grow."""
+        free = self.mm.free_pages()
+        prefill = self._admit(free)
+        if prefill:
+            return Batch(True, prefill), []
+        if not self.running:
+            if self.waiting and self.mm.pages_for_tokens(self.waiting[0].num_tokens + 1) > self.mm.num_pages:
+                return None, [self.waiting.popleft()]  # could never fit, even in an empty pool
+            return None, []
+        stuck: list[Sequence] = []
+        while self._decode_demand() > free:
+            if len(self.running) == 1:
+                # Alone and still out of pages: the pool cannot hold this sequence any longer.
+                stuck.append(self.running.pop())
+                break
+            victim = self.running.pop()  # latest admitted goes first (FCFS keeps the oldest running)
+            free += self.mm.pages_for_tokens(victim.num_cached)
+            self._release(victim)
+            victim.status = Status.WAITING
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            log.debug("preempted %s (recompute)", victim.request_id)
+        return (Batch(False, list(self.running)) if self.running else None), stuck
+
+    def _admit(self, free: int) -> list[Sequence]:
+        """FCFS prompts that fit the token budget, the slots and the pages (worst case), in order."""
+        cfg, mm = self.config, self.mm
+        budget = cfg.max_num_batched_tokens
+        # Keep one decode step's growth for everyone already running, so admission cannot force preemption.
+        free -= self._decode_demand()
+        admitted: list[Sequence] = []
+        while self.waiting:
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            if len(self.running) + len(admitted) >= cfg.max_num_seqs or mm.num_free_slots == 0:
+                break
+            # A prompt longer than the token budget still runs, alone.
+            if n > budget and admitted:
+                break
+            need = mm.pages_for_tokens(n + 1)
+            if need > free:
+                break
+            self.waiting.popleft()
+            seq.slot = mm.alloc_slot()
+            seq.status = Status.RUNNING
+            admitted.append(seq)
+            budget -= n
+            free -= need
+            if budget <= 0:
+                break
+        self.running.extend(admitted)
+        return admitted
