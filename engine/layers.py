@@ -49,7 +49,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, arch: ModelArch, max_len: int):
         super().__init__()
         t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(arch))
+        freqs = torch.outer(t, rope_inv_freq(arch).to(t.device))  # rotary tables stay fp32
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

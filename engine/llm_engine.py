@@ -74,7 +74,7 @@ class LLMEngine:
         if sampling.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         seq = Sequence(request_id, ids, sampling,
-                       IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=sampling.skip_special_tokens),
+                       IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
                        generator=gen, arrival_time=arrival_time or time.monotonic())
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -171,6 +171,19 @@ class LLMEngine:
     def _fp16_token_bytes(self) -> int:
         """What one token costs in an fp16 cache across all layers and KV heads (K and V)."""
         return 2 * 2 * self.arch.head_dim * self.mm.heads_per_seq
+
+    def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits [V] after a prompt, through the same cache and kernels as serving (tests, eval)."""
+        from engine.model_runner import Batch
+
+        seq = Sequence("__logits__", list(prompt_token_ids), SamplingParams(temperature=0, max_tokens=1),
+                       detokenizer=None)
+        seq.slot = self.mm.alloc_slot()
+        try:
+            self.runner.execute(Batch(True, [seq]), keep_logits=True)
+            return self.runner.last_logits[0].cpu()
+        finally:
+            self.mm.free([seq.slot])
 
     # ---- stats -----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

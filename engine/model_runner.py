@@ -48,10 +48,14 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        with torch.device(self.device):
-            model = CausalLM(arch, max_model_len, pc)
-        model.to(self.dtype)
-        model.rope.to(torch.float32)  # rotary tables stay fp32
+        # Build directly on the device in the target dtype (an 8B model never exists in fp32).
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = CausalLM(arch, max_model_len, pc)
+        finally:
+            torch.set_default_dtype(prev)
         if weights is None:
             model.init_random(config.seed)
         else:
@@ -80,7 +84,8 @@ class ModelRunner:
         return MemoryManager.pages_for_bytes(shape, self.dtype, nbytes)
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> tuple[list[int], list[float] | None]:
+    def execute(self, batch: Batch, keep_logits: bool = False) -> tuple[list[int], list[float] | None]:
+        """Run one step; with keep_logits the last positions' fp32 logits stay in self.last_logits."""
         seqs, dev, mm = batch.seqs, self.device, self.mm
         if batch.is_prefill:
             ids, pos, cu = [], [], [0]
@@ -109,6 +114,7 @@ class ModelRunner:
                                       as_i32(cu) if batch.is_prefill else None)
         hidden = self.model(torch.tensor(ids, device=dev), positions.long(), self.attn)
         logits = self.model.logits(hidden[torch.tensor(last, device=dev)])
+        self.last_logits = logits if keep_logits else None
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for s, n in zip(seqs, new_lens):
             s.num_cached = n

@@ -37,7 +37,7 @@ def check_supported(fmt: PageFormat, cache_dtype: torch.dtype) -> None:
     """Only full-precision (16/16) pages exist so far; quantized pages come later."""
     if fmt.key_bits != 16 or fmt.value_bits != 16:
         raise NotImplementedError(f"page format {fmt.name}: only K16V16 pages are implemented")
-    itemsize = torch.empty((), dtype=cache_dtype).element_size()
+    itemsize = cache_dtype.itemsize
     if itemsize != fmt.full_itemsize:
         raise ValueError(f"cache dtype {cache_dtype} has {itemsize} bytes, format expects {fmt.full_itemsize}")
 

@@ -158,7 +158,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if B == 0:
         return out
     pc = pool_views(pool, cache_dtype)[0]
-    block_n = block_n or 64
+    block_n = block_n or 128  # H100: 128 tokens per iteration measured a bit faster than 64 or 32
     if max_len is None:
         max_len = page_table.shape[3] * T  # capacity bound: needs no device sync
     if num_splits is None:

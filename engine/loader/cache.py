@@ -41,6 +41,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache files are meant to be shareable
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,79 @@
+import os
+
+import pytest
+import torch
+
+from kernels.kv_write import write_kv
+from kernels.page_layout import PageFormat, page_bytes_for
+
+DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
+# A write is a cast + copy: every implementation must produce identical bytes.
+TOL = {torch.float32: 0.0, torch.float16: 0.0, torch.bfloat16: 0.0}
+DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.startswith("cuda") else [])
+T = 16
+
+
+def _setup(cache_dtype, H, D, N, num_pages=24, seed=0):
+    torch.manual_seed(seed)
+    isz = torch.empty((), dtype=cache_dtype).element_size()
+    fmt = PageFormat.make(16, 16, D, page_bytes_for(T, D, isz), isz)
+    pool = torch.empty(num_pages, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    pool.view(cache_dtype).fill_(float("nan"))  # poison: every written row must be overwritten
+    k = torch.randn(N, H, D, device=DEVICE) * 2 + 0.5
+    v = torch.randn(N, H, D, device=DEVICE) - 0.25
+    # Distinct random (page, row) destinations over shuffled pages; ~1/5 of them skipped with page -1.
+    rows = torch.randperm(num_pages * T)[: N * H].view(N, H)
+    dst_page = (rows // T).to(torch.int32)
+    dst_slot = (rows % T).to(torch.int32)
+    dst_page[torch.rand(N, H) < 0.2] = -1
+    positions = torch.randint(0, 10_000, (N,), dtype=torch.int32)
+    return fmt, pool, k, v, dst_page.to(DEVICE), dst_slot.to(DEVICE), positions.to(DEVICE)
+
+
+def _naive(pool, fmt, cache_dtype, k, v, dst_page, dst_slot, positions):
+    pc, pi, pf = pool.view(cache_dtype), pool.view(torch.int32), pool.view(torch.float32)
+    isz, D = fmt.full_itemsize, fmt.head_dim
+    for n in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            p, s = int(dst_page[n, h]), int(dst_slot[n, h])
+            if p < 0:
+                continue
+            pc[p, fmt.k_off // isz + s * D: fmt.k_off // isz + (s + 1) * D] = k[n, h].to(cache_dtype)
+            pc[p, fmt.v_off // isz + s * D: fmt.v_off // isz + (s + 1) * D] = v[n, h].to(cache_dtype)
+            pi[p, fmt.pos_off // 4 + s] = int(positions[n])
+            pf[p, fmt.score_off // 4 + s] = 0.0
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("H,D,N,in_dtype", [(3, 64, 21, torch.float32), (2, 128, 9, None), (5, 48, 7, None)])
+def test_write_kv(cache_dtype, H, D, N, in_dtype):
+    fmt, pool, k, v, dst_page, dst_slot, positions = _setup(cache_dtype, H, D, N)
+    k, v = k.to(in_dtype or cache_dtype), v.to(in_dtype or cache_dtype)
+    pools = {impl: pool.clone() for impl in ("triton", "ref", "naive")}
+    write_kv(pools["triton"], fmt, cache_dtype, k, v, dst_page, dst_slot, positions, impl="triton")
+    write_kv(pools["ref"], fmt, cache_dtype, k, v, dst_page, dst_slot, positions, impl="ref")
+    _naive(pools["naive"], fmt, cache_dtype, k, v, dst_page.cpu(), dst_slot.cpu(), positions.cpu())
+    assert TOL[cache_dtype] == 0.0
+    assert torch.equal(pools["ref"], pools["naive"]), "reference differs from the naive loop"
+    assert torch.equal(pools["triton"], pools["ref"]), "triton differs from the reference"
+    # Every written row holds finite data (the NaN poison was overwritten), untouched rows are unchanged.
+    written = pools["triton"].view(cache_dtype)[dst_page[dst_page >= 0].long()]
+    assert written.isnan().any()  # other rows of those pages still hold poison
+    isz = fmt.full_itemsize
+    ok = dst_page >= 0
+    for p, s in zip(dst_page[ok].tolist(), dst_slot[ok].tolist()):
+        row = pools["triton"].view(cache_dtype)[p, fmt.k_off // isz + s * D: fmt.k_off // isz + (s + 1) * D]
+        assert not row.isnan().any()
+    assert (pools["triton"].view(torch.float32)[dst_page[ok].long(), fmt.score_off // 4 + dst_slot[ok].long()]
+            == 0).all()
+
+
+def test_write_kv_rejects_quantized_pages():
+    fmt = PageFormat.make(8, 8, 64, page_bytes_for(T, 64, 4), 4)
+    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    k = torch.randn(1, 1, 64, device=DEVICE)
+    idx = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    pos = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for impl in ("triton", "ref"):
+        with pytest.raises(NotImplementedError):
+            write_kv(pool, fmt, torch.float32, k, k, idx, idx, pos, impl=impl)

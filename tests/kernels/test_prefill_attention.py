@@ -1,0 +1,76 @@
+import math
+import os
+
+import pytest
+import torch
+
+from kernels.prefill_attention import prefill_attention, prefill_attention_triton
+
+# The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # atol and rtol alike
+DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.startswith("cuda") else [])
+
+
+def _inputs(seqlens, Hq, Hkv, D, dtype, seed):
+    torch.manual_seed(seed)
+    N = sum(seqlens)
+    q = torch.randn(N, Hq, D, device=DEVICE).to(dtype)
+    k = (torch.randn(N, Hkv, D, device=DEVICE) * 1.5).to(dtype)  # spread scores: non-uniform softmax
+    v = (torch.randn(N, Hkv, D, device=DEVICE) + 0.3).to(dtype)
+    cu = torch.tensor([0] + seqlens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    return q, k, v, cu
+
+
+def _naive(q, k, v, cu, scale):
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    cu = cu.tolist()
+    for s, e in zip(cu[:-1], cu[1:]):
+        for h in range(q.shape[1]):
+            for i in range(s, e):
+                w = torch.softmax(k[s:i + 1, h // group] @ q[i, h] * scale, 0)
+                out[i, h] = w @ v[s:i + 1, h // group]
+    return out
+
+
+def _check(a, b, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(a.double().cpu(), b.double().cpu(), atol=tol, rtol=tol)
+
+
+CASES = [  # seqlens, Hq, Hkv, D
+    ([1, 17, 5, 70], 4, 4, 64),
+    ([33, 1, 2], 6, 2, 64),
+    ([80, 16], 8, 2, 64),
+    ([20, 3], 4, 1, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqlens,Hq,Hkv,D", CASES)
+def test_prefill_attention(dtype, seqlens, Hq, Hkv, D):
+    q, k, v, cu = _inputs(seqlens, Hq, Hkv, D, dtype, seed=len(seqlens) * 100 + Hq)
+    scale = 1 / math.sqrt(D)
+    out = torch.full_like(q, float("nan"))  # poison: every row must be written
+    prefill_attention(q, k, v, cu, max(seqlens), scale, impl="triton", out=out)
+    ref = prefill_attention(q, k, v, cu, max(seqlens), scale, impl="ref")
+    assert out.dtype == q.dtype and not out.isnan().any()
+    _check(out, ref, dtype)
+    _check(ref, _naive(q, k, v, cu, scale), dtype)
+
+
+@pytest.mark.parametrize("D", [32, 48])
+def test_prefill_small_blocks_and_odd_head_dim(D):
+    """16x16 tiles: several query blocks per sequence, diagonal and off-diagonal key blocks; D=48 is masked."""
+    dtype = DTYPES[-1]
+    q, k, v, cu = _inputs([40, 1, 16, 17], 3, 1, D, dtype, seed=D)
+    scale = 0.3
+    out = torch.full_like(q, float("nan"))
+    prefill_attention_triton(q, k, v, cu, 40, scale, block_m=16, block_n=16, out=out)
+    assert not out.isnan().any()
+    _check(out, _naive(q, k, v, cu, scale), dtype)
+    _check(prefill_attention(q, k, v, cu, 40, scale, impl="ref"), out, dtype)
