@@ -31,6 +31,8 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: Optional[int] = Field(None, ge=1, description="default: the model's context length")
     seed: int = 0
+    enforce_eager: bool = Field(False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured in a CUDA graph")
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 

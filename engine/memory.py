@@ -5,9 +5,10 @@ All state lives on the model's device:
   free_list   int32 [num_pages + 1]           circular list of free page ids (+1 trash cell for masked writes)
   counters    int64 [2]                       (start, end): pages are taken at `start`, recycled at `end`;
                                               both only grow, so free = end - start and the index is mod N
-  page_table  int32 [max_seqs, L, H, P + 1]   per (sequence slot, layer, KV head); column P is a trash cell
-  held        int32 [max_seqs, L, H]          pages each head holds (left side)
-  lengths     int32 [max_seqs, L, H]          cached tokens per head
+  page_table  int32 [max_seqs + 1, L, H, P + 1]  per (sequence slot, layer, KV head); column P is a trash
+                                              cell, row max_seqs a dummy slot for padded CUDA-graph rows
+  held        int32 [max_seqs + 1, L, H]      pages each head holds (left side)
+  lengths     int32 [max_seqs + 1, L, H]      cached tokens per head
 
 Allocation and recycling for every (sequence, layer, head) of a step are one batched operation: each
 head states its demand, an exclusive prefix sum gives each a disjoint range of the circular list, and
@@ -51,9 +52,11 @@ class MemoryManager:
         self.free_list = torch.empty(num_pages + 1, dtype=torch.int32, device=dev)
         self.free_list[:num_pages] = torch.arange(num_pages, dtype=torch.int32, device=dev)
         self.counters = torch.tensor([0, num_pages], dtype=torch.int64, device=dev)
-        self.page_table = torch.full((S, L, H, P + 1), -1, dtype=torch.int32, device=dev)
-        self.held = torch.zeros(S, L, H, dtype=torch.int32, device=dev)
-        self.lengths = torch.zeros(S, L, H, dtype=torch.int32, device=dev)
+        # Row S is a dummy slot that is never handed out: padding rows of a CUDA-graph batch point at it.
+        self.dummy_slot = S
+        self.page_table = torch.full((S + 1, L, H, P + 1), -1, dtype=torch.int32, device=dev)
+        self.held = torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)
         self._free_slots = list(range(S - 1, -1, -1))
         self._cols = torch.arange(P, device=dev, dtype=torch.int32)
 

@@ -45,13 +45,14 @@ class DecoderLayer(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         N, D = h.shape[0], self.head_dim
         x = self.input_layernorm(h)
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(N, self.num_heads, D)
-        k = k.view(N, self.num_kv_heads, D)
-        v = v.view(N, self.num_kv_heads, D)
+        qkv = self.qkv_proj(x)
+        Hq, Hk = self.num_heads, self.num_kv_heads
+        qk = qkv[:, : (Hq + Hk) * D].view(N, Hq + Hk, D)
+        v = qkv[:, (Hq + Hk) * D:].view(N, Hk, D)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+            qk = torch.cat([self.q_norm(qk[:, :Hq]), self.k_norm(qk[:, Hq:])], 1)
+        qk = rope(qk, positions)  # q and k rotate together: one set of kernels
+        q, k = qk[:, :Hq], qk[:, Hq:]
         o = attn(self.idx, q, k, v).reshape(N, self.num_heads * D)
         h = h + self.pc.all_reduce(self.o_proj(o))
         x = self.post_attention_layernorm(h)

@@ -65,6 +65,12 @@ class ModelRunner:
                            config.scheduler.max_num_seqs, max_model_len, config.cache.block_size)
         self.mm = MemoryManager(shape, self._num_pages(shape), self.dtype, self.device)
         self.attn = PagedAttention(self.mm, arch.head_dim ** -0.5)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.attn, self.mm,
+                                       min(config.max_graph_batch_size, config.scheduler.max_num_seqs), max_model_len)
         log.info("KV cache: %d pages of %d bytes (%d tokens each) on %s",
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt.tokens, self.device)
 
@@ -103,17 +109,27 @@ class ModelRunner:
             new_lens = [s.num_cached + 1 for s in seqs]
             token_slots = [s.slot for s in seqs]
             last = list(range(len(seqs)))
+            cu = []
         old_lens = [0 if batch.is_prefill else s.num_cached for s in seqs]
         max_new = max(-(-n // mm.fmt.tokens) - -(-o // mm.fmt.tokens) for n, o in zip(new_lens, old_lens))
-        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
-        slots, lens, positions = as_i32([s.slot for s in seqs]), as_i32(new_lens), as_i32(pos)
+        # One host-to-device copy for every per-step integer.
+        host = torch.tensor([*ids, *pos, *[s.slot for s in seqs], *new_lens, *token_slots, *last, *cu],
+                            dtype=torch.int64)
+        packed = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+        n_tok, B = len(ids), len(seqs)
+        input_ids, positions, slots, lens, token_slots_t, last_t, cu_t = packed.split(
+            [n_tok, n_tok, B, B, n_tok, len(last), len(cu)])
+        positions, slots, lens = positions.int(), slots.int(), lens.int()
         mm.reserve(slots, lens, max_new)
         mm.set_lengths(slots, lens)
-        dst_page, dst_row = mm.write_targets(as_i32(token_slots).long(), positions)
-        self.attn.meta = StepMetadata(batch.is_prefill, positions, dst_page, dst_row, slots, max(new_lens),
-                                      as_i32(cu) if batch.is_prefill else None)
-        hidden = self.model(torch.tensor(ids, device=dev), positions.long(), self.attn)
-        logits = self.model.logits(hidden[torch.tensor(last, device=dev)])
+        dst_page, dst_row = mm.write_targets(token_slots_t, positions)
+        if not batch.is_prefill and self.graphs is not None and B <= self.graphs.max_batch:
+            logits = self.graphs.run(input_ids, positions, slots, dst_page, dst_row)
+        else:
+            self.attn.meta = StepMetadata(batch.is_prefill, positions, dst_page, dst_row, slots, max(new_lens),
+                                          cu_t.int() if batch.is_prefill else None)
+            hidden = self.model(input_ids, positions.long(), self.attn)
+            logits = self.model.logits(hidden[last_t])
         self.last_logits = logits if keep_logits else None
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for s, n in zip(seqs, new_lens):

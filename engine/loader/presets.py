@@ -24,6 +24,14 @@ ARCH_PRESETS: dict[str, ModelArch] = {
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
         max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2, 0],
     ),
+    # A few-MB Llama-3-like shape for smoke runs of the benchmarks and fast engine tests.
+    "tiny": ModelArch(
+        architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=256),
+        max_position_embeddings=2048, eos_token_ids=[0],
+    ),
 }
 
 

@@ -1,0 +1,16 @@
+"""Benchmark scripts keep working: their --smoke modes run tiny shapes on CPU."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_decode_throughput_smoke(tmp_path):
+    out = tmp_path / "decode.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in rows)
