@@ -92,7 +92,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch, keep_logits: bool = False) -> tuple[list[int], list[float] | None]:
         """Run one step; with keep_logits the last positions' fp32 logits stay in self.last_logits."""
-        seqs, dev, mm = batch.seqs, self.device, self.mm
+        seqs = batch.seqs
         if batch.is_prefill:
             ids, pos, cu = [], [], [0]
             for s in seqs:
@@ -110,7 +110,19 @@ class ModelRunner:
             token_slots = [s.slot for s in seqs]
             last = list(range(len(seqs)))
             cu = []
-        old_lens = [0 if batch.is_prefill else s.num_cached for s in seqs]
+        if not batch.is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            logits = self.graphs.run(ids, pos, [s.slot for s in seqs], new_lens)
+        else:
+            logits = self._eager(batch.is_prefill, ids, pos, new_lens, token_slots, last, cu, seqs)
+        self.last_logits = logits if keep_logits else None
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for s, n in zip(seqs, new_lens):
+            s.num_cached = n
+        return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)
+
+    def _eager(self, is_prefill, ids, pos, new_lens, token_slots, last, cu, seqs) -> torch.Tensor:
+        dev, mm = self.device, self.mm
+        old_lens = [0 if is_prefill else s.num_cached for s in seqs]
         max_new = max(-(-n // mm.fmt.tokens) - -(-o // mm.fmt.tokens) for n, o in zip(new_lens, old_lens))
         # One host-to-device copy for every per-step integer.
         host = torch.tensor([*ids, *pos, *[s.slot for s in seqs], *new_lens, *token_slots, *last, *cu],
@@ -123,15 +135,7 @@ class ModelRunner:
         mm.reserve(slots, lens, max_new)
         mm.set_lengths(slots, lens)
         dst_page, dst_row = mm.write_targets(token_slots_t, positions)
-        if not batch.is_prefill and self.graphs is not None and B <= self.graphs.max_batch:
-            logits = self.graphs.run(input_ids, positions, slots, dst_page, dst_row)
-        else:
-            self.attn.meta = StepMetadata(batch.is_prefill, positions, dst_page, dst_row, slots, max(new_lens),
-                                          cu_t.int() if batch.is_prefill else None)
-            hidden = self.model(input_ids, positions.long(), self.attn)
-            logits = self.model.logits(hidden[last_t])
-        self.last_logits = logits if keep_logits else None
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for s, n in zip(seqs, new_lens):
-            s.num_cached = n
-        return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)
+        self.attn.meta = StepMetadata(is_prefill, positions, dst_page, dst_row, slots, max(new_lens),
+                                      cu_t.int() if is_prefill else None)
+        hidden = self.model(input_ids, positions.long(), self.attn)
+        return self.model.logits(hidden[last_t])

@@ -29,9 +29,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """logits [B, V] fp32 -> (token ids [B] int64, logprobs [B] or None), both on logits.device."""
     B = logits.shape[0]
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
     tokens = logits.argmax(-1)
-    if not bool(greedy.all()):
+    if not all(p.greedy for p in params):  # decided on the host: no device sync
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
         temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
         top_k = torch.tensor([p.top_k for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
