@@ -1,14 +1,17 @@
-"""On-device KV memory manager (DESIGN.md "Memory manager").
+"""On-device KV memory manager (DESIGN.md "Memory manager", paper §5).
 
 All state lives on the model's device:
   pool        uint8 [num_pages, page_bytes]   unified pages shared by every layer, head and precision
   free_list   int32 [num_pages + 1]           circular list of free page ids (+1 trash cell for masked writes)
   counters    int64 [2]                       (start, end): pages are taken at `start`, recycled at `end`;
                                               both only grow, so free = end - start and the index is mod N
-  page_table  int32 [max_seqs + 1, L, H, P + 1]  per (sequence slot, layer, KV head); column P is a trash
-                                              cell, row max_seqs a dummy slot for padded CUDA-graph rows
-  held        int32 [max_seqs + 1, L, H]      pages each head holds (left side)
-  lengths     int32 [max_seqs + 1, L, H]      cached tokens per head
+  page_table  int32 [max_seqs + 1, L, H, P + 1]  bidirectional, per (sequence slot, layer, KV head): high-
+                                              precision pages from the left (column c holds high tokens
+                                              [c*T_hi, (c+1)*T_hi)), low-precision pages from the right
+                                              (column P-1-c holds low tokens [c*T_lo, (c+1)*T_lo)); column P
+                                              is a trash cell, row max_seqs a dummy slot (padded graph rows)
+  held_high/held_low int32 [max_seqs + 1, L, H]  pages each side of each head holds
+  len_high/len_low   int32 [max_seqs + 1, L, H]  tokens in each section
 
 Allocation and recycling for every (sequence, layer, head) of a step are one batched operation: each
 head states its demand, an exclusive prefix sum gives each a disjoint range of the circular list, and
@@ -18,6 +21,7 @@ nothing needs a host round trip or a data-dependent shape. Host-side bookkeeping
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -34,8 +38,13 @@ class CacheShape:
     block_size: int  # tokens per full-precision page
 
 
+def _cdiv(a, b):
+    return -(-a // b)
+
+
 class MemoryManager:
-    def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device,
+                 high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None):
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the page pool needs at least one page")
         self.shape = shape
@@ -43,22 +52,41 @@ class MemoryManager:
         self.cache_dtype = cache_dtype
         itemsize = torch.tensor([], dtype=cache_dtype).element_size()
         self.page_bytes = page_bytes_for(shape.block_size, shape.head_dim, itemsize)
-        self.fmt = PageFormat.make(16, 16, shape.head_dim, self.page_bytes, itemsize)
+        self.fmt_high = PageFormat.make(*high, shape.head_dim, self.page_bytes, itemsize)
+        self.fmt_low = PageFormat.make(*low, shape.head_dim, self.page_bytes, itemsize) if low else None
+        if self.fmt_low is not None and self.fmt_low.tokens < self.fmt_high.tokens:
+            raise ValueError(f"low precision {self.fmt_low.name} must hold at least as many tokens per page as "
+                             f"high precision {self.fmt_high.name}")
         self.num_pages = num_pages
-        self.max_pages = -(-shape.max_model_len // self.fmt.tokens)
+        # A prompt reserves its all-high worst case; its low pages come out of that reservation, and rounding
+        # both sections up to whole pages can need one page more (fit_prompt_plan): admission counts it.
+        self.extra_prompt_pages = 1 if self.fmt_low is not None else 0
+        self.max_pages = _cdiv(shape.max_model_len, self.fmt_high.tokens) + self.extra_prompt_pages
         L, H, S, P = shape.num_layers, shape.num_kv_heads, shape.max_seqs, self.max_pages
         dev = self.device
         self.pool = torch.empty(num_pages, self.page_bytes, dtype=torch.uint8, device=dev)
         self.free_list = torch.empty(num_pages + 1, dtype=torch.int32, device=dev)
         self.free_list[:num_pages] = torch.arange(num_pages, dtype=torch.int32, device=dev)
         self.counters = torch.tensor([0, num_pages], dtype=torch.int64, device=dev)
-        # Row S is a dummy slot that is never handed out: padding rows of a CUDA-graph batch point at it.
         self.dummy_slot = S
         self.page_table = torch.full((S + 1, L, H, P + 1), -1, dtype=torch.int32, device=dev)
-        self.held = torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)
-        self.lengths = torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)
+        zeros = lambda: torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)  # noqa: E731
+        self.held_high, self.held_low, self.len_high, self.len_low = zeros(), zeros(), zeros(), zeros()
         self._free_slots = list(range(S - 1, -1, -1))
         self._cols = torch.arange(P, device=dev, dtype=torch.int32)
+
+    # Single-precision names used by the fp16 path and the kernels' first arguments.
+    @property
+    def fmt(self) -> PageFormat:
+        return self.fmt_high
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.len_high
+
+    @property
+    def held(self) -> torch.Tensor:
+        return self.held_high
 
     # ---- sizes -------------------------------------------------------------------------------------
     @staticmethod
@@ -71,11 +99,13 @@ class MemoryManager:
         return self.shape.num_layers * self.shape.num_kv_heads
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages one sequence of `num_tokens` tokens holds across all its (layer, head) pairs."""
-        return self.heads_per_seq * -(-num_tokens // self.fmt.tokens)
+        """Worst case (all high precision) pages of one sequence of num_tokens tokens, all heads."""
+        return self.heads_per_seq * (_cdiv(num_tokens, self.fmt_high.tokens) + self.extra_prompt_pages)
 
     def pages_to_grow(self, old_len: int, new_len: int) -> int:
         """Worst-case new pages a sequence needs to grow from old_len to new_len cached tokens."""
+        if self.fmt_low is not None:
+            return self.heads_per_seq * (new_len - old_len)  # any head may fill a page on either side
         return self.pages_for_tokens(new_len) - self.pages_for_tokens(old_len)
 
     def free_pages(self) -> int:
@@ -94,81 +124,169 @@ class MemoryManager:
         return len(self._free_slots)
 
     # ---- batched allocation ------------------------------------------------------------------------
-    def reserve(self, slots: torch.Tensor, new_lens: torch.Tensor, max_new_pages: int) -> None:
-        """Grow every (slot, layer, head) so it can hold new_lens[b] tokens, in one batched operation.
+    def grow(self, slots: torch.Tensor, need_high: torch.Tensor, need_low: torch.Tensor, max_new_pages: int) -> None:
+        """Give every (slot, layer, head) need_high more pages on its left and need_low on its right.
 
-        slots, new_lens: int32 [B] on the device. max_new_pages: host bound on any head's demand.
+        slots int [B]; need_* int [B, L, H] >= 0; max_new_pages: host bound on need_high + need_low of any head.
         """
         if max_new_pages <= 0:
             return
-        T = self.fmt.tokens
-        held = self.held[slots]  # [B, L, H]
-        need = (-(-new_lens // T)).view(-1, 1, 1) - held
-        need = need.clamp_min(0).to(torch.int32)
-        flat = need.flatten()
-        offsets = torch.cumsum(flat, 0) - flat  # exclusive prefix sum: each head's range in the list
+        P = self.max_pages
+        hh, hl = self.held_high[slots], self.held_low[slots]
+        need = (need_high + need_low).flatten()
+        offsets = torch.cumsum(need, 0) - need  # exclusive prefix sum: each head's range in the list
         j = torch.arange(max_new_pages, device=self.device, dtype=torch.int64)
-        valid = j < flat.unsqueeze(1)  # [BLH, m]
-        idx = (self.counters[0] + offsets.unsqueeze(1) + j) % self.num_pages
-        pages = self.free_list[idx]
-        cols = held.flatten().unsqueeze(1).to(torch.int64) + j
-        cols = torch.where(valid, cols, torch.full_like(cols, self.max_pages))  # invalid -> trash column
-        L, H = self.shape.num_layers, self.shape.num_kv_heads
-        rows = self.page_table[slots].view(-1, self.max_pages + 1)  # gathered copy
+        valid = j < need.unsqueeze(1)  # [BLH, m]
+        pages = self.free_list[(self.counters[0] + offsets.unsqueeze(1) + j) % self.num_pages]
+        nh = need_high.flatten().unsqueeze(1).to(torch.int64)
+        left = hh.flatten().unsqueeze(1).to(torch.int64) + j
+        right = P - 1 - hl.flatten().unsqueeze(1).to(torch.int64) - (j - nh)
+        cols = torch.where(j < nh, left, right)
+        cols = torch.where(valid, cols, torch.full_like(cols, P))  # invalid lanes -> trash column
+        rows = self.page_table[slots].view(-1, P + 1)
         rows.scatter_(1, cols, pages)
-        self.page_table[slots] = rows.view(-1, L, H, self.max_pages + 1)
-        self.held[slots] = held + need
-        self.counters[0] += flat.sum()
+        self.page_table[slots] = rows.view(self.page_table[slots].shape)
+        self.held_high[slots] = hh + need_high.to(torch.int32)
+        self.held_low[slots] = hl + need_low.to(torch.int32)
+        self.counters[0] += need.sum()
+
+    def reserve(self, slots: torch.Tensor, new_lens: torch.Tensor, max_new_pages: int) -> None:
+        """Grow every head's high side to hold new_lens[b] tokens at high precision (the prompt's worst case)."""
+        need_high = (_cdiv(new_lens, self.fmt_high.tokens).view(-1, 1, 1) - self.held_high[slots]).clamp_min(0)
+        need_high = need_high.to(torch.int32)
+        self.grow(slots, need_high, torch.zeros_like(need_high), max_new_pages)
+
+    def fit_prompt_plan(self, slots: torch.Tensor, layer: int, n_high: torch.Tensor, n_low: torch.Tensor) -> None:
+        """n_high, n_low: [B, H] section sizes one layer's heads plan for their prompt. Rounding both sections of a head up to whole pages can need one page more than its all-high
+        reservation; such heads get that page now (one batched grow), before their tokens are written."""
+        h = _cdiv(n_high, self.fmt_high.tokens)
+        lo = _cdiv(n_low, self.fmt_low.tokens)
+        extra = torch.zeros_like(self.held_high[slots])
+        extra[:, layer] = (h + lo > self.held_high[slots, layer]).to(torch.int32)
+        self.grow(slots, extra, torch.zeros_like(extra), 1)
 
     def set_lengths(self, slots: torch.Tensor, lens: torch.Tensor) -> None:
-        self.lengths[slots] = lens.view(-1, 1, 1).to(torch.int32).expand(-1, *self.lengths.shape[1:])
+        self.len_high[slots] = lens.view(-1, 1, 1).to(torch.int32).expand(-1, *self.len_high.shape[1:])
+
+    # ---- where tokens live -------------------------------------------------------------------------
+    def high_targets(self, slots: torch.Tensor, idx: torch.Tensor, layer: Optional[int] = None):
+        """Page and row of high-section index idx (-1: none). slots [B]; idx [B, L, H] or [B, H] with layer."""
+        return self._targets(slots, idx, layer, self.fmt_high.tokens, from_right=None)
+
+    def low_targets(self, slots: torch.Tensor, idx: torch.Tensor, layer: Optional[int] = None,
+                    right_of: Optional[torch.Tensor] = None):
+        """Page and row of low-section index idx. During a prompt (before finish_prompt) the low pages are
+        still inside the high reservation: pass right_of = held_high there (page c sits at column R-1-c)."""
+        return self._targets(slots, idx, layer, self.fmt_low.tokens,
+                             from_right=right_of if right_of is not None else self.max_pages)
+
+    def _targets(self, slots, idx, layer, T, from_right):
+        pt = self.page_table[slots] if layer is None else self.page_table[slots, layer]
+        col = (idx.clamp_min(0) // T).to(torch.int64)
+        if from_right is not None:
+            col = (from_right - 1 - col).clamp(0, self.max_pages)
+        page = pt.gather(-1, col.unsqueeze(-1)).squeeze(-1)
+        none = idx < 0
+        page = torch.where(none, torch.full_like(page, -1), page)
+        row = torch.where(none, torch.zeros_like(idx), idx % T).to(torch.int32)
+        return page, row
 
     def write_targets(self, token_slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page and row of each new token for every (layer, head): two int32 tensors [L, N, H]."""
-        T = self.fmt.tokens
+        """Single-precision prefill: page and row of each new token for every (layer, head), [L, N, H]."""
+        T = self.fmt_high.tokens
         cols = (positions // T).to(torch.int64)
         pages = self.page_table[token_slots, :, :, :].gather(
             3, cols.view(-1, 1, 1, 1).expand(-1, *self.page_table.shape[1:3], 1)).squeeze(3)  # [N, L, H]
         rows = (positions % T).to(torch.int32).view(-1, 1, 1).expand_as(pages)
         return pages.permute(1, 0, 2).contiguous(), rows.permute(1, 0, 2).contiguous()
 
+    def append_targets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: each head's newest high token (index len_high - 1): page and row, [L, B, H]."""
+        page, row = self.high_targets(slots, self.len_high[slots] - 1)
+        return page.permute(1, 0, 2).contiguous(), row.permute(1, 0, 2).contiguous()
+
+    # ---- prompt planning: keep what each head needs, recycle the rest ---------------------------------
+    def finish_prompt(self, slots: torch.Tensor, n_high: torch.Tensor, n_low: torch.Tensor) -> None:
+        """After a prefill that reserved all-high pages: each head keeps ceil(n_high/T_hi) high pages from
+        the left of its reservation and ceil(n_low/T_lo) low pages from its right end (moved to the right
+        side of the page table); the pages between go back to the free list in one batched recycle."""
+        P = self.max_pages
+        R = self.held_high[slots].to(torch.int64)  # [B, L, H]
+        h = _cdiv(n_high.to(torch.int64), self.fmt_high.tokens)
+        lo = _cdiv(n_low.to(torch.int64), self.fmt_low.tokens) if self.fmt_low else torch.zeros_like(h)
+        rows = self.page_table[slots][..., :P]  # [B, L, H, P] copy
+        cols = self._cols.to(torch.int64)
+        # Right side column j holds low page c = P-1-j, taken from reservation column R-1-c.
+        c = P - 1 - cols
+        src = (R.unsqueeze(-1) - 1 - c).clamp(0, P - 1)
+        low_part = rows.gather(-1, src)
+        keep_left = cols < h.unsqueeze(-1)
+        keep_right = c < lo.unsqueeze(-1)
+        new_rows = torch.where(keep_left, rows, torch.where(keep_right, low_part, torch.full_like(rows, -1)))
+        # Recycle reservation columns [h, R - lo).
+        drop = (cols >= h.unsqueeze(-1)) & (cols < (R - lo).unsqueeze(-1))
+        self._recycle(rows.view(-1, P), drop.view(-1, P))
+        full = self.page_table[slots]
+        full[..., :P] = new_rows
+        self.page_table[slots] = full
+        self.held_high[slots] = h.to(torch.int32)
+        self.held_low[slots] = lo.to(torch.int32)
+        self.len_high[slots] = n_high.to(torch.int32)
+        self.len_low[slots] = n_low.to(torch.int32)
+
     # ---- batched recycling -------------------------------------------------------------------------
+    def _recycle(self, pages: torch.Tensor, mask: torch.Tensor) -> None:
+        """Append pages[mask] ([rows, P]) to the free list: prefix sum over rows, in-row order by column."""
+        count = mask.sum(1)
+        offsets = torch.cumsum(count, 0) - count
+        within = torch.cumsum(mask.to(torch.int64), 1) - 1
+        idx = (self.counters[1] + offsets.unsqueeze(1) + within) % self.num_pages
+        idx = torch.where(mask, idx, torch.full_like(idx, self.num_pages))  # masked -> trash cell
+        self.free_list.scatter_(0, idx.flatten(), pages.flatten())
+        self.counters[1] += count.sum()
+
     def free(self, slots: list[int]) -> None:
         """Return every page of these sequence slots to the free list and release the slots."""
         if not slots:
             return
+        P = self.max_pages
         s = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        held = self.held[s].flatten()  # [BLH]
-        offsets = torch.cumsum(held, 0) - held
-        valid = self._cols.unsqueeze(0) < held.unsqueeze(1)  # [BLH, P]
-        pages = self.page_table[s][..., : self.max_pages].reshape(-1, self.max_pages)
-        idx = (self.counters[1] + offsets.unsqueeze(1) + self._cols) % self.num_pages
-        idx = torch.where(valid, idx, torch.full_like(idx, self.num_pages))  # invalid -> trash cell
-        self.free_list.scatter_(0, idx.flatten(), pages.flatten())
-        self.counters[1] += held.sum()
+        hh = self.held_high[s].flatten().unsqueeze(1)
+        hl = self.held_low[s].flatten().unsqueeze(1)
+        mask = (self._cols.unsqueeze(0) < hh) | (self._cols.unsqueeze(0) >= P - hl)
+        self._recycle(self.page_table[s][..., :P].reshape(-1, P), mask)
         self.page_table[s] = -1
-        self.held[s] = 0
-        self.lengths[s] = 0
+        for t in (self.held_high, self.held_low, self.len_high, self.len_low):
+            t[s] = 0
         self._free_slots.extend(slots)
 
     # ---- invariant (tests) ---------------------------------------------------------------------------
+    def held_page_ids(self) -> list[int]:
+        P = self.max_pages
+        pt = self.page_table.cpu()[..., :P]
+        cols = torch.arange(P).view(1, 1, 1, -1)
+        mask = (cols < self.held_high.cpu().unsqueeze(-1)) | (cols >= P - self.held_low.cpu().unsqueeze(-1))
+        return pt[mask].tolist()
+
     def check_invariants(self, live_slots: list[int] | None = None) -> None:
-        """Every page is either free exactly once or held by exactly one (slot, layer, head, column)."""
+        """Every page is either free exactly once or held by exactly one (slot, layer, head, column), and
+        every section fits in the pages its side holds."""
         start, end = self.counters.tolist()
         n = self.num_pages
         assert 0 <= end - start <= n, f"free count {end - start} outside [0, {n}]"
         fl = self.free_list[:n].cpu()
         free_ids = [int(fl[(start + i) % n]) for i in range(end - start)]
-        held = self.held.cpu()
-        pt = self.page_table.cpu()[..., : self.max_pages]
-        mask = torch.arange(self.max_pages).view(1, 1, 1, -1) < held.unsqueeze(-1)
-        used_ids = pt[mask].tolist()
+        used_ids = self.held_page_ids()
         assert all(0 <= p < n for p in used_ids), "page table points outside the pool"
         seen = free_ids + used_ids
         assert len(seen) == n and len(set(seen)) == n, (
             f"pages lost or duplicated: {len(free_ids)} free + {len(used_ids)} held, "
             f"{len(set(seen))} distinct of {n}")
         assert not set(free_ids) & set(used_ids), "a page table points at a free page"
+        assert bool((self.held_high + self.held_low <= self.max_pages).all()), "page table sides overlap"
+        assert bool((self.len_high <= self.held_high * self.fmt_high.tokens).all()), "high section overflows"
+        if self.fmt_low is not None:
+            assert bool((self.len_low <= self.held_low * self.fmt_low.tokens).all()), "low section overflows"
         if live_slots is not None:
             busy = set(range(self.shape.max_seqs)) - set(self._free_slots)
             assert busy == set(live_slots), f"slots in use {sorted(busy)} != live sequences {sorted(live_slots)}"

@@ -33,13 +33,28 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def check_supported(fmt: PageFormat, cache_dtype: torch.dtype) -> None:
-    """Only full-precision (16/16) pages exist so far; quantized pages come later."""
-    if fmt.key_bits != 16 or fmt.value_bits != 16:
-        raise NotImplementedError(f"page format {fmt.name}: only K16V16 pages are implemented")
+def check_supported(fmt: PageFormat, cache_dtype: torch.dtype, for_triton: bool = False) -> None:
+    """Any precision of {16, 8, 4, 2} bits for keys and values; 16 bits = the cache dtype.
+
+    Quantized sides need head_dim divisible by 8 // bits (planar packing); the Triton kernels also need a
+    power-of-two head_dim >= 16 for them (a packed row unpacks by a reshape, without padding).
+    """
+    from kernels.quant import check_quant_dims
+
     itemsize = cache_dtype.itemsize
     if itemsize != fmt.full_itemsize:
         raise ValueError(f"cache dtype {cache_dtype} has {itemsize} bytes, format expects {fmt.full_itemsize}")
+    D = fmt.head_dim
+    for bits in (fmt.key_bits, fmt.value_bits):
+        if bits == 16:
+            continue
+        check_quant_dims(bits, D)
+        if for_triton and (D < 16 or D & (D - 1)):
+            raise ValueError(f"{fmt.name}: the Triton kernels need a power-of-two head_dim >= 16, got {D}")
+
+
+def is_full(fmt: PageFormat) -> bool:
+    return fmt.key_bits == 16 and fmt.value_bits == 16
 
 
 def pool_views(pool: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,152 @@
+"""DiffKV token quantization: asymmetric min-max per token and KV head, planar bit packing.
+
+For b < 16 bits a row x[D] becomes
+    zero  = fp16(min(x))
+    scale = fp16(max((max(x) - min(x)) / (2^b - 1), 2^-24))      (never 0: a constant row decodes to zero)
+    q[d]  = clamp(floor((x[d] - zero) / scale + 0.5), 0, 2^b - 1)  (fp32 math on the fp16-rounded scale/zero)
+    x'[d] = q[d] * scale + zero
+floor(y + 0.5) (not round-half-even) so torch and Triton agree bit for bit; the division is correctly rounded
+in both (tl.math.div_rn).
+
+Planar packing of one row into D*b/8 bytes: r = 8 // b values per byte, element d goes to byte d % (D/r) at
+bit offset (d // (D/r)) * b. Byte j holds elements j, j + D/r, j + 2D/r, ...: shifting every byte of a row by
+p*b yields the contiguous plane p (elements p*D/r .. (p+1)*D/r - 1), so a kernel unpacks a [N, D/r] byte tile
+into [N, r, D/r] and reshapes it to [N, D] without any interleaving.
+
+The meta row of a token is [scale fp16, zero fp16] (4 bytes). 16 bits means the unquantized cache dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_BITS = (8, 4, 2)
+MIN_SCALE = 2.0 ** -24  # smallest positive fp16 (subnormal): keeps scale > 0 after the fp16 rounding
+
+
+def row_bytes(bits: int, head_dim: int, full_itemsize: int) -> int:
+    """Bytes of one token's row in a data segment (keys or values) of `bits` precision."""
+    if bits == 16:
+        return head_dim * full_itemsize
+    check_quant_dims(bits, head_dim)
+    return head_dim * bits // 8
+
+
+def check_quant_dims(bits: int, head_dim: int) -> None:
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits={bits}: quantized precisions are {QUANT_BITS}")
+    if head_dim % (8 // bits):
+        raise ValueError(f"head_dim={head_dim} is not a multiple of {8 // bits} ({bits}-bit planar packing)")
+
+
+# ----------------------------------------------------------------------------------------------- torch
+
+def quantize_ref(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (packed uint8 [..., D*bits/8], scale fp16 [...], zero fp16 [...])."""
+    D = x.shape[-1]
+    check_quant_dims(bits, D)
+    qmax = (1 << bits) - 1
+    x = x.float()
+    mn, mx = x.amin(-1), x.amax(-1)
+    scale16 = ((mx - mn) / qmax).clamp_min(MIN_SCALE).half()
+    zero16 = mn.half()
+    y = (x - zero16.float()[..., None]) / scale16.float()[..., None]
+    q = torch.floor(y + 0.5).clamp(0, qmax).to(torch.int32)
+    r = 8 // bits
+    planes = q.unflatten(-1, (r, D // r))  # [..., r, D/r]: plane p = elements p*D/r ...
+    shifts = torch.arange(r, dtype=torch.int32, device=x.device) * bits
+    packed = (planes << shifts[:, None]).sum(-2)  # disjoint bits: the sum is a bitwise or
+    return packed.to(torch.uint8), scale16, zero16
+
+
+def unpack_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """packed uint8 [..., D*bits/8] -> integer codes int32 [..., D] (planar order undone)."""
+    r = 8 // bits
+    shifts = torch.arange(r, dtype=torch.int32, device=packed.device) * bits
+    q = (packed.to(torch.int32)[..., None, :] >> shifts[:, None]) & ((1 << bits) - 1)  # [..., r, D/r]
+    return q.flatten(-2)
+
+
+def dequantize_ref(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                   head_dim: int) -> torch.Tensor:
+    """Inverse of quantize_ref: float32 [..., head_dim] = q * scale + zero."""
+    assert packed.shape[-1] * 8 // bits == head_dim, (packed.shape, bits, head_dim)
+    q = unpack_ref(packed, bits).float()
+    return q * scale.float()[..., None] + zero.float()[..., None]
+
+
+# ------------------------------------------------------------------------------------- page helpers
+
+def _segment(pool: torch.Tensor, off: int, tokens: int, width_bytes: int) -> torch.Tensor:
+    """uint8 view [num_pages, tokens, width_bytes] of a page segment starting at byte `off`."""
+    return pool[:, off: off + tokens * width_bytes].unflatten(1, (tokens, width_bytes))
+
+
+def read_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str, pages: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """Dequantized keys (which='k') or values ('v') float32 [..., D] of rows `rows` of pages `pages` (long)."""
+    bits = fmt.key_bits if which == "k" else fmt.value_bits
+    off = fmt.k_off if which == "k" else fmt.v_off
+    D, T = fmt.head_dim, fmt.tokens
+    if bits == 16:
+        seg = _segment(pool, off, T, D * fmt.full_itemsize).view(cache_dtype)  # [P, T, D]
+        return seg[pages, rows].float()
+    meta_off = fmt.k_meta_off if which == "k" else fmt.v_meta_off
+    data = _segment(pool, off, T, D * bits // 8)[pages, rows]
+    meta = _segment(pool, meta_off, T, 4).view(torch.float16)[pages, rows]  # [..., 2] scale, zero
+    return dequantize_ref(data, meta[..., 0], meta[..., 1], bits, D)
+
+
+def write_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str, pages: torch.Tensor,
+                   rows: torch.Tensor, x: torch.Tensor) -> None:
+    """Store x [M, D] (any float dtype) into rows (pages [M], rows [M], long) in the page's precision."""
+    bits = fmt.key_bits if which == "k" else fmt.value_bits
+    off = fmt.k_off if which == "k" else fmt.v_off
+    D, T = fmt.head_dim, fmt.tokens
+    if bits == 16:
+        seg = _segment(pool, off, T, D * fmt.full_itemsize).view(cache_dtype)
+        seg[pages, rows] = x.to(cache_dtype)
+        return
+    meta_off = fmt.k_meta_off if which == "k" else fmt.v_meta_off
+    packed, scale, zero = quantize_ref(x, bits)
+    _segment(pool, off, T, D * bits // 8)[pages, rows] = packed
+    _segment(pool, meta_off, T, 4).view(torch.float16)[pages, rows] = torch.stack([scale, zero], -1)
+
+
+# ---------------------------------------------------------------------------------------------- triton
+
+@triton.jit
+def unpack_tile(packed, BITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """packed bytes [BLOCK_M, D*BITS/8] (any int type) -> codes int32 [BLOCK_M, D] in element order."""
+    R: tl.constexpr = 8 // BITS
+    DR: tl.constexpr = D // R
+    b = packed.to(tl.int32) & 0xFF
+    if R == 1:
+        return b
+    else:
+        plane = tl.arange(0, R)
+        q = (b[:, None, :] >> (plane[None, :, None] * BITS)) & ((1 << BITS) - 1)  # [M, R, D/R]
+        return tl.reshape(q, (BLOCK_M, D))
+
+
+@triton.jit
+def quantize_tile(x, BITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """x float32 [BLOCK_M, D] (D a power of two, no padding) -> (packed int32 [BLOCK_M, D*BITS/8] holding
+    byte values, scale fp16 [BLOCK_M], zero fp16 [BLOCK_M]); bit-identical to quantize_ref."""
+    R: tl.constexpr = 8 // BITS
+    DR: tl.constexpr = D // R
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    mn = tl.min(x, 1)
+    mx = tl.max(x, 1)
+    scale16 = tl.maximum(tl.math.div_rn(mx - mn, tl.full([BLOCK_M], QMAX, tl.float32)), 5.9604644775390625e-08)
+    scale16 = scale16.to(tl.float16)
+    zero16 = mn.to(tl.float16)
+    y = tl.math.div_rn(x - zero16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None])
+    q = tl.minimum(tl.maximum(tl.floor(y + 0.5), 0.0), QMAX).to(tl.int32)
+    if R == 1:
+        packed = q
+    else:
+        plane = tl.arange(0, R)
+        packed = tl.sum(tl.reshape(q, (BLOCK_M, R, DR)) << (plane[None, :, None] * BITS), 1)
+    return packed, scale16, zero16
