@@ -1,5 +1,6 @@
-"""Attention over the paged KV cache for one engine step: writes the step's K/V into their pages, then
-runs the prefill kernel (fresh prompts) or the paged decode kernel (one new token per sequence)."""
+"""Attention over the paged KV cache for one engine step: the layer's K/V go into their pages (quantized
+and placed by the KV cache's policy), then the prefill kernel (fresh prompts) or the paged decode kernel
+(one new token per sequence) computes the output."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,9 +8,7 @@ from typing import Optional
 
 import torch
 
-from engine.memory import MemoryManager
-from kernels.decode_attention import paged_decode_attention
-from kernels.kv_write import write_kv
+from engine.kv_cache import KVCache, PrefillInfo
 from kernels.prefill_attention import prefill_attention
 
 
@@ -22,20 +21,21 @@ class StepMetadata:
     slots: torch.Tensor  # int32 [B]
     max_len: int  # longest sequence in the step (host value: no device sync in the kernels)
     cu_seqlens: Optional[torch.Tensor] = None  # int32 [B + 1], prefill only
+    prefill: Optional[PrefillInfo] = None  # diffkv prefill only
 
 
 class PagedAttention:
-    def __init__(self, mm: MemoryManager, scale: float):
-        self.mm = mm
+    def __init__(self, kv: KVCache, scale: float):
+        self.kv = kv
         self.scale = scale
         self.meta: Optional[StepMetadata] = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        m, mm = self.meta, self.mm
-        write_kv(mm.pool, mm.fmt, mm.cache_dtype, k, v, m.dst_page[layer], m.dst_row[layer], m.positions)
+        m = self.meta
         if m.is_prefill:
+            self.kv.prefill_write(layer, q, k, v, m.positions, m.dst_page, m.dst_row, self.scale, m.prefill)
             # With recompute-preemption and no prefix sharing a prefill always starts from an empty cache,
-            # so it attends over the fresh K/V alone.
+            # so it attends over the fresh (unquantized) K/V alone.
             return prefill_attention(q, k, v, m.cu_seqlens, m.max_len, self.scale)
-        return paged_decode_attention(q, mm.pool, mm.fmt, mm.cache_dtype, mm.page_table, mm.lengths,
-                                      m.slots, layer, self.scale, max_len=m.max_len)
+        return self.kv.decode_attend(layer, q, k, v, m.positions, m.dst_page, m.dst_row, m.slots, self.scale,
+                                     m.max_len)

@@ -1,21 +1,51 @@
 """Typed engine configuration: one place defines each name and its default."""
 from __future__ import annotations
 
+import re
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-KVMode = Literal["fp16"]  # later issues add int8 / int4 / diffkv through the same pages
+KVMode = Literal["fp16", "int8", "int4", "diffkv"]
+
+
+def parse_precision(text: str, field: str = "precision") -> tuple[int, int]:
+    """'K8V4' -> (8, 4); bits from {16, 8, 4, 2}."""
+    m = re.fullmatch(r"[Kk](\d+)[Vv](\d+)", text.strip())
+    if not m or int(m[1]) not in (16, 8, 4, 2) or int(m[2]) not in (16, 8, 4, 2):
+        raise ValueError(f"{field}={text!r}: write a precision as K<bits>V<bits> with bits in 16, 8, 4, 2 (e.g. K8V4)")
+    return int(m[1]), int(m[2])
 
 
 class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kv_mode: KVMode = "fp16"
+    kv_mode: KVMode = Field("fp16", description="fp16 (16-bit cache), int8 (K8V8), int4 (K4V4) or diffkv")
     block_size: int = Field(16, ge=1, description="tokens of a full-precision page; page bytes follow from it")
     num_pages: Optional[int] = Field(None, ge=1, description="fixed pool size; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: Optional[float] = Field(
         None, gt=0, description="bytes for the page pool; default: 0.5 GiB on CPU, gpu_memory_utilization on CUDA")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    # diffkv only (paper defaults, Llama-3 calibration, until `diffkv calibrate` writes per-model values)
+    high: str = Field("K8V4", description="precision of significant tokens")
+    low: str = Field("K4V2", description="precision of moderately significant tokens")
+    alpha_high: float = Field(1.0, ge=0, description="token kept high if significance >= alpha_high / position")
+    alpha_low: float = Field(0.02, ge=0, description="token kept low if significance >= alpha_low / position")
+    window: int = Field(64, ge=1, description="most recent tokens always kept at high precision")
+    significance_queries: int = Field(64, ge=1, description="last prompt queries whose attention scores tokens")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CacheConfig":
+        parse_precision(self.high, "high")
+        parse_precision(self.low, "low")
+        if self.alpha_low > self.alpha_high:
+            raise ValueError(f"alpha_low={self.alpha_low} must not exceed alpha_high={self.alpha_high}")
+        return self
+
+    def precisions(self) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
+        """(high, low) page precisions of this mode; low is None for single-precision modes."""
+        if self.kv_mode == "diffkv":
+            return parse_precision(self.high, "high"), parse_precision(self.low, "low")
+        return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4)}[self.kv_mode], None
 
 
 class SchedulerConfig(BaseModel):

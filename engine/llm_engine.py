@@ -44,7 +44,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None] = None,
                     sampling: Optional[SamplingParams] = None, prompt_token_ids: Optional[list[int]] = None,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None, kv_compression: Optional[dict] = None) -> None:
         """Queue a request. Bad input raises InvalidRequestError (naming the field) and changes nothing."""
         sampling = sampling or SamplingParams()
         if request_id in self.requests:
@@ -70,14 +70,37 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens needs more KV pages than the whole cache holds "
                 f"({self.mm.num_pages}); raise the KV cache size", "prompt")
+        alphas = self._check_kv_compression(kv_compression)
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         seq = Sequence(request_id, ids, sampling,
                        IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
                        generator=gen, arrival_time=arrival_time or time.monotonic())
+        seq.alpha_high, seq.alpha_low = alphas
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_kv_compression(self, kv: Optional[dict]) -> tuple[Optional[float], Optional[float]]:
+        """Per-request DiffKV thresholds {"alpha_high", "alpha_low"}; both optional, both >= 0."""
+        if not kv:
+            return None, None
+        if not isinstance(kv, dict) or set(kv) - {"alpha_high", "alpha_low"}:
+            raise InvalidRequestError("kv_compression accepts only 'alpha_high' and 'alpha_low'", "kv_compression")
+        cc = self.config.cache
+        vals = []
+        for name in ("alpha_high", "alpha_low"):
+            v = kv.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise InvalidRequestError(f"kv_compression.{name} must be a number >= 0, got {v!r}",
+                                          f"kv_compression.{name}")
+            vals.append(None if v is None else float(v))
+        ah = vals[0] if vals[0] is not None else cc.alpha_high
+        al = vals[1] if vals[1] is not None else cc.alpha_low
+        if al > ah:
+            raise InvalidRequestError(f"kv_compression.alpha_low ({al}) must not exceed alpha_high ({ah})",
+                                      "kv_compression.alpha_low")
+        return vals[0], vals[1]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages. Returns False if it is unknown or already finished."""
@@ -160,13 +183,17 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.text[:visible],
                              new_ids, delta, seq.finished, seq.finish_reason,
                              list(seq.output_logprobs) if seq.params.logprobs else None,
-                             seq.arrival_time, seq.first_token_time, seq.finish_time, seq.kv_usage)
+                             seq.arrival_time, seq.first_token_time, seq.finish_time, seq.kv_usage,
+                             list(seq.teacher_agree) if seq.params.teacher_tokens is not None else None)
 
     def kv_usage(self, seq: Sequence) -> dict[str, int]:
         """KV memory one running sequence holds now (one device read)."""
-        pages = int(self.mm.held[seq.slot].sum())
-        return {"pages_used": pages, "bytes_used": pages * self.mm.page_bytes,
-                "bytes_fp16": seq.num_cached * self._fp16_token_bytes(), "tokens": seq.num_cached}
+        mm = self.mm
+        pages, hi, lo = torch.stack([(mm.held_high[seq.slot] + mm.held_low[seq.slot]).sum(),
+                                     mm.len_high[seq.slot].sum(), mm.len_low[seq.slot].sum()]).tolist()
+        return {"pages_used": pages, "bytes_used": pages * mm.page_bytes,
+                "bytes_fp16": seq.num_cached * self._fp16_token_bytes(), "tokens": seq.num_cached,
+                "tokens_high": hi, "tokens_low": lo, "tokens_pruned": seq.num_cached * mm.heads_per_seq - hi - lo}
 
     def _fp16_token_bytes(self) -> int:
         """What one token costs in an fp16 cache across all layers and KV heads (K and V)."""
@@ -190,9 +217,12 @@ class LLMEngine:
         mm = self.mm
         free = mm.free_pages()
         used = mm.num_pages - free
-        cached = sum(s.num_cached for s in self.scheduler.running)
+        running = self.scheduler.running
+        cached = sum(s.num_cached for s in running)
+        bytes_fp16 = cached * self._fp16_token_bytes()
         return {
-            "num_running": len(self.scheduler.running),
+            "kv_mode": self.config.cache.kv_mode,
+            "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": self._num_generated,
@@ -200,7 +230,10 @@ class LLMEngine:
             "pages_used": used,
             "page_bytes": mm.page_bytes,
             "bytes_used": used * mm.page_bytes,
-            "bytes_fp16": cached * self._fp16_token_bytes(),
+            "bytes_fp16": bytes_fp16,
+            "compression_ratio": (bytes_fp16 / (used * mm.page_bytes)) if used else None,
             "cached_tokens": cached,
+            **self.runner.kv.token_counts([s.slot for s in running if s.slot is not None], cached),
             "last_step_seconds": self._last_step_time,
+            "last_mm_seconds": self.runner.kv.mm_seconds(),
         }

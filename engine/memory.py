@@ -113,6 +113,10 @@ class MemoryManager:
         start, end = self.counters.tolist()
         return end - start
 
+    def pages_held(self, slot: int) -> int:
+        """Pages one sequence holds on both sides of all its heads (one device read)."""
+        return int((self.held_high[slot] + self.held_low[slot]).sum())
+
     # ---- slots (host side, O(requests)) --------------------------------------------------------------
     def alloc_slot(self) -> int:
         if not self._free_slots:

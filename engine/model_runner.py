@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import PagedAttention, StepMetadata
 from engine.config import EngineConfig
+from engine.kv_cache import KVCache, PrefillInfo
 from engine.memory import CacheShape, MemoryManager
 from engine.model import CausalLM
 from engine.model_config import ModelArch
@@ -63,16 +64,19 @@ class ModelRunner:
         self.model = model.eval()
         shape = CacheShape(arch.num_layers, arch.num_kv_heads // pc.world_size, arch.head_dim,
                            config.scheduler.max_num_seqs, max_model_len, config.cache.block_size)
-        self.mm = MemoryManager(shape, self._num_pages(shape), self.dtype, self.device)
-        self.attn = PagedAttention(self.mm, arch.head_dim ** -0.5)
+        self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
+                          arch.num_heads // pc.world_size)
+        self.mm = self.kv.mm
+        self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
+        self.max_model_len = max_model_len
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.attn, self.mm,
+            self.graphs = DecodeGraphs(self.model, self.attn,
                                        min(config.max_graph_batch_size, config.scheduler.max_num_seqs), max_model_len)
-        log.info("KV cache: %d pages of %d bytes (%d tokens each) on %s",
-                 self.mm.num_pages, self.mm.page_bytes, self.mm.fmt.tokens, self.device)
+        log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.kv_mode,
+                 self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
     def _num_pages(self, shape: CacheShape) -> int:
         cc = self.config.cache
@@ -89,53 +93,97 @@ class ModelRunner:
             nbytes = 0.5 * 2**30
         return MemoryManager.pages_for_bytes(shape, self.dtype, nbytes)
 
+    def _to_device(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Several int lists in one host-to-device copy (int64)."""
+        host = torch.tensor([x for r in rows for x in r], dtype=torch.int64)
+        packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        return list(packed.split([len(r) for r in rows]))
+
+    def _alphas(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = self.config.cache
+        a = torch.tensor([[s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
+                          [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs]],
+                         dtype=torch.float32)
+        a = a.to(self.device, non_blocking=True)
+        return a[0], a[1]
+
     @torch.inference_mode()
     def execute(self, batch: Batch, keep_logits: bool = False) -> tuple[list[int], list[float] | None]:
         """Run one step; with keep_logits the last positions' fp32 logits stay in self.last_logits."""
         seqs = batch.seqs
-        if batch.is_prefill:
-            ids, pos, cu = [], [], [0]
-            for s in seqs:
-                toks = s.all_token_ids  # recompute after preemption re-reads the outputs too
-                ids.extend(toks)
-                pos.extend(range(len(toks)))
-                cu.append(cu[-1] + len(toks))
-            new_lens = [s.num_tokens for s in seqs]
-            token_slots = [s.slot for s in seqs for _ in range(s.num_tokens)]
-            last = [c - 1 for c in cu[1:]]
-        else:
-            ids = [s.all_token_ids[-1] for s in seqs]
-            pos = [s.num_cached for s in seqs]
-            new_lens = [s.num_cached + 1 for s in seqs]
-            token_slots = [s.slot for s in seqs]
-            last = list(range(len(seqs)))
-            cu = []
-        if not batch.is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.run(ids, pos, [s.slot for s in seqs], new_lens)
-        else:
-            logits = self._eager(batch.is_prefill, ids, pos, new_lens, token_slots, last, cu, seqs)
+        logits = self._prefill(seqs) if batch.is_prefill else self._decode(seqs)
         self.last_logits = logits if keep_logits else None
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for s, n in zip(seqs, new_lens):
-            s.num_cached = n
+        params = [s.params for s in seqs]
+        forced = [_teacher_token(s) for s in seqs]
+        if any(t is not None for t in forced):
+            # Teacher forcing: emit the given token, remember whether the greedy choice agreed.
+            top1 = logits.argmax(-1).tolist()
+            for s, t, a in zip(seqs, forced, top1):
+                if t is not None:
+                    s.teacher_agree.append(t == a)
+            tokens = torch.tensor([a if t is None else t for t, a in zip(forced, top1)], device=logits.device)
+            greedy_only = all(p.greedy or t is not None for p, t in zip(params, forced))
+            if not greedy_only:
+                sampled, _ = sample(logits, params, [s.generator for s in seqs])
+                tokens = torch.where(torch.tensor([t is None for t in forced], device=logits.device), sampled, tokens)
+            logprobs = None
+            if any(p.logprobs for p in params):
+                logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        else:
+            tokens, logprobs = sample(logits, params, [s.generator for s in seqs])
+        for s in seqs:
+            s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
         return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)
 
-    def _eager(self, is_prefill, ids, pos, new_lens, token_slots, last, cu, seqs) -> torch.Tensor:
-        dev, mm = self.device, self.mm
-        old_lens = [0 if is_prefill else s.num_cached for s in seqs]
-        max_new = max(-(-n // mm.fmt.tokens) - -(-o // mm.fmt.tokens) for n, o in zip(new_lens, old_lens))
-        # One host-to-device copy for every per-step integer.
-        host = torch.tensor([*ids, *pos, *[s.slot for s in seqs], *new_lens, *token_slots, *last, *cu],
-                            dtype=torch.int64)
-        packed = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
-        n_tok, B = len(ids), len(seqs)
-        input_ids, positions, slots, lens, token_slots_t, last_t, cu_t = packed.split(
-            [n_tok, n_tok, B, B, n_tok, len(last), len(cu)])
-        positions, slots, lens = positions.int(), slots.int(), lens.int()
-        mm.reserve(slots, lens, max_new)
-        mm.set_lengths(slots, lens)
-        dst_page, dst_row = mm.write_targets(token_slots_t, positions)
-        self.attn.meta = StepMetadata(is_prefill, positions, dst_page, dst_row, slots, max(new_lens),
-                                      cu_t.int() if is_prefill else None)
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        mm = self.mm
+        ids, pos, cu, seq_of_token, len_of_token = [], [], [0], [], []
+        for i, s in enumerate(seqs):
+            toks = s.all_token_ids  # recompute after preemption re-reads the outputs too
+            ids.extend(toks)
+            pos.extend(range(len(toks)))
+            cu.append(cu[-1] + len(toks))
+            seq_of_token.extend([i] * len(toks))
+            len_of_token.extend([len(toks)] * len(toks))
+        lens = [s.num_tokens for s in seqs]
+        token_slots = [s.slot for s in seqs for _ in range(s.num_tokens)]
+        input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t = self._to_device(
+            [ids, pos, [s.slot for s in seqs], lens, token_slots, cu, seq_of_token, len_of_token])
+        positions, slots, lens_t, cu_t = positions.int(), slots.int(), lens_t.int(), cu_t.int()
+        mm.reserve(slots, lens_t, max(-(-n // mm.fmt_high.tokens) for n in lens))
+        info = None
+        if self.kv.diffkv:
+            B, L, H = len(seqs), mm.shape.num_layers, mm.shape.num_kv_heads
+            ah, al = self._alphas(seqs)
+            zeros = lambda: torch.zeros(B, L, H, dtype=torch.int32, device=self.device)  # noqa: E731
+            info = PrefillInfo(slots, token_slots_t, seq_t, len_t.int(), cu_t, ah[seq_t], al[seq_t], zeros(), zeros())
+            dst_page = dst_row = None  # each layer's policy decides where its tokens go
+        else:
+            mm.set_lengths(slots, lens_t)
+            dst_page, dst_row = mm.write_targets(token_slots_t, positions)
+        self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max(lens), cu_t, info)
         hidden = self.model(input_ids, positions.long(), self.attn)
-        return self.model.logits(hidden[last_t])
+        self.kv.finish_prefill(info)
+        return self.model.logits(hidden[cu_t[1:].long() - 1])
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        input_ids, positions, slots, seq_len, prompt_len = self._to_device(
+            [[s.all_token_ids[-1] for s in seqs], [s.num_cached for s in seqs], [s.slot for s in seqs],
+             [s.num_cached + 1 for s in seqs], [len(s.prompt_token_ids) for s in seqs]])
+        positions, slots = positions.int(), slots.int()
+        if self.kv.diffkv:
+            ah, al = self._alphas(seqs)
+        else:
+            ah = al = None
+        dst_page, dst_row = self.kv.prepare_decode(slots, seq_len.int(), prompt_len.int(), ah, al)
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            return self.graphs.run(input_ids, positions, slots, dst_page, dst_row)
+        max_len = max(s.num_cached + 1 for s in seqs)
+        self.attn.meta = StepMetadata(False, positions, dst_page, dst_row, slots, max_len)
+        return self.model.logits(self.model(input_ids, positions.long(), self.attn))
+
+
+def _teacher_token(seq: Sequence):
+    t = seq.params.teacher_tokens
+    n = len(seq.output_token_ids)
+    return t[n] if t is not None and n < len(t) else None

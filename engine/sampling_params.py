@@ -20,6 +20,9 @@ class SamplingParams:
     logprobs: bool = False  # log-probability of each chosen token (under the unmodified distribution)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Evaluation: emit these tokens instead of sampling (teacher forcing); the output records whether the
+    # model's own greedy choice agreed and, with logprobs, the log-probability of each forced token.
+    teacher_tokens: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +41,10 @@ class SamplingParams:
             raise InvalidRequestError("stop must be non-empty strings", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.teacher_tokens is not None:
+            self.teacher_tokens = list(self.teacher_tokens)
+            if any(not isinstance(t, int) or t < 0 for t in self.teacher_tokens):
+                raise InvalidRequestError("teacher_tokens must be non-negative integers", "teacher_tokens")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidRequestError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
 

@@ -66,15 +66,22 @@ class Scheduler:
                 # Alone and still out of pages: the pool cannot hold this sequence any longer.
                 stuck.append(self.running.pop())
                 break
-            victim = self.running.pop()  # latest admitted goes first (FCFS keeps the oldest running)
-            free += self.mm.pages_for_tokens(victim.num_cached)
-            self._release(victim)
-            victim.status = Status.WAITING
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.appendleft(victim)
-            log.debug("preempted %s (recompute)", victim.request_id)
+            free += self.preempt_last()
         return (Batch(False, list(self.running)) if self.running else None), stuck
+
+    def preempt_last(self) -> int:
+        """Preempt the latest admitted running sequence (recompute later); returns the pages it held."""
+        if not self.running:
+            return 0
+        victim = self.running.pop()  # latest admitted goes first (FCFS keeps the oldest running)
+        pages = self.mm.pages_held(victim.slot)
+        self._release(victim)
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        log.debug("preempted %s (recompute)", victim.request_id)
+        return pages
 
     def _admit(self, free: int) -> list[Sequence]:
         """FCFS prompts that fit the token budget, the slots and the pages (worst case), in order."""

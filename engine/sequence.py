@@ -38,6 +38,9 @@ class Sequence:
     finish_time: Optional[float] = None
     num_preemptions: int = 0
     kv_usage: Optional[dict] = None  # KV memory held at finish (engine.kv_usage)
+    teacher_agree: list[bool] = field(default_factory=list)  # teacher forcing: greedy choice == forced token
+    alpha_high: Optional[float] = None  # per-request DiffKV thresholds (None: the engine's)
+    alpha_low: Optional[float] = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -69,3 +72,4 @@ class RequestOutput:
     first_token_time: Optional[float]
     finish_time: Optional[float]
     kv_usage: Optional[dict] = None
+    teacher_agree: Optional[list[bool]] = None

@@ -57,6 +57,16 @@ def is_full(fmt: PageFormat) -> bool:
     return fmt.key_bits == 16 and fmt.value_bits == 16
 
 
+def seg_offsets(fmt: PageFormat, which: str) -> tuple[int, int]:
+    """Kernel units of the keys ('k') or values ('v') segment: (offset in cache-dtype elements, 0) at 16 bits,
+    else (offset in bytes, meta offset in fp16 units)."""
+    bits = fmt.key_bits if which == "k" else fmt.value_bits
+    off = fmt.k_off if which == "k" else fmt.v_off
+    if bits == 16:
+        return off // fmt.full_itemsize, 0
+    return off, (fmt.k_meta_off if which == "k" else fmt.v_meta_off) // 2
+
+
 def pool_views(pool: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Typed views of the same byte pool: (cache dtype, int32, float32), each [num_pages, page_bytes // size]."""
     if pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():

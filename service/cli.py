@@ -12,6 +12,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-mode", default="fp16", choices=["fp16", "int8", "int4", "diffkv"])
+    p.add_argument("--alpha-high", type=float, default=None, help="diffkv: high-precision threshold")
+    p.add_argument("--alpha-low", type=float, default=None, help="diffkv: low-precision threshold")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +31,10 @@ def _build_engine(args):
     from engine import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    cache = {"kv_mode": args.kv_mode}
+    cache.update({k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None})
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                       cache=cache)
     return LLMEngine(cfg)
 
 
@@ -74,7 +80,10 @@ def cmd_generate(args) -> int:
         kv = out.kv_usage or {}
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "prompt_tokens": len(out.prompt_token_ids),
-                          "kv": {k: kv.get(k, 0) for k in ("bytes_used", "bytes_fp16", "pages_used")}}))
+                          "kv": {**{k: kv.get(k, 0) for k in ("bytes_used", "bytes_fp16", "pages_used", "tokens_high",
+                                                              "tokens_low", "tokens_pruned")},
+                                 "pages_total": engine.mm.num_pages,
+                                 "mm_seconds": engine.runner.kv.mm_seconds()}}))
     else:
         print()
     return 0

@@ -1,0 +1,196 @@
+"""The KV cache of one worker: the memory manager plus the compression policy that decides where each
+token lives (DiffKV paper §4-§5). Every mode uses the same pages and kernels:
+
+  fp16 / int8 / int4   one precision, every token in the high section, nothing pruned
+  diffkv               high (K8V4) and low (K4V2) sections per (sequence, layer, KV head), the rest pruned
+
+Prompt: each layer scores its tokens (attention from the last queries), classifies them (recent window
+and score >= alpha_high / i: high; >= alpha_low / i: low; else pruned) and writes them quantized into the
+all-high reservation (high pages from its left, low pages from its right); after the forward the unused
+pages are recycled in one batched operation. Generation: before each step the token leaving the window
+is placed by Algorithm 1 (compression_plan), tokens move with move_tokens, each head gets at most one
+new page, and the new token is appended to the high section; the decode kernel returns each token's
+attention, which is added to its score. All of it is batched over (sequence, layer, head) on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.config import CacheConfig
+from engine.memory import CacheShape, MemoryManager
+from kernels.compression_plan import compression_plan
+from kernels.decode_attention import paged_decode_attention
+from kernels.kv_move import move_tokens
+from kernels.kv_write import write_kv
+from kernels.prompt_significance import prompt_significance
+from kernels.score_update import accumulate_scores
+
+
+@dataclass
+class PrefillInfo:
+    """Per-step tensors a diffkv prefill needs besides the model's (all on the device)."""
+
+    slots: torch.Tensor  # int32 [B]
+    token_slots: torch.Tensor  # int64 [N]
+    seq_of_token: torch.Tensor  # int64 [N]
+    seq_len_of_token: torch.Tensor  # int32 [N]
+    cu_seqlens: torch.Tensor  # int32 [B + 1]
+    alpha_high: torch.Tensor  # f32 [N]
+    alpha_low: torch.Tensor  # f32 [N]
+    n_high: torch.Tensor  # int32 [B, L, H], filled layer by layer
+    n_low: torch.Tensor
+
+
+class KVCache:
+    def __init__(self, config: CacheConfig, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype,
+                 device: torch.device, num_query_heads: int):
+        self.config = config
+        high, low = config.precisions()
+        self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low)
+        self.diffkv = low is not None
+        self.num_query_heads = num_query_heads
+        self.last_mm_seconds = 0.0
+        self._mm_events: Optional[tuple] = None
+
+    # ---- prompt ------------------------------------------------------------------------------------
+    def prefill_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      dst_page: torch.Tensor, dst_row: torch.Tensor, scale: float,
+                      info: Optional[PrefillInfo]) -> None:
+        mm = self.mm
+        if not self.diffkv:
+            write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, dst_page[layer], dst_row[layer], positions)
+            return
+        cfg = self.config
+        sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries)  # [N, H]
+        n = info.seq_len_of_token.unsqueeze(1)
+        pos = positions.long().unsqueeze(1)
+        count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)
+        mean = sig / count
+        i1 = (pos + 1).float()
+        is_high = (pos >= n - cfg.window) | (mean >= info.alpha_high.unsqueeze(1) / i1)
+        is_low = ~is_high & (mean >= info.alpha_low.unsqueeze(1) / i1)
+        idx_high, n_high = _segment_index(is_high, info)
+        idx_low, n_low = _segment_index(is_low, info)
+        mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
+        reserved = mm.held_high[info.token_slots, layer]  # [N, H]: low pages sit at its right end
+        ph, rh = mm.high_targets(info.token_slots, idx_high, layer)
+        pl, rl = mm.low_targets(info.token_slots, idx_low, layer, right_of=reserved)
+        write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, ph, rh, positions, scores=sig)
+        write_kv(mm.pool, mm.fmt_low, mm.cache_dtype, k, v, pl, rl, positions, scores=sig)
+        info.n_high[:, layer] = n_high
+        info.n_low[:, layer] = n_low
+
+    def finish_prefill(self, info: Optional[PrefillInfo]) -> None:
+        if self.diffkv:
+            self.mm.finish_prompt(info.slots, info.n_high, info.n_low)
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def prepare_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
+                       alpha_high: torch.Tensor, alpha_low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Place the token leaving the window (diffkv), give heads their page, append the new token's slot.
+
+        slots int32 [B]; seq_len int32 [B] = tokens after this step's token; returns write targets [L, B, H].
+        """
+        mm = self.mm
+        self._mm_begin()
+        if self.diffkv:
+            plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
+                                    slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
+                                    num_queries=self.config.significance_queries)
+            new_high, new_low = plan["new_len_high"], plan["new_len_low"]
+            need_low = (new_low > mm.held_low[slots] * mm.fmt_low.tokens).to(torch.int32)
+            need_high = (new_high + 1 > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
+            mm.grow(slots, need_high, need_low, 2)
+            # Requantize the token that moves down (before its high row can be overwritten) ...
+            sp, sr = mm.high_targets(slots, plan["to_low_src"])
+            dp, dr = mm.low_targets(slots, plan["low_dst"])
+            move_tokens(mm.pool, mm.fmt_high, mm.fmt_low, mm.cache_dtype, sp.flatten(), sr.flatten(),
+                        dp.flatten(), dr.flatten())
+            # ... then close the hole in the high section with its last token.
+            hole, last = plan["high_hole"], mm.len_high[slots] - 1
+            fill = (hole >= 0) & (hole != last)
+            sp, sr = mm.high_targets(slots, torch.where(fill, last, -1))
+            dp, dr = mm.high_targets(slots, torch.where(fill, hole, -1))
+            move_tokens(mm.pool, mm.fmt_high, mm.fmt_high, mm.cache_dtype, sp.flatten(), sr.flatten(),
+                        dp.flatten(), dr.flatten())
+            mm.len_high[slots] = new_high + 1
+            mm.len_low[slots] = new_low
+        else:
+            new_high = mm.len_high[slots] + 1
+            need_high = (new_high > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
+            mm.grow(slots, need_high, torch.zeros_like(need_high), 1)
+            mm.len_high[slots] = new_high
+        out = mm.append_targets(slots)
+        self._mm_end()
+        return out
+
+    def decode_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      dst_page: torch.Tensor, dst_row: torch.Tensor, slots: torch.Tensor, scale: float,
+                      max_len: int) -> torch.Tensor:
+        mm = self.mm
+        write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, dst_page[layer], dst_row[layer], positions)
+        if not self.diffkv:
+            return paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high,
+                                          slots, layer, scale, max_len=max_len)
+        B, Hq = q.shape[0], q.shape[1]
+        logits = torch.empty(B, Hq, max_len, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+        out = paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high, slots,
+                                     layer, scale, max_len=max_len, fmt_low=mm.fmt_low, len_low=mm.len_low,
+                                     logits_out=logits, lse_out=lse)
+        accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
+                          fmt_low=mm.fmt_low, len_low=mm.len_low)
+        return out
+
+    # ---- memory-management timing (no host sync on the hot path) -------------------------------------
+    def _mm_begin(self) -> None:
+        if self.mm.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._mm_events = (start, end)
+        else:
+            import time
+
+            self._mm_t0 = time.perf_counter()
+
+    def _mm_end(self) -> None:
+        if self._mm_events is not None:
+            self._mm_events[1].record()
+        else:
+            import time
+
+            self.last_mm_seconds = time.perf_counter() - self._mm_t0
+
+    def mm_seconds(self) -> float:
+        """Memory-management time of the last decode step (device time on CUDA)."""
+        if self._mm_events is not None:
+            start, end = self._mm_events
+            end.synchronize()
+            self.last_mm_seconds = start.elapsed_time(end) / 1e3
+        return self.last_mm_seconds
+
+    # ---- stats -----------------------------------------------------------------------------------------
+    def token_counts(self, slots: list[int], cached: int) -> dict[str, int]:
+        """Tokens kept high / low and pruned over these sequences (cached = their summed lengths)."""
+        if not slots:
+            return {"tokens_high": 0, "tokens_low": 0, "tokens_pruned": 0}
+        s = torch.tensor(slots, device=self.mm.device)
+        hi, lo = torch.stack([self.mm.len_high[s].sum(), self.mm.len_low[s].sum()]).tolist()
+        return {"tokens_high": hi, "tokens_low": lo, "tokens_pruned": cached * self.mm.heads_per_seq - hi - lo}
+
+
+def _segment_index(mask: torch.Tensor, info: PrefillInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of each selected token within its sequence's section ([N, H], -1 if not selected) and the
+    section sizes per sequence ([B, H]): a prefix sum over the packed tokens, rebased at each sequence."""
+    x = mask.to(torch.int32)
+    incl = torch.cumsum(x, 0, dtype=torch.int32)
+    excl = incl - x
+    starts = info.cu_seqlens[:-1].long()
+    ends = info.cu_seqlens[1:].long() - 1
+    base = excl[starts]  # [B, H]
+    idx = excl - base[info.seq_of_token]
+    sizes = incl[ends] - base
+    return torch.where(mask, idx, torch.full_like(idx, -1)), sizes

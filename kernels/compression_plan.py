@@ -1,0 +1,225 @@
+"""Generation-phase compression decision (DiffKV §4, Algorithm 1), one per (sequence, layer, KV head).
+
+Each step the oldest token of the recent window, t_c at position c = N - 1 - window, leaves the window.
+With mean significance s(t) = score(t) / count(t) and thresholds th_h = alpha_high / N, th_l = alpha_low / N:
+
+  s(t_c) >= th_h: t_c stays high; victim v = argmin s over high tokens older than the window (t_c included)
+                  th_l <= s(v) < th_h -> v demoted to low (action 2); s(v) < th_l -> v pruned (3); else 1
+  s(t_c) >= th_l: t_c moves to low; victim v = argmin s over low tokens + t_c (t_c last, so ties keep the
+                  existing token); s(v) < th_l -> v pruned and t_c takes its row (5), or t_c itself is
+                  dropped if it were v (6: unreachable, s(t_c) >= th_l; kept for the spec); else appended (4)
+  otherwise:      t_c pruned (7)
+
+No-op (0) when c < 0, when c < prompt_len - window (prefill already classified that token) or when no high
+token has position c. Only the plan is produced here; moving rows and pages is the caller's job.
+
+Outputs, int32 [B, L, H] (-1 = none): high_hole (high index that empties), to_low_src (high index whose
+token is requantized into low), low_dst (low index it goes to), action, new_len_high, new_len_low (the new
+decode token is not counted). Ties in an argmin go to the smallest index.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import next_pow2, use_triton
+from kernels.page_layout import PageFormat
+from kernels.prompt_significance import significance_count
+
+FIELDS = ("high_hole", "to_low_src", "low_dst", "action", "new_len_high", "new_len_low")
+NONE, C_HIGH_V_STAYS, C_HIGH_V_DEMOTED, C_HIGH_V_PRUNED, C_LOW_APPENDED, C_LOW_REPLACES, C_LOW_PRUNED, \
+    C_PRUNED = range(8)
+BIG = 2**30  # "no index" (above any section length)
+_BIG: tl.constexpr = tl.constexpr(BIG)
+
+
+@triton.jit
+def _mean(score, pos, n0, N, num_queries):
+    # Same formula as significance_count; div_rn keeps GPU division bit-equal to torch's.
+    cnt = tl.where(pos < n0, tl.minimum(n0 - pos, num_queries) + (N - n0), N - pos)
+    return tl.div_rn(score, tl.maximum(cnt, 1).to(tl.float32))
+
+
+@triton.jit
+def _plan_kernel(
+    pool_f, pool_i, pt_ptr, lh_ptr, ll_ptr, slots_ptr, n0_ptr, seq_ptr, ah_ptr, al_ptr, out_ptr,
+    stride_pts, stride_ptl, stride_pth, stride_hs, stride_hl, stride_hh, stride_ls, stride_ll, stride_lh,
+    B, L, H, P, window, num_queries, page_words,
+    hi_score, hi_pos, lo_score, lo_pos,  # segment offsets in 4-byte words
+    T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b, l, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    n0 = tl.load(n0_ptr + b)
+    N = tl.load(seq_ptr + b)
+    lh = tl.load(lh_ptr + slot * stride_hs + l * stride_hl + h * stride_hh)
+    ll = tl.load(ll_ptr + slot * stride_ls + l * stride_ll + h * stride_lh)
+    th_h = tl.div_rn(tl.load(ah_ptr + b), N.to(tl.float32))
+    th_l = tl.div_rn(tl.load(al_ptr + b), N.to(tl.float32))
+    pt_row = pt_ptr + slot * stride_pts + l * stride_ptl + h * stride_pth
+    c = N - 1 - window
+    hi_end = tl.where((c >= 0) & (c >= n0 - window), lh, 0)  # inactive heads scan nothing
+
+    # High section: find t_c by position and the least significant token older than the window.
+    jc = tl.full([], _BIG, tl.int32)
+    jv = tl.full([], _BIG, tl.int32)
+    vmin = tl.full([], float("inf"), tl.float32)
+    for j0 in range(0, hi_end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < hi_end
+        base = tl.load(pt_row + j // T_HI, mask=m, other=0).to(tl.int64) * page_words + j % T_HI
+        pos = tl.load(pool_i + base + hi_pos, mask=m, other=-1)
+        mean = _mean(tl.load(pool_f + base + hi_score, mask=m, other=0.0), pos, n0, N, num_queries)
+        jc = tl.minimum(jc, tl.min(tl.where(m & (pos == c), j, _BIG), 0))
+        vals = tl.where(m & (pos < N - window), mean, float("inf"))
+        bmin = tl.min(vals, 0)
+        bidx = tl.min(tl.where(vals == bmin, j, _BIG), 0)
+        jv = tl.where(bmin < vmin, bidx, jv)  # strict: earlier blocks win ties
+        vmin = tl.minimum(vmin, bmin)
+
+    found = jc < _BIG
+    jcs = tl.where(found, jc, 0)
+    cbase = tl.load(pt_row + jcs // T_HI).to(tl.int64) * page_words + jcs % T_HI
+    mean_c = _mean(tl.load(pool_f + cbase + hi_score, mask=found, other=0.0), c, n0, N, num_queries)
+    go_high = found & (mean_c >= th_h)
+    go_low = found & (mean_c < th_h) & (mean_c >= th_l)
+
+    # Low section: only scanned when t_c joins it.
+    lo_end = tl.where(go_low, ll, 0)
+    jl = tl.full([], _BIG, tl.int32)
+    lmin = tl.full([], float("inf"), tl.float32)
+    for j0 in range(0, lo_end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < lo_end
+        base = tl.load(pt_row + (P - 1 - j // T_LO), mask=m, other=0).to(tl.int64) * page_words + j % T_LO
+        pos = tl.load(pool_i + base + lo_pos, mask=m, other=0)
+        mean = _mean(tl.load(pool_f + base + lo_score, mask=m, other=0.0), pos, n0, N, num_queries)
+        vals = tl.where(m, mean, float("inf"))
+        bmin = tl.min(vals, 0)
+        bidx = tl.min(tl.where(vals == bmin, j, _BIG), 0)
+        jl = tl.where(bmin < lmin, bidx, jl)
+        lmin = tl.minimum(lmin, bmin)
+
+    v_is_c = mean_c < lmin  # t_c sits after the low tokens: it is the victim only if strictly smaller
+    low_prune = tl.minimum(mean_c, lmin) < th_l
+    act_high = tl.where(vmin < th_l, 3, tl.where(vmin < th_h, 2, 1))
+    act_low = tl.where(low_prune, tl.where(v_is_c, 6, 5), 4)
+    action = tl.where(go_high, act_high, tl.where(go_low, act_low, tl.where(found, 7, 0)))
+
+    high_hole = tl.where((action == 2) | (action == 3), jv, tl.where(action >= 4, jc, -1))
+    to_low = tl.where(action == 2, jv, tl.where((action == 4) | (action == 5), jc, -1))
+    low_dst = tl.where((action == 2) | (action == 4), ll, tl.where(action == 5, jl, -1))
+    new_lh = lh - (high_hole >= 0).to(tl.int32)
+    new_ll = ll + (low_dst == ll).to(tl.int32)
+
+    o = out_ptr + (b * L + l) * H + h
+    plane = B * L * H
+    tl.store(o, high_hole)
+    tl.store(o + plane, to_low)
+    tl.store(o + 2 * plane, low_dst)
+    tl.store(o + 3 * plane, action)
+    tl.store(o + 4 * plane, new_lh)
+    tl.store(o + 5 * plane, new_ll)
+
+
+def _section(pool, fmt: PageFormat, cols: torch.Tensor, j: torch.Tensor):
+    """Gather (score, position) [B, L, H, J] of section rows j living in page-table columns `cols`."""
+    pages = cols.long().clamp(0, pool.shape[0] - 1)  # entries past a length are garbage: masked later
+    row = (j % fmt.tokens).expand_as(pages)
+    pf, pi = pool.view(torch.float32), pool.view(torch.int32)
+    return pf[pages, fmt.score_off // 4 + row], pi[pages, fmt.pos_off // 4 + row]
+
+
+def _argmin(vals: torch.Tensor):
+    """(min, first index of the min) over the last dim; (inf, BIG) for an empty or all-inf row."""
+    if vals.shape[-1] == 0:
+        inf = vals.new_full(vals.shape[:-1], float("inf"))
+        return inf, torch.full(vals.shape[:-1], BIG, dtype=torch.long, device=vals.device)
+    vmin, idx = vals.min(-1)
+    return vmin, torch.where(torch.isinf(vmin), BIG, idx)
+
+
+def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
+                         alpha_high, alpha_low, window, num_queries=64):
+    """Vectorized torch: gather both sections -> [B, L, H, maxlen], then the same decision table."""
+    sl = slots.long()
+    P = page_table.shape[-1] - 1  # last column is the trash cell
+    pt = page_table[sl]
+    lh, ll = len_high[sl].long(), len_low[sl].long()
+    n0 = prompt_len.long().view(-1, 1, 1, 1)
+    N = seq_len.long().view(-1, 1, 1, 1)
+    th_h = (alpha_high.float() / seq_len.float()).view(-1, 1, 1)
+    th_l = (alpha_low.float() / seq_len.float()).view(-1, 1, 1)
+    c = N - 1 - window
+    active = ((c >= 0) & (c >= n0 - window)).view(-1, 1, 1)
+    dev = page_table.device
+
+    def mean(score, pos):
+        return score / significance_count(pos.long(), n0, N, num_queries).float()
+
+    j = torch.arange(int(lh.max()) if lh.numel() else 0, device=dev)
+    score, pos = _section(pool, fmt_high, pt[..., j // fmt_high.tokens], j)
+    valid = (j < lh[..., None]) & active[..., None]
+    m_hi = mean(score, pos)
+    jc = torch.where(valid & (pos == c), j, BIG).amin(-1) if j.numel() else torch.full_like(lh, BIG)
+    vmin, jv = _argmin(torch.where(valid & (pos < N - window), m_hi, float("inf")))
+    found = jc < BIG
+    mean_c = torch.gather(m_hi, -1, jc.clamp(max=max(j.numel() - 1, 0))[..., None])[..., 0] if j.numel() \
+        else torch.zeros(lh.shape, device=dev)
+    go_high = found & (mean_c >= th_h)
+    go_low = found & (mean_c < th_h) & (mean_c >= th_l)
+
+    j = torch.arange(int(ll.max()) if ll.numel() else 0, device=dev)
+    score, pos = _section(pool, fmt_low, pt[..., P - 1 - j // fmt_low.tokens], j)
+    lmin, jl = _argmin(torch.where(j < ll[..., None], mean(score, pos), float("inf")))
+
+    def w(cond, a, b):
+        return torch.where(cond, torch.as_tensor(a, device=dev), torch.as_tensor(b, device=dev))
+
+    act_high = w(vmin < th_l, 3, w(vmin < th_h, 2, 1))
+    act_low = w(torch.minimum(mean_c, lmin) < th_l, w(mean_c < lmin, 6, 5), 4)
+    action = w(go_high, act_high, w(go_low, act_low, w(found, 7, 0)))
+    high_hole = w((action == 2) | (action == 3), jv, w(action >= 4, jc, -1))
+    to_low = w(action == 2, jv, w((action == 4) | (action == 5), jc, -1))
+    low_dst = w((action == 2) | (action == 4), ll, w(action == 5, jl, -1))
+    res = dict(high_hole=high_hole, to_low_src=to_low, low_dst=low_dst, action=action,
+               new_len_high=lh - (high_hole >= 0).long(), new_len_low=ll + (low_dst == ll).long())
+    return {k: v.to(torch.int32) for k, v in res.items()}
+
+
+def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
+                            alpha_high, alpha_low, window, num_queries=64, block=None):
+    assert pool.dtype == torch.uint8 and pool.is_contiguous() and fmt_high.page_bytes == fmt_low.page_bytes
+    assert page_table.stride(3) == 1
+    B = slots.numel()
+    _, L, H, P1 = page_table.shape
+    out = torch.empty(len(FIELDS), B, L, H, dtype=torch.int32, device=pool.device)
+    if B and L and H:
+        block = block or max(16, min(256, next_pow2(P1 * max(fmt_high.tokens, fmt_low.tokens))))
+        _plan_kernel[(B, L, H)](
+            pool.view(torch.float32), pool.view(torch.int32), page_table, len_high, len_low,
+            slots, prompt_len, seq_len, alpha_high.float().contiguous(), alpha_low.float().contiguous(), out,
+            *page_table.stride()[:3], *len_high.stride(), *len_low.stride(),
+            B, L, H, P1 - 1, window, num_queries, fmt_high.page_bytes // 4,
+            fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low.score_off // 4, fmt_low.pos_off // 4,
+            T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, num_warps=4,
+        )
+    return dict(zip(FIELDS, out.unbind(0)))
+
+
+def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table, len_high, len_low, slots,
+                     prompt_len, seq_len, alpha_high, alpha_low, window: int, num_queries: int = 64,
+                     impl: str = "auto") -> dict[str, torch.Tensor]:
+    """Algorithm 1 for every (batch entry, layer, KV head); see the module docstring for the outputs.
+
+    pool uint8 [num_pages, page_bytes]; page_table int32 [S, L, H, P+1] (high section from column 0 up,
+    low section from column P-1 down, column P trash); len_high/len_low int32 [S, L, H]; slots, prompt_len,
+    seq_len (N: tokens whose queries were processed) int32 [B]; alpha_high/alpha_low f32 [B].
+    Scores in the pages are significance SUMS; they are compared as sum / significance_count.
+    """
+    if use_triton(impl, pool, page_table, len_high, len_low, slots):
+        return compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots,
+                                       prompt_len, seq_len, alpha_high, alpha_low, window, num_queries)
+    return compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len,
+                                seq_len, alpha_high, alpha_low, window, num_queries)

@@ -1,0 +1,268 @@
+import os
+import random
+
+import pytest
+import torch
+
+from kernels.compression_plan import FIELDS, compression_plan, compression_plan_triton
+from kernels.page_layout import PageFormat, page_bytes_for
+
+# The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
+# Decisions are integers computed from the same fp32 arithmetic (IEEE division on both paths): exact.
+TOL = {"plan": 0}
+PAGE_BYTES = page_bytes_for(4, 16, 2)
+FMT_HI = PageFormat.make(8, 4, 16, PAGE_BYTES, 2)  # 6 tokens per page
+FMT_LO = PageFormat.make(4, 2, 16, PAGE_BYTES, 2)  # 8 tokens per page: the sections page differently
+WINDOW = 4
+
+
+def _count(p, n0, N, Q):
+    return max(1, min(n0 - p, Q) + (N - n0) if p < n0 else N - p)
+
+
+def _build(heads, S, L, H, P, seed=0):
+    """Pool + bidirectional page table from {(slot, layer, head): (high, low)}, each a list of (pos, score).
+
+    Everything not in a section is garbage: NaN scores, small random positions (often equal to a
+    candidate position) and stale or -1 page-table entries, so any read past a length shows up.
+    """
+    g = torch.Generator().manual_seed(seed)
+    need = {key: (-(-len(hi) // FMT_HI.tokens), -(-len(lo) // FMT_LO.tokens)) for key, (hi, lo) in heads.items()}
+    num_pages = sum(a + b for a, b in need.values()) + 5
+    pool = torch.empty(num_pages, PAGE_BYTES, dtype=torch.uint8)
+    pf, pi = pool.view(torch.float32), pool.view(torch.int32)
+    pf.fill_(float("nan"))
+    for fmt in (FMT_HI, FMT_LO):
+        o = fmt.pos_off // 4
+        pi[:, o:o + fmt.tokens] = torch.randint(0, 40, (num_pages, fmt.tokens), generator=g, dtype=torch.int32)
+    pt = torch.randint(-1, num_pages, (S, L, H, P + 1), generator=g, dtype=torch.int32)
+    len_hi = torch.randint(0, 9, (S, L, H), generator=g, dtype=torch.int32)  # garbage for unused slots
+    len_lo = torch.randint(0, 9, (S, L, H), generator=g, dtype=torch.int32)
+    ids = iter(torch.randperm(num_pages, generator=g).tolist())
+    for (s, l, h), (hi, lo) in heads.items():
+        assert need[(s, l, h)][0] + need[(s, l, h)][1] <= P
+        len_hi[s, l, h], len_lo[s, l, h] = len(hi), len(lo)
+        for fmt, toks, col in ((FMT_HI, hi, lambda j: j // FMT_HI.tokens),
+                               (FMT_LO, lo, lambda j: P - 1 - j // FMT_LO.tokens)):
+            for j, (p, sc) in enumerate(toks):
+                if j % fmt.tokens == 0:
+                    pt[s, l, h, col(j)] = next(ids)
+                page, r = int(pt[s, l, h, col(j)]), j % fmt.tokens
+                pf[page, fmt.score_off // 4 + r] = sc
+                pi[page, fmt.pos_off // 4 + r] = p
+    return pool, pt, len_hi, len_lo
+
+
+def _naive(hi, lo, n0, N, ah, al, window, Q):
+    """Algorithm 1 straight from the paper, one head, fp32 scalars like the kernels."""
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    mean = [f32(sc) / f32(_count(p, n0, N, Q)) for p, sc in hi]
+    lmean = [f32(sc) / f32(_count(p, n0, N, Q)) for p, sc in lo]
+    th_h, th_l = f32(ah) / f32(N), f32(al) / f32(N)
+    res = dict(high_hole=-1, to_low_src=-1, low_dst=-1, action=0, new_len_high=len(hi), new_len_low=len(lo))
+    c = N - 1 - window
+    jc = next((j for j, (p, _) in enumerate(hi) if p == c), None)
+    if c < 0 or c < n0 - window or jc is None:
+        return res
+    if mean[jc] >= th_h:
+        old = [j for j, (p, _) in enumerate(hi) if p < N - window]
+        jv = min(old, key=lambda j: (float(mean[j]), j))
+        if th_l <= mean[jv] < th_h:
+            res.update(action=2, high_hole=jv, to_low_src=jv, low_dst=len(lo), new_len_low=len(lo) + 1)
+        elif mean[jv] < th_l:
+            res.update(action=3, high_hole=jv)
+        else:
+            res.update(action=1)
+    elif mean[jc] >= th_l:
+        res.update(high_hole=jc, to_low_src=jc)
+        cand = lmean + [mean[jc]]  # t_c joins low last
+        jv = min(range(len(cand)), key=lambda j: (float(cand[j]), j))
+        if cand[jv] < th_l and jv == len(lo):
+            res.update(action=6, to_low_src=-1)
+        elif cand[jv] < th_l:
+            res.update(action=5, low_dst=jv)
+        else:
+            res.update(action=4, low_dst=len(lo), new_len_low=len(lo) + 1)
+    else:
+        res.update(action=7, high_hole=jc)
+    if res["high_hole"] >= 0:
+        res["new_len_high"] -= 1
+    return res
+
+
+def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None):
+    """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu)."""
+    args = [t.to(DEVICE) for t in (pool, pt, len_hi, len_lo)] + [
+        torch.tensor(x, dtype=dt, device=DEVICE)
+        for x, dt in ((slots, torch.int32), (n0, torch.int32), (N, torch.int32), (ah, torch.float32), (al, torch.float32))]
+    ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref")
+    tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block)
+    for f in FIELDS:
+        assert ref[f].dtype == torch.int32 and ref[f].shape == tri[f].shape == (len(slots), *pt.shape[1:3]), f
+        torch.testing.assert_close(tri[f].cpu(), ref[f].cpu(), atol=TOL["plan"], rtol=0, msg=f)
+    return {f: ref[f].cpu() for f in FIELDS}
+
+
+# ---- hand-built single-head cases: n0 = 10, N = 20 -> candidate c = 15, window tokens 16..18 --------------
+N0, NN, AH, AL = 10, 20, 2.0, 0.5  # th_h = 0.1, th_l = 0.025
+
+
+def tok(p, mean, n0=N0, N=NN, Q=64):
+    """A token at position p whose mean significance is `mean` (stored as a sum)."""
+    return (p, mean * _count(p, n0, N, Q))
+
+
+WIN = [tok(16, 1e-4), tok(17, 1e-4), tok(18, 1e-4)]  # least significant, but inside the window: never victims
+
+
+def _plan_one(hi, lo, n0=N0, N=NN, ah=AH, al=AL, Q=64, expect=None):
+    pool, pt, lh, ll = _build({(1, 0, 0): (hi, lo)}, S=2, L=1, H=1, P=8)
+    got = _run_both(pool, pt, lh, ll, [1], [n0], [N], [ah], [al], Q=Q)
+    got = {f: int(v[0, 0, 0]) for f, v in got.items()}
+    assert got == _naive(hi, lo, n0, N, ah, al, WINDOW, Q)
+    if expect is not None:
+        full = dict(high_hole=-1, to_low_src=-1, low_dst=-1, new_len_high=len(hi), new_len_low=len(lo))
+        full.update(expect)
+        assert got == full
+    return got
+
+
+def test_c_high_victim_stays():
+    # Victim is t_c itself (the least significant old high token) and it is above th_h.
+    _plan_one([tok(3, 0.5), tok(15, 0.3)] + WIN + [tok(8, 0.2)], [tok(5, 0.03)], expect=dict(action=1))
+
+
+def test_c_high_victim_demoted():
+    hi = [tok(3, 0.2), tok(15, 0.3), tok(1, 0.5)] + WIN + [tok(7, 0.05), tok(9, 0.06)]
+    _plan_one(hi, [tok(5, 0.03), tok(2, 0.04)],
+              expect=dict(action=2, high_hole=6, to_low_src=6, low_dst=2, new_len_high=7, new_len_low=3))
+
+
+def test_c_high_victim_pruned():
+    hi = [tok(3, 0.2), tok(7, 0.01), tok(15, 0.3)] + WIN + [tok(0, 0.02)]
+    _plan_one(hi, [], expect=dict(action=3, high_hole=1, new_len_high=6))
+
+
+def test_c_low_appended():
+    hi = [tok(3, 0.2), tok(15, 0.05)] + WIN
+    _plan_one(hi, [tok(2, 0.03), tok(4, 0.06)],
+              expect=dict(action=4, high_hole=1, to_low_src=1, low_dst=2, new_len_high=4, new_len_low=3))
+
+
+def test_c_low_appended_to_empty_low():
+    _plan_one([tok(15, 0.05)] + WIN, [],
+              expect=dict(action=4, high_hole=0, to_low_src=0, low_dst=0, new_len_high=3, new_len_low=1))
+
+
+def test_c_low_replaces_low_victim():
+    lo = [tok(2, 0.03), tok(4, 0.01)] + [tok(p, 0.04) for p in (0, 1, 5, 6, 8, 9, 11)] + [tok(12, 0.005)]
+    hi = [tok(3, 0.2)] + WIN + [tok(15, 0.05)]
+    # low index 9 (second low page) is the least significant and below th_l.
+    _plan_one(hi, lo, expect=dict(action=5, high_hole=4, to_low_src=4, low_dst=9, new_len_high=4))
+
+
+def test_c_low_is_itself_the_low_min():
+    # t_c would be the low victim but its mean is >= th_l by the branch condition, so it is appended
+    # (action 6 "c-low pruned" cannot occur under Algorithm 1's thresholds).
+    hi = [tok(15, 0.03), tok(3, 0.2)] + WIN
+    _plan_one(hi, [tok(2, 0.05), tok(4, 0.06)],
+              expect=dict(action=4, high_hole=0, to_low_src=0, low_dst=2, new_len_high=4, new_len_low=3))
+
+
+def test_c_pruned():
+    hi = [tok(3, 0.2), tok(1, 0.001)] + WIN + [tok(15, 0.01)]
+    _plan_one(hi, [tok(2, 0.001)], expect=dict(action=7, high_hole=5, new_len_high=5))
+
+
+@pytest.mark.parametrize("n0,N", [(20, 20), (6, 6), (3, 4), (0, 4)])
+def test_noop_candidate_not_in_window(n0, N):
+    # c = N - 1 - window < n0 - window (only right after prefill, N = n0): prefill already classified it;
+    # or c < 0.
+    c = N - 1 - WINDOW
+    hi = [tok(p, 0.001, n0, N) for p in range(max(c, 0), N - 1)] + [tok(0, 0.001, n0, N)]
+    _plan_one(hi, [], n0=n0, N=N, expect=dict(action=0))
+
+
+def test_noop_candidate_missing_or_empty():
+    _plan_one([tok(3, 0.001)] + WIN, [tok(15, 0.001)], expect=dict(action=0))  # c is not in the high section
+    _plan_one([], [tok(2, 0.001)], expect=dict(action=0))
+
+
+def test_active_at_prompt_boundary():
+    # n0 = 16, N = 20: c = 15 = n0 - 1 - ... >= n0 - window -> the last prompt token of the window is a candidate.
+    hi = [tok(15, 0.01, n0=16)] + [tok(p, 0.2, n0=16) for p in (16, 17, 18)]
+    _plan_one(hi, [], n0=16, expect=dict(action=7, high_hole=0, new_len_high=3))
+
+
+def test_ties_take_smallest_index():
+    hi = [tok(3, 0.3), tok(4, 0.05), tok(15, 0.3)] + WIN + [tok(5, 0.05)]
+    _plan_one(hi, [], expect=dict(action=2, high_hole=1, to_low_src=1, low_dst=0, new_len_low=1, new_len_high=6))
+    lo = [tok(2, 0.04), tok(4, 0.01), tok(6, 0.01)]
+    _plan_one([tok(15, 0.05)] + WIN, lo, expect=dict(action=5, high_hole=0, to_low_src=0, low_dst=1, new_len_high=3))
+
+
+def test_victim_by_mean_not_sum():
+    # Q = 4: prompt token 1 was seen by 4 + 10 queries, token 12 by 8; the larger sum has the smaller mean.
+    hi = [tok(1, 0.04, Q=4), tok(12, 0.06, Q=4), tok(15, 0.3, Q=4)] + WIN
+    assert hi[0][1] > hi[1][1]
+    _plan_one(hi, [], Q=4, expect=dict(action=2, high_hole=0, to_low_src=0, low_dst=0, new_len_high=5,
+                                       new_len_low=1))
+
+
+# ---- random sections: Triton == ref == naive ----------------------------------------------------------------
+def _random_case(seed):
+    rng = random.Random(seed)
+    S, L, H, P = 7, 2, 3, 20
+    seqs = [(12, 12), (30, 25), (9, 40), (3, 5), (50, 80), (20, 21)]  # (n0, N): incl. inactive ones
+    slots = rng.sample(range(S), len(seqs))
+    alphas = [(rng.uniform(0.5, 2.0), rng.uniform(0.05, 0.5)) for _ in seqs]
+    heads, naive = {}, {}
+    for b, ((n0, N), s, (ah, al)) in enumerate(zip(seqs, slots, alphas)):
+        al *= ah
+        c = N - 1 - WINDOW
+        for l in range(L):
+            for h in range(H):
+                old = [p for p in range(max(c, 0)) if rng.random() < 0.7]
+                rng.shuffle(old)
+                cut = rng.randint(0, len(old))
+                hi_pos = old[:cut] + [p for p in range(max(c, 0), N - 1) if rng.random() < 0.95]
+                lo_pos = old[cut:][:rng.choice([0, 5, 60])]
+                rng.shuffle(hi_pos)
+                floor = rng.choice([0.25, 1.0])  # heads with no mean below th_l reach "victim demoted"
+
+                def sc(p):  # mean spread over [th_l * floor, th_h * 4], so every branch is hit
+                    th_l, th_h = al / N, ah / N
+                    m = th_l * floor * (th_h * 4 / (th_l * floor)) ** rng.random()
+                    if rng.random() < 0.1:
+                        m = th_l  # exact threshold hits and ties
+                    return float(torch.tensor(m * _count(p, n0, N, 64), dtype=torch.float32))
+
+                hi = [(p, sc(p)) for p in hi_pos]
+                lo = [(p, sc(p)) for p in lo_pos]
+                heads[(s, l, h)] = (hi, lo)
+                naive[(b, l, h)] = _naive(hi, lo, n0, N, ah, al, WINDOW, 64)
+    pool, pt, lh, ll = _build(heads, S, L, H, P, seed=seed)
+    args = (pool, pt, lh, ll, slots, [n for n, _ in seqs], [n for _, n in seqs],
+            [a for a, _ in alphas], [a * b for a, b in alphas])
+    return args, naive
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("block", [None, 16])
+def test_random_matches_naive(seed, block):
+    args, naive = _random_case(seed)
+    got = _run_both(*args, block=block)
+    actions = set()
+    for (b, l, h), want in naive.items():
+        assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
+        actions.add(want["action"])
+    assert {0, 1, 2, 3, 4, 5, 7} <= actions  # every reachable branch exercised
+
+
+def test_empty_batch():
+    pool, pt, lh, ll = _build({}, S=2, L=1, H=2, P=4)
+    got = _run_both(pool, pt, lh, ll, [], [], [], [], [])
+    assert all(v.shape == (0, 1, 2) for v in got.values())

@@ -1,0 +1,162 @@
+"""DiffKV mode end to end: the machinery as an identity, fidelity of the defaults on SmolLM2, stats, and
+page accounting under random interleavings of add / step / abort / preempt."""
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import EngineConfig, InvalidRequestError, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.loader import load_checkpoint
+
+from conftest import TEST_DEVICE, assert_all_pages_free
+
+PROMPTS = [
+    "The history of the printing press begins",
+    "Write a short story about a robot who learns to paint.",
+    "Explain how photosynthesis works, step by step.",
+]
+
+
+def run_all(engine, prompts, sp, **kw):
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp, **kw)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_identity_configuration_equals_fp16(make_engine):
+    """high = K16V16 and both alphas 0 keep every token at full precision: exactly the fp16 engine."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in run_all(make_engine(), PROMPTS, sp)]
+    ident = make_engine(cache={"kv_mode": "diffkv", "high": "K16V16", "low": "K4V2", "alpha_high": 0.0,
+                               "alpha_low": 0.0, "window": 4})
+    assert [o.token_ids for o in run_all(ident, PROMPTS, sp)] == ref
+
+
+def test_defaults_keep_top1_agreement_on_long_generation(make_engine):
+    """Teacher forcing along the fp16 engine's own greedy output of 512 tokens."""
+    n = 512
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    tok = make_engine().tokenizer
+    prompt = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "Write a long, detailed essay about the history of mathematics."}]),
+        add_special_tokens=False)
+    ref = run_all(make_engine(), [prompt], sp)[0].token_ids
+    engine = make_engine(cache={"kv_mode": "diffkv"})
+    engine.add_request("tf", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                    teacher_tokens=ref))
+    usage = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                agree = out.teacher_agree
+                usage = out.kv_usage
+    rate = sum(agree) / len(agree)
+    # fp16-equivalent bytes over the bytes the compressed tokens really take (pages are per head).
+    ratio = usage["bytes_fp16"] / usage["bytes_used"] if usage["bytes_used"] else float("inf")
+    print(f"\ntop-1 agreement {rate:.3f} over {len(agree)} tokens; kept high {usage['tokens_high']}, "
+          f"low {usage['tokens_low']}, pruned {usage['tokens_pruned']}; compression ratio {ratio:.2f}x")
+    assert len(agree) == n and rate >= 0.90
+    assert usage["tokens_low"] + usage["tokens_pruned"] > 0  # it really compressed
+
+
+def test_stats_report_sections(make_engine):
+    engine = make_engine(cache={"kv_mode": "diffkv", "window": 8})
+    engine.add_request("a", PROMPTS[1] * 4, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    st_ = engine.stats()
+    L, H = engine.arch.num_layers, engine.arch.num_kv_heads
+    assert st_["tokens_high"] + st_["tokens_low"] + st_["tokens_pruned"] == st_["cached_tokens"] * L * H
+    assert st_["tokens_high"] > 0 and st_["pages_used"] > 0 and st_["bytes_used"] == st_["pages_used"] * st_["page_bytes"]
+    assert st_["last_mm_seconds"] >= 0
+    engine.abort("a")
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"alpha_high": -1}, "kv_compression.alpha_high"),
+    ({"alpha_low": "x"}, "kv_compression.alpha_low"),
+    ({"alpha_high": 0.1, "alpha_low": 0.5}, "kv_compression.alpha_low"),
+    ({"beta": 1}, "kv_compression"),
+])
+def test_per_request_thresholds_are_validated(make_engine, bad, param):
+    engine = make_engine(cache={"kv_mode": "diffkv"})
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=2), kv_compression=bad)
+    assert e.value.param == param
+
+
+def test_per_request_thresholds_change_what_is_kept(make_engine):
+    engine = make_engine(cache={"kv_mode": "diffkv", "window": 4})
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    keep_all = run_all(engine, [PROMPTS[2]], sp, kv_compression={"alpha_high": 0.0, "alpha_low": 0.0})[0]
+    squeeze = run_all(engine, [PROMPTS[2]], sp, kv_compression={"alpha_high": 50.0, "alpha_low": 5.0})[0]
+    assert keep_all.kv_usage["tokens_low"] + keep_all.kv_usage["tokens_pruned"] == 0
+    assert squeeze.kv_usage["tokens_pruned"] > 0
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_uniform_quantized_modes_generate(make_engine, mode):
+    engine = make_engine(cache={"kv_mode": mode})
+    out = run_all(engine, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in out)
+    assert out[0].kv_usage["bytes_used"] < out[0].kv_usage["bytes_fp16"] * (1.0 if mode == "int8" else 0.6)
+
+
+# ---- property test on a tiny random model: nothing lost, nothing double-freed ---------------------------
+TINY = None
+
+
+def tiny_engine(num_pages):
+    global TINY
+    if TINY is None:
+        TINY = load_checkpoint("random:tiny")
+    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=True,
+                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 256},
+                       cache={"kv_mode": "diffkv", "num_pages": num_pages, "block_size": 4, "window": 4,
+                              "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
+    return LLMEngine(cfg, checkpoint=TINY)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 30)),
+    st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
+    st.tuples(st.just("abort"), st.integers(0, 9), st.just(0)),
+    st.tuples(st.just("preempt"), st.just(0), st.just(0)),
+), max_size=25)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.integers(120, 400))
+def test_random_interleavings_never_lose_pages(op_list, num_pages):
+    engine = tiny_engine(num_pages)
+    g = torch.Generator().manual_seed(num_pages)
+    ids = []
+    for op, a, b in op_list:
+        if op == "add":
+            rid = f"r{len(ids)}"
+            try:
+                engine.add_request(rid, torch.randint(1, 500, (a,), generator=g).tolist(),
+                                   SamplingParams(temperature=0, max_tokens=b, ignore_eos=True))
+                ids.append(rid)
+            except InvalidRequestError:
+                pass
+        elif op == "step":
+            for _ in range(a):
+                engine.step()
+        elif op == "abort" and ids:
+            engine.abort(ids[a % len(ids)])
+        elif op == "preempt":
+            engine.scheduler.preempt_last()
+        live = [s.slot for s in engine.scheduler.running if s.slot is not None]
+        engine.mm.check_invariants(live)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_pages_free(engine)
