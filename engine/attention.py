@@ -33,7 +33,8 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.meta
         if m.is_prefill:
-            self.kv.prefill_write(layer, q, k, v, m.positions, m.dst_page, m.dst_row, self.scale, m.prefill)
+            self.kv.prefill_write(layer, q, k, v, m.positions, m.dst_page, m.dst_row, self.scale, m.prefill,
+                                  m.max_len)
             # With recompute-preemption and no prefix sharing a prefill always starts from an empty cache,
             # so it attends over the fresh (unquantized) K/V alone.
             return prefill_attention(q, k, v, m.cu_seqlens, m.max_len, self.scale)

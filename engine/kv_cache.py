@@ -58,13 +58,14 @@ class KVCache:
     # ---- prompt ------------------------------------------------------------------------------------
     def prefill_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       dst_page: torch.Tensor, dst_row: torch.Tensor, scale: float,
-                      info: Optional[PrefillInfo]) -> None:
+                      info: Optional[PrefillInfo], max_len: int) -> None:
         mm = self.mm
         if not self.diffkv:
             write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, dst_page[layer], dst_row[layer], positions)
             return
         cfg = self.config
-        sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries)  # [N, H]
+        sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
+                                  max_seqlen=max_len)  # [N, H] sums of attention received
         n = info.seq_len_of_token.unsqueeze(1)
         pos = positions.long().unsqueeze(1)
         count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)

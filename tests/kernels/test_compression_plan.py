@@ -95,9 +95,9 @@ def _naive(hi, lo, n0, N, ah, al, window, Q):
 
 def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None):
     """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu)."""
+    i32, f32 = torch.int32, torch.float32
     args = [t.to(DEVICE) for t in (pool, pt, len_hi, len_lo)] + [
-        torch.tensor(x, dtype=dt, device=DEVICE)
-        for x, dt in ((slots, torch.int32), (n0, torch.int32), (N, torch.int32), (ah, torch.float32), (al, torch.float32))]
+        torch.tensor(x, dtype=dt, device=DEVICE) for x, dt in ((slots, i32), (n0, i32), (N, i32), (ah, f32), (al, f32))]
     ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref")
     tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block)
     for f in FIELDS:
@@ -192,7 +192,7 @@ def test_noop_candidate_missing_or_empty():
 
 
 def test_active_at_prompt_boundary():
-    # n0 = 16, N = 20: c = 15 = n0 - 1 - ... >= n0 - window -> the last prompt token of the window is a candidate.
+    # n0 = 16, N = 20: c = 15 >= n0 - window = 12 -> the prompt's last token is the candidate.
     hi = [tok(15, 0.01, n0=16)] + [tok(p, 0.2, n0=16) for p in (16, 17, 18)]
     _plan_one(hi, [], n0=16, expect=dict(action=7, high_hole=0, new_len_high=3))
 

@@ -1,0 +1,147 @@
+"""DiffKV generation-phase significance: add each cached token's attention probability to its score.
+
+For every cached token of every (batch entry b, KV head h) the score segment (f32) of its page row gets
+    max over the query heads g of h's GQA group of exp(logits[b, g, idx] - lse[b, g])
+where idx = j for high token j and len_high + j for low token j, and logits / lse come from
+paged_decode_attention(..., logits_out=, lse_out=) of the same step.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import next_pow2, num_sms, use_triton
+from kernels.page_layout import PageFormat
+
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _score_section(
+    pool_f32, pt_row, col0, lo, hi, logit_rows, logit_base, lse, gmask, page_words, score_off,
+    T: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < hi
+        if LOW:
+            page = tl.load(pt_row + col0 - t // T, mask=tmask, other=0).to(tl.int64)
+        else:
+            page = tl.load(pt_row + t // T, mask=tmask, other=0).to(tl.int64)
+        logit = tl.load(logit_rows[:, None] + (logit_base + t)[None, :], mask=gmask[:, None] & tmask[None, :],
+                        other=float("-inf"))
+        p = tl.max(tl.exp(logit - lse[:, None]), 0)  # [BLOCK_N]: max over the group's query heads
+        ptr = pool_f32 + page * page_words + score_off + t % T
+        tl.store(ptr, tl.load(ptr, mask=tmask, other=0.0) + p, mask=tmask)
+
+
+@triton.jit
+def _score_kernel(
+    pool_f32, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, logits_ptr, lse_ptr,
+    stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, stride_lls, stride_lll, stride_llh,
+    stride_gb, stride_gh, stride_eb, stride_eh,
+    layer, low_col0, page_words, score_off, lscore_off,
+    GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per (batch entry, KV head, split); each split takes its share of both sections.
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
+    hq = h * GROUP + g
+    lse = tl.load(lse_ptr + b * stride_eb + hq * stride_eh, mask=gmask, other=0.0)
+    logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
+
+    length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = split * per_split
+    _score_section(pool_f32, pt_row, 0, lo, tl.minimum(length, lo + per_split), logit_rows, 0, lse, gmask,
+                   page_words, score_off, T, False, BLOCK_N)
+    if HAS_LOW:
+        length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
+        per_split = tl.cdiv(tl.cdiv(length_lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = split * per_split
+        _score_section(pool_f32, pt_row, low_col0, lo, tl.minimum(length_lo, lo + per_split), logit_rows,
+                       length, lse, gmask, page_words, lscore_off, T_LO, True, BLOCK_N)
+
+
+def _sections(fmt, fmt_low, lengths, len_low):
+    if len_low is not None and fmt_low is None:
+        raise ValueError("len_low needs fmt_low (the low section's page format)")
+    has_low = len_low is not None
+    if has_low and fmt_low.page_bytes != fmt.page_bytes:
+        raise ValueError("the high and low formats must share one page size")
+    return has_low
+
+
+def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
+                          fmt_low=None, len_low=None):
+    has_low = _sections(fmt, fmt_low, lengths, len_low)
+    pf = pool.view(torch.float32)
+    B, Hq, NMAX = logits.shape
+    Hkv = page_table.shape[2]
+    group = Hq // Hkv
+    sl = slots.long()
+    lens = lengths[sl, layer].long()  # [B, Hkv]
+    lg = logits.float().unflatten(1, (Hkv, group))  # [B, Hkv, G, NMAX]
+    ls = lse.float().view(B, Hkv, group, 1)
+    sections = [(fmt, lens, torch.zeros_like(lens), False)]
+    if has_low:
+        sections.append((fmt_low, len_low[sl, layer].long(), lens, True))
+    for f, n_tok, base, low in sections:
+        T = f.tokens
+        n = int(n_tok.max()) if n_tok.numel() else 0
+        if n == 0:
+            continue
+        j = torch.arange(n, device=pool.device)
+        cols = (page_table.shape[3] - 2 - j // T) if low else j // T  # low: P - 1 - j // T
+        pages = page_table[sl, layer][:, :, cols].long()  # [B, Hkv, n]
+        valid = j < n_tok[..., None]
+        idx = (base[..., None] + j).clamp(max=NMAX - 1)
+        x = lg.gather(3, idx[:, :, None, :].expand(B, Hkv, group, n))
+        p = torch.exp(x - ls).amax(2)  # [B, Hkv, n]
+        rows = (j % T).expand_as(pages)
+        pf.index_put_((pages[valid], f.score_off // 4 + rows[valid]), p[valid], accumulate=True)
+
+
+def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
+                             fmt_low=None, len_low=None, num_splits=None, block_n=64):
+    has_low = _sections(fmt, fmt_low, lengths, len_low)
+    B, Hq, NMAX = logits.shape
+    Hkv = page_table.shape[2]
+    if B == 0:
+        return
+    assert logits.stride(2) == 1 and page_table.stride(3) == 1 and Hq % Hkv == 0
+    low = fmt_low if has_low else fmt
+    lenlo = len_low if has_low else lengths
+    if num_splits is None:  # like decode: enough programs to fill the GPU
+        programs = B * Hkv
+        sms = num_sms(logits.device)
+        by_length = triton.cdiv(NMAX, 4 * block_n)
+        num_splits = 1 if programs >= sms else max(1, min(triton.cdiv(2 * sms, programs), by_length, MAX_SPLITS))
+    group = Hq // Hkv
+    _score_kernel[(B, Hkv, num_splits)](
+        pool.view(torch.float32), page_table, lengths, lenlo, slots, logits, lse,
+        page_table.stride(0), page_table.stride(1), page_table.stride(2),
+        lengths.stride(0), lengths.stride(1), lengths.stride(2), lenlo.stride(0), lenlo.stride(1), lenlo.stride(2),
+        logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1),
+        layer, page_table.shape[3] - 2, fmt.page_bytes // 4, fmt.score_off // 4, low.score_off // 4,
+        GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low, NUM_SPLITS=num_splits,
+        BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=4,
+    )
+
+
+def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: int, logits, lse,
+                      fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None, impl: str = "auto"):
+    """In place: score[token] += max_g exp(logits[b, g, idx] - lse[b, g]) for every cached token of every
+    (batch entry b, KV head h); g over h's query heads. Sections and idx as in paged_decode_attention
+    (high token j: idx j, page_table[.., j // T]; low token j: idx lengths + j, page_table[.., P - 1 - j // T_lo]).
+
+    logits f32 [B, Hq, NMAX] (NMAX >= len_high + len_low of every head), lse f32 [B, Hq]; the batch entries'
+    slots must be distinct.
+    """
+    fn = accumulate_scores_triton if use_triton(impl, pool, logits, page_table) else accumulate_scores_ref
+    fn(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low, len_low=len_low)
