@@ -53,10 +53,6 @@ def check_supported(fmt: PageFormat, cache_dtype: torch.dtype, for_triton: bool 
             raise ValueError(f"{fmt.name}: the Triton kernels need a power-of-two head_dim >= 16, got {D}")
 
 
-def is_full(fmt: PageFormat) -> bool:
-    return fmt.key_bits == 16 and fmt.value_bits == 16
-
-
 def seg_offsets(fmt: PageFormat, which: str) -> tuple[int, int]:
     """Kernel units of the keys ('k') or values ('v') segment: (offset in cache-dtype elements, 0) at 16 bits,
     else (offset in bytes, meta offset in fp16 units)."""

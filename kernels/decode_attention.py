@@ -3,6 +3,13 @@
 Kernel 1 runs one program per (batch entry, KV head, split): all query heads of the GQA group share each
 key/value tile, so every page is read once. With one split it writes the output directly; otherwise it writes
 partial (max, sum, acc) and kernel 2 merges the splits (flash-decoding).
+
+Pages of any precision (DiffKV): 16-bit sides load the cache dtype; 8/4/2-bit sides load packed bytes and fp16
+scale/zero and dequantize on the fly (planar layout, kernels/quant.py). A (sequence, head) may own a high
+section (fmt, pages from the left of its page-table row) and a low section (fmt_low, pages from the right);
+each program walks its share of high tokens, then of low tokens. Optional per-token logits and per-head lse
+feed the generation-phase significance update (kernels/score_update.py). All of it hides behind constexpr
+branches: a K16V16 call without a low section compiles to the same loop as before.
 """
 from __future__ import annotations
 
@@ -17,7 +24,6 @@ from kernels.page_layout import PageFormat
 from kernels.quant import read_rows_ref, unpack_tile
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MIN_BLOCKS_PER_SPLIT = 4  # below this, the partial-result traffic outweighs the extra parallelism
 MAX_SPLITS = 64
 
@@ -144,7 +150,8 @@ def _decode_split_kernel(
         tl.store(o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
         if WRITE_LSE:
-            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))  # natural-log lse; -inf without tokens
             tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
     else:
         idx = (b * Hq + hq) * NUM_SPLITS + split  # mid_* are contiguous [B, Hq, NUM_SPLITS, ...]
@@ -173,7 +180,8 @@ def _decode_reduce_kernel(
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
     if WRITE_LSE:
-        lse = tl.where(total > 0, (m_max + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(total > 0, (m_max + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
         tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse)
 
 

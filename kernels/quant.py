@@ -49,7 +49,9 @@ def quantize_ref(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     qmax = (1 << bits) - 1
     x = x.float()
     mn, mx = x.amin(-1), x.amax(-1)
-    scale16 = ((mx - mn) / qmax).clamp_min(MIN_SCALE).half()
+    # Tensor / tensor: CUDA torch divides by a Python scalar through its reciprocal, which is not correctly
+    # rounded (tl.math.div_rn in the kernels is).
+    scale16 = ((mx - mn) / torch.full_like(mx, qmax)).clamp_min(MIN_SCALE).half()
     zero16 = mn.half()
     y = (x - zero16.float()[..., None]) / scale16.float()[..., None]
     q = torch.floor(y + 0.5).clamp(0, qmax).to(torch.int32)

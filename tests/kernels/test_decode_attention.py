@@ -6,6 +6,9 @@ import torch
 
 from kernels.decode_attention import choose_num_splits, paged_decode_attention, paged_decode_attention_triton
 from kernels.page_layout import PageFormat, page_bytes_for
+from kernels.quant import dequantize_ref
+
+from _paged_cache import build_cache, formats
 
 # The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -124,3 +127,154 @@ def test_choose_num_splits():
     assert choose_num_splits(64, 8, 4096, dev, 64) == 1  # batch * heads fills the GPU
     assert choose_num_splits(1, 8, 32, dev, 64) == 1  # too short to split
     assert 1 < choose_num_splits(1, 8, 32768, dev, 64) <= 64
+
+
+# ------------------------------------------------------------------ quantized pages, high + low sections
+
+# Quantized pages (dequantized in fp32 by the kernel and the reference alike), outputs, logits and lse:
+QTOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}  # atol and rtol alike
+NMAX_PAD = 5  # logits_out columns past the longest head (must stay untouched)
+
+
+def _token_kv(pool, fmt, cache_dtype, p, r):
+    """Keys, values float64 [D] of one page row, decoded by plain slicing + dequantize_ref."""
+    D = fmt.head_dim
+    out = []
+    for bits, off, moff in ((fmt.key_bits, fmt.k_off, fmt.k_meta_off), (fmt.value_bits, fmt.v_off, fmt.v_meta_off)):
+        if bits == 16:
+            w = D * fmt.full_itemsize
+            out.append(pool[p, off + r * w: off + (r + 1) * w].view(cache_dtype).double())
+        else:
+            w = D * bits // 8
+            meta = pool[p, moff + 4 * r: moff + 4 * r + 4].view(torch.float16)
+            out.append(dequantize_ref(pool[p, off + r * w: off + (r + 1) * w], meta[0], meta[1], bits, D).double())
+    return out
+
+
+def _naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len_lo, slots, layer, scale):
+    """float64 loops: output [B, Hq, D], logits {(b, hq, idx): value}, lse [B, Hq]."""
+    pool, page_table, q = pool.cpu(), page_table.cpu(), q.double().cpu()
+    B, Hq, D = q.shape
+    Hkv = page_table.shape[2]
+    G = Hq // Hkv
+    P = page_table.shape[3] - 1
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq), float("-inf"), dtype=torch.float64)
+    logits = {}
+    for b in range(B):
+        s = int(slots[b])
+        for h in range(Hkv):
+            rows = []
+            n_hi = int(len_hi[s, layer, h])
+            rows += [(fmt_hi, int(page_table[s, layer, h, j // fmt_hi.tokens]), j % fmt_hi.tokens) for j in range(n_hi)]
+            if fmt_lo is not None:
+                T = fmt_lo.tokens
+                rows += [(fmt_lo, int(page_table[s, layer, h, P - 1 - j // T]), j % T)
+                         for j in range(int(len_lo[s, layer, h]))]
+            if not rows:
+                continue
+            kv = [_token_kv(pool, f, cache_dtype, p, r) for f, p, r in rows]
+            keys = torch.stack([k for k, _ in kv])
+            vals = torch.stack([v for _, v in kv])
+            for hq in range(h * G, (h + 1) * G):
+                x = keys @ q[b, hq] * scale
+                lse[b, hq] = torch.logsumexp(x, 0)
+                out[b, hq] = torch.softmax(x, 0) @ vals
+                for i in range(len(rows)):
+                    logits[(b, hq, i)] = float(x[i])  # idx: j for high, n_hi + j for low
+    return out, logits, lse
+
+
+def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, layer, seed, block_n=None,
+                  max_len=None):
+    isz = torch.empty((), dtype=dtype).element_size()
+    fmt_hi, fmt_lo = formats(spec, D, isz)
+    pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE, seed)
+    slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    B = len(slots)
+    q = torch.randn(B, Hq, D, device=DEVICE).to(dtype)
+    scale = 1 / math.sqrt(D)
+    total = len_hi + (len_lo if len_lo is not None else 0)
+    nmax = int(total.max()) + NMAX_PAD
+    args = (q, pool, fmt_hi, dtype, page_table, len_hi, slots, layer, scale)
+    kw = dict(fmt_low=fmt_lo, len_low=len_lo, max_len=max_len)
+    res = {}
+    for impl in ("triton", "ref"):
+        out = torch.full_like(q, float("nan"))  # poison: every (batch, head) row must be written
+        logits = torch.full((B, Hq, nmax), float("nan"), device=DEVICE)
+        lse = torch.full((B, Hq), float("nan"), device=DEVICE)
+        if impl == "triton":
+            paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, out=out,
+                                          logits_out=logits, lse_out=lse, **kw)
+        else:
+            paged_decode_attention(*args, num_splits=num_splits, impl=impl, out=out, logits_out=logits,
+                                   lse_out=lse, **kw)
+        assert not out.isnan().any() and not lse.isnan().any()
+        res[impl] = (out, logits, lse)
+    # Plain call (no logits/lse) gives the same output.
+    plain = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, **kw)
+    torch.testing.assert_close(plain, res["triton"][0], atol=0, rtol=0)
+
+    n_out, n_logits, n_lse = _naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
+                                             slots.cpu(), layer, scale)
+    tol = QTOL[dtype]
+    expect_logits = torch.full((B, Hq, nmax), float("nan"), dtype=torch.float64)
+    for (b, hq, i), x in n_logits.items():
+        expect_logits[b, hq, i] = x
+    for impl, (out, logits, lse) in res.items():
+        torch.testing.assert_close(out.double().cpu(), n_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double().cpu(), n_lse, atol=tol, rtol=tol)  # -inf where no token
+        torch.testing.assert_close(logits.double().cpu(), expect_logits, atol=tol, rtol=tol, equal_nan=True)
+    torch.testing.assert_close(res["triton"][0].double().cpu(), res["ref"][0].double().cpu(), atol=tol, rtol=tol)
+    return res, total[slots.long(), layer]
+
+
+SPECS = ["K8V8", "K4V4", "K8V4", "K4V2", "K8V4+K4V2"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("Hq,Hkv,num_splits", [(2, 2, None), (6, 2, 1), (8, 2, 3)])
+def test_decode_quantized_sections(spec, Hq, Hkv, num_splits):
+    """Lengths 0, 1, T, T+1 per section (T of that section's format), different per head, slots shuffled;
+    logits_out / lse_out against float64 loops over the dequantized cache."""
+    isz = torch.empty((), dtype=DTYPES[0]).element_size()
+    fmt_hi, fmt_lo = formats(spec, 64, isz)
+    th = fmt_hi.tokens
+    lens_hi = [[1, th + 1], [th, 0], [0, 3], [2 * th + 5, 0]]
+    if fmt_lo is None:
+        lens_lo = None
+    else:
+        tl_ = fmt_lo.tokens
+        lens_lo = [[tl_, 1], [0, tl_ + 1], [0, 5], [3, 0]]  # slot 3 head 1: both sections empty
+    for dtype in DTYPES:
+        res, total = _run_sections(spec, dtype, Hq, Hkv, 64, lens_hi, lens_lo, [2, 0, 3, 1], num_splits,
+                                   layer=0, seed=Hq + len(spec))
+        out = res["triton"][0]
+        empty = (total == 0).repeat_interleave(Hq // Hkv, dim=1)
+        assert empty.any() and (out[empty] == 0).all()
+        assert (res["triton"][2][empty] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("spec,D,block_n,num_splits", [("K8V4+K4V2", 64, 16, None), ("K8V4+K4V2", 64, 32, 5),
+                                                       ("K4V2", 128, 16, None), ("K16V16+K8V4", 64, None, 4)])
+def test_decode_quantized_long_multi_split(spec, D, block_n, num_splits):
+    """Long sections split many ways (several tiles per split), GQA 4, one head_dim 128 case."""
+    assert choose_num_splits(2, 2, 600, torch.device(DEVICE), 16) > 1
+    lens_hi = [[300, 57], [45, 290]]
+    lens_lo = [[250, 260], [0, 131]] if "+" in spec else None
+    for dtype in DTYPES:
+        _run_sections(spec, dtype, 8, 2, D, lens_hi, lens_lo, [1, 0], num_splits, layer=1, seed=D + len(spec),
+                      block_n=block_n)
+
+
+def test_decode_low_section_needs_format():
+    isz = torch.empty((), dtype=DTYPES[0]).element_size()
+    fmt_hi, fmt_lo = formats("K8V4+K4V2", 64, isz)
+    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
+    pool = torch.zeros(2, fmt_hi.page_bytes, dtype=torch.uint8, device=DEVICE)
+    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for impl in ("triton", "ref"):
+        with pytest.raises(ValueError):
+            paged_decode_attention(q, pool, fmt_hi, DTYPES[0], pt, lens, slots, 0, impl=impl, len_low=lens)

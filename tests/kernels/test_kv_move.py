@@ -8,6 +8,7 @@ from kernels.kv_write import write_kv
 from kernels.page_layout import PageFormat, page_bytes_for
 from kernels.quant import dequantize_ref, quantize_ref
 
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # Moves are byte copies or a deterministic dequantize -> quantize: every implementation gives identical bytes.
 TOL = {torch.float32: 0.0, torch.float16: 0.0, torch.bfloat16: 0.0}

@@ -1,0 +1,77 @@
+import math
+import os
+
+import pytest
+import torch
+
+from _paged_cache import build_cache, formats
+from kernels.decode_attention import paged_decode_attention
+from kernels.score_update import accumulate_scores, accumulate_scores_triton
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
+# Scores are f32 sums of exp(logit - lse): compared to a float64 loop with these tolerances (atol = rtol).
+TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}  # keyed by cache dtype (scores are f32)
+DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.startswith("cuda") else [])
+
+
+def _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots, layer, logits, lse):
+    """float64 loop: expected score segment of every page after the update."""
+    pool, page_table, logits, lse = pool.cpu(), page_table.cpu(), logits.double().cpu(), lse.double().cpu()
+    scores = pool.view(torch.float32).double().clone()
+    B, Hq, _ = logits.shape
+    Hkv = page_table.shape[2]
+    G = Hq // Hkv
+    P = page_table.shape[3] - 1
+    for b in range(B):
+        s = int(slots[b])
+        for h in range(Hkv):
+            n_hi = int(len_hi[s, layer, h])
+            rows = [(fmt_hi, int(page_table[s, layer, h, j // fmt_hi.tokens]), j % fmt_hi.tokens, j)
+                    for j in range(n_hi)]
+            if fmt_lo is not None:
+                T = fmt_lo.tokens
+                rows += [(fmt_lo, int(page_table[s, layer, h, P - 1 - j // T]), j % T, n_hi + j)
+                         for j in range(int(len_lo[s, layer, h]))]
+            for f, p, r, idx in rows:
+                prob = max(math.exp(float(logits[b, g, idx] - lse[b, g])) for g in range(h * G, (h + 1) * G))
+                scores[p, f.score_off // 4 + r] += prob
+    return scores
+
+
+@pytest.mark.parametrize("spec", ["K16V16", "K8V4", "K4V2", "K8V4+K4V2"])
+@pytest.mark.parametrize("Hq,Hkv,num_splits", [(2, 2, None), (6, 2, 1), (8, 2, 3)])
+def test_accumulate_scores(spec, Hq, Hkv, num_splits):
+    for dtype in DTYPES:
+        isz = torch.empty((), dtype=dtype).element_size()
+        fmt_hi, fmt_lo = formats(spec, 64, isz)
+        th = fmt_hi.tokens
+        lens_hi = [[1, th + 1], [th, 0], [0, 3], [2 * th + 5, 0], [130, 90]]
+        lens_lo = None if fmt_lo is None else [[fmt_lo.tokens, 1], [0, 2], [0, fmt_lo.tokens + 1], [3, 0],
+                                               [70, 200]]
+        pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE,
+                                                          seed=Hq + len(spec))
+        slots = torch.tensor([4, 2, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+        B, layer = len(slots), 1
+        total = len_hi + (len_lo if len_lo is not None else 0)
+        nmax = int(total.max()) + 3
+        # Real logits / lse of a decode step (entries past a head's tokens stay NaN: never read).
+        q = torch.randn(B, Hq, 64, device=DEVICE).to(dtype)
+        logits = torch.full((B, Hq, nmax), float("nan"), device=DEVICE)
+        lse = torch.full((B, Hq), float("nan"), device=DEVICE)
+        paged_decode_attention(q, pool, fmt_hi, dtype, page_table, len_hi, slots, layer, fmt_low=fmt_lo,
+                               len_low=len_lo, logits_out=logits, lse_out=lse)
+        expect = _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots.cpu(), layer, logits, lse)
+        for impl in ("triton", "ref"):
+            got = pool.clone()
+            if impl == "triton":
+                accumulate_scores_triton(got, fmt_hi, page_table, len_hi, slots, layer, logits, lse, fmt_low=fmt_lo,
+                                         len_low=len_lo, num_splits=num_splits, block_n=32)
+            else:
+                accumulate_scores(got, fmt_hi, page_table, len_hi, slots, layer, logits, lse, fmt_low=fmt_lo,
+                                  len_low=len_lo, impl=impl)
+            g = got.view(torch.float32).double().cpu()
+            # Everything but the score words of cached tokens keeps its bytes (NaN poison included).
+            changed = (g != pool.view(torch.float32).double().cpu()) & ~g.isnan()
+            torch.testing.assert_close(g, expect, atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
+            assert changed.sum() == int(total[slots.long().cpu(), layer].sum())
