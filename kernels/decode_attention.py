@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
-from kernels.quant import read_rows_ref, unpack_tile
+from kernels.quant import read_pages_ref, unpack_tile
 
 LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 4  # below this, the partial-result traffic outweighs the extra parallelism
@@ -214,15 +214,16 @@ def gather_section_ref(pool, fmt: PageFormat, cache_dtype, page_table, slots, la
     (j < lens). High token j: page_table[..., j // T]; low token j: page_table[..., P - 1 - j // T]."""
     T = fmt.tokens
     n_pages = triton.cdiv(n_tokens, T)
-    j = torch.arange(n_pages * T, device=pool.device)
-    cols = j // T
+    cols = torch.arange(n_pages, device=pool.device)
     if low:
-        cols = page_table.shape[3] - 2 - cols  # P - 1 - j // T (column P is the trash column)
+        cols = page_table.shape[3] - 2 - cols  # P - 1 - c (column P is the trash column)
     # Entries past a head's length are garbage (-1, stale): clamp so the gather stays in bounds, mask later.
-    pages = page_table[slots, layer][:, :, cols].long().clamp(0, pool.shape[0] - 1)  # [B, Hkv, n]
-    rows = (j % T).expand_as(pages)
-    keys = read_rows_ref(pool, fmt, cache_dtype, "k", pages, rows)
-    vals = read_rows_ref(pool, fmt, cache_dtype, "v", pages, rows)
+    pages = page_table[slots, layer][:, :, cols].long().clamp(0, pool.shape[0] - 1)  # [B, Hkv, n_pages]
+    B, H = pages.shape[:2]
+    D = fmt.head_dim
+    keys = read_pages_ref(pool, fmt, cache_dtype, "k", pages).reshape(B, H, n_pages * T, D)
+    vals = read_pages_ref(pool, fmt, cache_dtype, "v", pages).reshape(B, H, n_pages * T, D)
+    j = torch.arange(n_pages * T, device=pool.device)
     valid = j < lens[..., None]
     return keys, vals, valid
 
@@ -241,11 +242,12 @@ def paged_decode_attention_ref(q, pool, fmt: PageFormat, cache_dtype, page_table
     lens_lo = len_low[sl, layer].long() if has_low else torch.zeros_like(lens)
     if max_len is None:
         max_len = int((lens + lens_lo).max()) if lens.numel() else 0
-    n_hi = min(max_len, page_table.shape[3] * fmt.tokens)
+    # The reference gathers only as far as the longest section really reaches (one sync; CPU/tests only).
+    n_hi = min(max_len, page_table.shape[3] * fmt.tokens, int(lens.max()) if lens.numel() else 0)
     parts = [gather_section_ref(pool, fmt, cache_dtype, page_table, sl, layer, lens, n_hi, False)]
     index = [torch.arange(parts[0][2].shape[-1], device=q.device).expand_as(parts[0][2])]
     if has_low:
-        n_lo = min(max_len, (page_table.shape[3] - 1) * fmt_low.tokens)
+        n_lo = min(max_len, (page_table.shape[3] - 1) * fmt_low.tokens, int(lens_lo.max()) if lens.numel() else 0)
         parts.append(gather_section_ref(pool, fmt_low, cache_dtype, page_table, sl, layer, lens_lo, n_lo, True))
         index.append(lens[..., None] + torch.arange(parts[1][2].shape[-1], device=q.device))
     keys = torch.cat([p[0] for p in parts], 2)

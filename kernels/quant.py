@@ -100,6 +100,20 @@ def read_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str,
     return dequantize_ref(data, meta[..., 0], meta[..., 1], bits, D)
 
 
+def read_pages_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str, pages: torch.Tensor) -> torch.Tensor:
+    """Dequantized keys ('k') or values ('v') float32 [..., T, D] of whole pages `pages` (long): one gather per
+    page instead of per row, which is what makes the CPU decode path affordable."""
+    bits = fmt.key_bits if which == "k" else fmt.value_bits
+    off = fmt.k_off if which == "k" else fmt.v_off
+    D, T = fmt.head_dim, fmt.tokens
+    if bits == 16:
+        return _segment(pool, off, T, D * fmt.full_itemsize).view(cache_dtype)[pages].float()
+    meta_off = fmt.k_meta_off if which == "k" else fmt.v_meta_off
+    data = _segment(pool, off, T, D * bits // 8)[pages]
+    meta = _segment(pool, meta_off, T, 4).view(torch.float16)[pages]
+    return dequantize_ref(data, meta[..., 0], meta[..., 1], bits, D)
+
+
 def write_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str, pages: torch.Tensor,
                    rows: torch.Tensor, x: torch.Tensor) -> None:
     """Store x [M, D] (any float dtype) into rows (pages [M], rows [M], long) in the page's precision."""

@@ -105,9 +105,11 @@ def test_per_request_thresholds_change_what_is_kept(make_engine):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_uniform_quantized_modes_generate(make_engine, mode):
     engine = make_engine(cache={"kv_mode": mode})
-    out = run_all(engine, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    # Long enough that rounding each head up to whole pages does not hide the saving.
+    long_prompt = " ".join(PROMPTS) * 6
+    out = run_all(engine, [long_prompt, PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert all(len(o.token_ids) == 12 for o in out)
-    assert out[0].kv_usage["bytes_used"] < out[0].kv_usage["bytes_fp16"] * (1.0 if mode == "int8" else 0.6)
+    assert out[0].kv_usage["bytes_used"] < out[0].kv_usage["bytes_fp16"] * (0.8 if mode == "int8" else 0.5)
 
 
 # ---- property test on a tiny random model: nothing lost, nothing double-freed ---------------------------
