@@ -14,3 +14,12 @@ def test_decode_throughput_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in rows)
+
+
+def test_memory_manager_smoke(tmp_path):
+    out = tmp_path / "mm.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["prompt_mm_ms"] > 0 and r["gen_mm_ms"] > 0 for r in rows)
