@@ -1,12 +1,17 @@
-"""CUDA graphs for decode steps: the forward and logits of a padded batch are captured once per bucket
-size and replayed, so a decode step costs one graph launch instead of one launch per operator (it is
-launch-bound at small batch otherwise). Memory management runs before it, eagerly and batched.
+"""CUDA graphs for decode steps. Per bucket size two graphs are captured and replayed back to back:
+
+  memory management  Algorithm 1, page growth, token moves and the new tokens' write targets (KVCache)
+  forward            the model with the paged attention kernels, and the logits
+
+so a decode step costs one host-to-device copy and two graph launches instead of one launch per operator
+(the step is launch-bound at small batch otherwise). CUDA events between the two replays time the
+memory management on the device.
 
 Static buffers hold the step's inputs. Padding rows point at the memory manager's dummy slot (every
-section empty) and at page -1 (the KV write skips them), so they read and write nothing. Capture runs
-with every row padded, because the captured step is not idempotent (it adds attention to token scores);
-the real inputs are copied in afterwards. The decode kernel is captured with max_len = max_model_len,
-which fixes its split count for every length.
+section empty, length 0): they allocate nothing, their write targets are page -1 (skipped) and they read
+no token. Capture runs with every row padded, because the captured work is not idempotent (it moves
+tokens and adds attention to their scores); the real inputs are copied in afterwards. The decode kernel
+is captured with max_len = max_model_len, which fixes its split count for every length.
 """
 from __future__ import annotations
 
@@ -23,64 +28,72 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, attn: PagedAttention, max_batch: int, max_model_len: int):
-        self.model, self.attn = model, attn
-        mm = attn.kv.mm
-        self.dummy = mm.dummy_slot
+        self.model, self.attn, self.kv = model, attn, attn.kv
+        self.dummy = self.kv.mm.dummy_slot
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.buckets = graph_buckets(max_batch)
-        dev = mm.device
-        L, H = mm.shape.num_layers, mm.shape.num_kv_heads
-        self.ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-        self.slots = torch.full((max_batch,), self.dummy, dtype=torch.int32, device=dev)
-        self.dst_page = torch.full((L, max_batch, H), -1, dtype=torch.int32, device=dev)
-        self.dst_row = torch.zeros((L, max_batch, H), dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        dev = self.kv.mm.device
+        # ids, positions, slots, new lengths, prompt lengths | alpha_high, alpha_low
+        self.ints = torch.zeros(5, max_batch, dtype=torch.int64, device=dev)
+        self.floats = torch.zeros(2, max_batch, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
     def _pad(self, start: int, stop: int) -> None:
-        self.ids[start:stop].zero_()
-        self.positions[start:stop].zero_()
-        self.slots[start:stop].fill_(self.dummy)
-        self.dst_page[:, start:stop].fill_(-1)
+        self.ints[:, start:stop].zero_()
+        self.ints[2, start:stop] = self.dummy
+        self.floats[:, start:stop].zero_()
 
-    def _forward(self, b: int) -> torch.Tensor:
-        self.attn.meta = StepMetadata(False, self.positions[:b], self.dst_page[:, :b], self.dst_row[:, :b],
-                                      self.slots[:b], self.max_model_len)
-        hidden = self.model(self.ids[:b], self.positions[:b].long(), self.attn)
-        return self.model.logits(hidden)
+    def _mm(self, b: int):
+        ids, pos, slots, lens, plen = self.ints[:, :b]
+        return self.kv.prepare_decode(slots.int(), lens.int(), plen.int(), self.floats[0, :b], self.floats[1, :b],
+                                      timed=False)
+
+    def _forward(self, b: int, dst_page: torch.Tensor, dst_row: torch.Tensor) -> torch.Tensor:
+        ids, pos, slots = self.ints[0, :b], self.ints[1, :b], self.ints[2, :b]
+        self.attn.meta = StepMetadata(False, pos.int(), dst_page, dst_row, slots.int(), self.max_model_len)
+        return self.model.logits(self.model(ids, pos, self.attn))
 
     def _capture(self, b: int) -> None:
         self._pad(0, b)
-        side = torch.cuda.Stream(self.ids.device)
+        side = torch.cuda.Stream(self.ints.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up: Triton compiles, cuBLAS picks its kernels
+        with torch.cuda.stream(side):  # warm up on padding only: Triton compiles, cuBLAS picks its kernels
             for _ in range(2):
-                self._forward(b)
+                self._forward(b, *self._mm(b))
         torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            self.logits[b] = self._forward(b)
-        self.pool = g.pool()
-        self.graphs[b] = g
+        g_mm, g_fwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_mm, pool=self.pool):
+            dst = self._mm(b)
+        self.pool = g_mm.pool()
+        with torch.cuda.graph(g_fwd, pool=self.pool):
+            self.logits[b] = self._forward(b, *dst)
+        self.graphs[b] = (g_mm, g_fwd, dst)  # keep dst alive: the forward graph reads it
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, dst_page: torch.Tensor,
-            dst_row: torch.Tensor) -> torch.Tensor:
-        """One decode step of n <= max_batch sequences (device tensors) -> logits [n, V]."""
-        n = ids.shape[0]
+    def run(self, ids: list[int], positions: list[int], slots: list[int], new_lens: list[int],
+            prompt_lens: list[int], alphas: tuple[list[float], list[float]] | None) -> torch.Tensor:
+        """One decode step of n <= max_batch sequences -> logits [n, V]."""
+        n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
             self._capture(b)
-        self.ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.dst_page[:, :n].copy_(dst_page)
-        self.dst_row[:, :n].copy_(dst_row)
-        if b > n:
-            self._pad(n, b)
-        self.graphs[b].replay()
+        pad = b - n
+        ints = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.dummy] * pad,
+                             new_lens + [0] * pad, prompt_lens + [0] * pad], dtype=torch.int64).pin_memory()
+        self.ints[:, :b].copy_(ints, non_blocking=True)
+        if alphas is not None:
+            fl = torch.tensor([alphas[0] + [0.0] * pad, alphas[1] + [0.0] * pad], dtype=torch.float32)
+            self.floats[:, :b].copy_(fl.pin_memory(), non_blocking=True)
+        g_mm, g_fwd, _ = self.graphs[b]
+        start, end = self.events
+        start.record()
+        g_mm.replay()
+        end.record()
+        g_fwd.replay()
+        self.kv.set_mm_events(start, end)
         return self.logits[b][:n]

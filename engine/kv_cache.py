@@ -90,13 +90,16 @@ class KVCache:
 
     # ---- generation ----------------------------------------------------------------------------------
     def prepare_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
-                       alpha_high: torch.Tensor, alpha_low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       alpha_high: torch.Tensor, alpha_low: torch.Tensor,
+                       timed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Place the token leaving the window (diffkv), give heads their page, append the new token's slot.
 
         slots int32 [B]; seq_len int32 [B] = tokens after this step's token; returns write targets [L, B, H].
+        No host synchronization: a CUDA graph can capture it (timed=False there; the graph runner times it).
         """
         mm = self.mm
-        self._mm_begin()
+        if timed:
+            self._mm_begin()
         if self.diffkv:
             plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
                                     slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
@@ -125,7 +128,8 @@ class KVCache:
             mm.grow(slots, need_high, torch.zeros_like(need_high), 1)
             mm.len_high[slots] = new_high
         out = mm.append_targets(slots)
-        self._mm_end()
+        if timed:
+            self._mm_end()
         return out
 
     def decode_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -164,6 +168,10 @@ class KVCache:
             import time
 
             self.last_mm_seconds = time.perf_counter() - self._mm_t0
+
+    def set_mm_events(self, start, end) -> None:
+        """A CUDA graph replay timed the memory management with these events."""
+        self._mm_events = (start, end)
 
     def mm_seconds(self) -> float:
         """Memory-management time of the last decode step (device time on CUDA)."""

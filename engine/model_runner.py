@@ -167,19 +167,23 @@ class ModelRunner:
         return self.model.logits(hidden[cu_t[1:].long() - 1])
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        input_ids, positions, slots, seq_len, prompt_len = self._to_device(
-            [[s.all_token_ids[-1] for s in seqs], [s.num_cached for s in seqs], [s.slot for s in seqs],
-             [s.num_cached + 1 for s in seqs], [len(s.prompt_token_ids) for s in seqs]])
-        positions, slots = positions.int(), slots.int()
+        ids = [s.all_token_ids[-1] for s in seqs]
+        pos = [s.num_cached for s in seqs]
+        slots = [s.slot for s in seqs]
+        new_lens = [s.num_cached + 1 for s in seqs]
+        prompt_lens = [len(s.prompt_token_ids) for s in seqs]
+        cc = self.config.cache
+        alphas = None
         if self.kv.diffkv:
-            ah, al = self._alphas(seqs)
-        else:
-            ah = al = None
-        dst_page, dst_row = self.kv.prepare_decode(slots, seq_len.int(), prompt_len.int(), ah, al)
+            alphas = ([s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
+                      [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs])
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            return self.graphs.run(input_ids, positions, slots, dst_page, dst_row)
-        max_len = max(s.num_cached + 1 for s in seqs)
-        self.attn.meta = StepMetadata(False, positions, dst_page, dst_row, slots, max_len)
+            return self.graphs.run(ids, pos, slots, new_lens, prompt_lens, alphas)
+        input_ids, positions, slots_t, seq_len, prompt_len = self._to_device([ids, pos, slots, new_lens, prompt_lens])
+        positions, slots_t = positions.int(), slots_t.int()
+        ah, al = self._alphas(seqs) if self.kv.diffkv else (None, None)
+        dst_page, dst_row = self.kv.prepare_decode(slots_t, seq_len.int(), prompt_len.int(), ah, al)
+        self.attn.meta = StepMetadata(False, positions, dst_page, dst_row, slots_t, max(new_lens))
         return self.model.logits(self.model(input_ids, positions.long(), self.attn))
 
 
