@@ -100,13 +100,15 @@ class KVCache:
         mm = self.mm
         if timed:
             self._mm_begin()
+        # Padding rows of a CUDA-graph batch (dummy slot, seq_len 0) must neither grow nor move anything.
+        active = (seq_len > 0).to(torch.int32).view(-1, 1, 1)
         if self.diffkv:
             plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
                                     slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
                                     num_queries=self.config.significance_queries)
             new_high, new_low = plan["new_len_high"], plan["new_len_low"]
             need_low = (new_low > mm.held_low[slots] * mm.fmt_low.tokens).to(torch.int32)
-            need_high = (new_high + 1 > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
+            need_high = (new_high + active > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
             mm.grow(slots, need_high, need_low, 2)
             # Requantize the token that moves down (before its high row can be overwritten) ...
             sp, sr = mm.high_targets(slots, plan["to_low_src"])
@@ -120,10 +122,10 @@ class KVCache:
             dp, dr = mm.high_targets(slots, torch.where(fill, hole, -1))
             move_tokens(mm.pool, mm.fmt_high, mm.fmt_high, mm.cache_dtype, sp.flatten(), sr.flatten(),
                         dp.flatten(), dr.flatten())
-            mm.len_high[slots] = new_high + 1
+            mm.len_high[slots] = new_high + active
             mm.len_low[slots] = new_low
         else:
-            new_high = mm.len_high[slots] + 1
+            new_high = mm.len_high[slots] + active
             need_high = (new_high > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
             mm.grow(slots, need_high, torch.zeros_like(need_high), 1)
             mm.len_high[slots] = new_high
