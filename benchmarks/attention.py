@@ -28,7 +28,6 @@ Smoke (CPU):  python benchmarks/attention.py --smoke --out /tmp/attention.json  
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import re
@@ -41,6 +40,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result  # noqa: E402
 
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
 from kernels.kv_write import write_kv  # noqa: E402
@@ -248,11 +250,6 @@ def check_small(args, device, impl, page_bytes) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------------- main
-
-def gpu_tag(name: str) -> str:
-    m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Za-z]?)\b", name.replace("NVIDIA", ""))
-    return m[1] if m else re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
-
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -486,11 +483,7 @@ def main(argv=None) -> int:
                         "do_bench_cudagraph median (back-to-back calls in a CUDA graph); both rotate among "
                         "`copies` copies of the cache when it is within 2x L2. CPU (smoke): perf_counter median.",
               "checks": checks, "targets": targets, "rows": rows, "skipped": skipped}
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"attention_{'smoke' if args.smoke else gpu_tag(gpu)}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, "attention", gpu, args.out, args.smoke)
     return 0
 
 

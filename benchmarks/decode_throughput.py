@@ -7,7 +7,6 @@ Smoke (CPU):  python benchmarks/decode_throughput.py --smoke
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -16,7 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _results import write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
@@ -93,11 +94,7 @@ def main(argv=None) -> int:
               "block_size": args.block_size, "bandwidth": args.bandwidth, "torch": torch.__version__,
               "command": " ".join(["python", "benchmarks/decode_throughput.py", *(argv or sys.argv[1:])]),
               "rows": rows}
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"decode_throughput_{'smoke' if args.smoke else gpu.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, "decode_throughput", gpu, args.out, args.smoke)
     return 0
 
 

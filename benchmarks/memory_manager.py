@@ -13,7 +13,6 @@ Smoke (CPU): python benchmarks/memory_manager.py --smoke
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _results import write_result  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.memory import CacheShape  # noqa: E402
@@ -196,11 +197,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "memory_manager", "device": gpu, "torch": torch.__version__,
               "command": " ".join(["python", "benchmarks/memory_manager.py", *(argv or sys.argv[1:])]),
               "rows": rows, "speedup_gpu_vs_cpu": speed, "engine": eng_rows}
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"memory_manager_{'smoke' if args.smoke else gpu.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, "memory_manager", gpu, args.out, args.smoke)
     return 0
 
 

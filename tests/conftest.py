@@ -42,3 +42,15 @@ def make_engine(smollm):
     yield make
     for eng in engines:
         assert_all_pages_free(eng)
+
+
+def run_all(engine, prompts, sampling, **kw):
+    """Add every prompt (ids "0", "1", ...), step until all finish, return their final outputs in order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sampling, **kw)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]

@@ -1,7 +1,5 @@
 """DiffKV mode end to end: the machinery as an identity, fidelity of the defaults on SmolLM2, stats, and
 page accounting under random interleavings of add / step / abort / preempt."""
-import json
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,24 +9,13 @@ from engine import EngineConfig, InvalidRequestError, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 
-from conftest import TEST_DEVICE, assert_all_pages_free
+from conftest import TEST_DEVICE, assert_all_pages_free, run_all
 
 PROMPTS = [
     "The history of the printing press begins",
     "Write a short story about a robot who learns to paint.",
     "Explain how photosynthesis works, step by step.",
 ]
-
-
-def run_all(engine, prompts, sp, **kw):
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, sp, **kw)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
 
 
 def test_identity_configuration_equals_fp16(make_engine):

@@ -4,18 +4,9 @@ import torch
 
 from engine import InvalidRequestError, SamplingParams
 
+from conftest import run_all
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def run_all(engine, prompts, sampling=GREEDY):
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, sampling)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
 
 
 PROMPTS = [
@@ -30,18 +21,18 @@ PROMPTS = [
 
 def test_batch_equals_each_prompt_alone(make_engine):
     engine = make_engine()
-    batched = [o.token_ids for o in run_all(engine, PROMPTS)]
-    alone = [run_all(engine, [p])[0].token_ids for p in PROMPTS]
+    batched = [o.token_ids for o in run_all(engine, PROMPTS, GREEDY)]
+    alone = [run_all(engine, [p], GREEDY)[0].token_ids for p in PROMPTS]
     assert batched == alone
 
 
 def test_preemption_by_recompute_keeps_tokens(make_engine):
     roomy = make_engine()
-    ref = [o.token_ids for o in run_all(roomy, PROMPTS)]
+    ref = [o.token_ids for o in run_all(roomy, PROMPTS, GREEDY)]
     # 30 layers x 3 KV heads = 90 pages per 16 tokens of one sequence: 900 pages hold ~160 tokens in all,
     # far less than six sequences need, so decoding must preempt and recompute.
     tight = make_engine(cache={"num_pages": 900, "block_size": 16})
-    out = [o.token_ids for o in run_all(tight, PROMPTS)]
+    out = [o.token_ids for o in run_all(tight, PROMPTS, GREEDY)]
     assert tight.stats()["num_preemptions"] > 0
     assert out == ref
 
@@ -69,7 +60,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(make_engine):
 
 def test_top_k_one_is_greedy(make_engine):
     engine = make_engine()
-    greedy = run_all(engine, [PROMPTS[1]])[0].token_ids
+    greedy = run_all(engine, [PROMPTS[1]], GREEDY)[0].token_ids
     topk = run_all(engine, [PROMPTS[1]], SamplingParams(temperature=1.5, top_k=1, max_tokens=24,
                                                          ignore_eos=True, seed=3))[0].token_ids
     assert greedy == topk
@@ -86,7 +77,7 @@ def test_logprobs_of_chosen_tokens(make_engine):
 
 def test_stop_string_and_stop_token(make_engine):
     engine = make_engine()
-    full = run_all(engine, [PROMPTS[3]])[0]
+    full = run_all(engine, [PROMPTS[3]], GREEDY)[0]
     assert len(full.text) > 8
     stop = full.text[4:7]
     cut = run_all(engine, [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0]
@@ -191,4 +182,4 @@ def test_cuda_graph_decode_equals_eager(make_engine):
     eager = make_engine(dtype="float32", enforce_eager=True)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
     # 5 prompts pad to the 8-wide graph: padding rows must not disturb the real ones.
-    assert [o.token_ids for o in run_all(graphs, PROMPTS[:5])] == [o.token_ids for o in run_all(eager, PROMPTS[:5])]
+    assert [o.token_ids for o in run_all(graphs, PROMPTS[:5], GREEDY)] == [o.token_ids for o in run_all(eager, PROMPTS[:5], GREEDY)]

@@ -123,7 +123,7 @@ def _layout_problem(path: Path) -> str:
                     raise EOFError(f.tell())
             end = 0
             for _ in range(n_tensors):
-                name = read(unpack("<Q")).decode("utf-8", "replace")
+                read(unpack("<Q"))  # tensor name: only its length matters here
                 dims = [unpack("<Q") for _ in range(unpack("<I"))]
                 qtype, offset = unpack("<I"), unpack("<Q")
                 block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]

@@ -1,0 +1,23 @@
+"""Where benchmark scripts write their JSON: --out, else benchmarks/results/<name>_<device>.json."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def gpu_tag(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100' (file names)."""
+    m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Za-z]?)\b", name.replace("NVIDIA", ""))
+    return m[1] if m else re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def write_result(result: dict, name: str, device: str, out: Optional[str], smoke: bool) -> Path:
+    path = Path(out) if out else RESULTS / f"{name}_{'smoke' if smoke else gpu_tag(device)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return path
