@@ -22,6 +22,7 @@ import triton.language as tl
 from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
 from kernels.quant import read_pages_ref, unpack_tile
+from kernels.sections import section_columns, section_page
 
 LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 4  # below this, the partial-result traffic outweighs the extra parallelism
@@ -60,11 +61,7 @@ def _attend_section(
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
-        # High token t: page page_table[t // T], row t % T. Low token t: page page_table[P - 1 - t // T].
-        if LOW:
-            page = tl.load(pt_row + col0 - t // T, mask=tmask, other=0).to(tl.int64)
-        else:
-            page = tl.load(pt_row + t // T, mask=tmask, other=0).to(tl.int64)
+        page = section_page(pt_row, col0, t, tmask, T, LOW)
         row = t % T
         k = _load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
                        k_off, k_meta, D, KB, BLOCK_N, BLOCK_D)
@@ -214,9 +211,7 @@ def gather_section_ref(pool, fmt: PageFormat, cache_dtype, page_table, slots, la
     (j < lens). High token j: page_table[..., j // T]; low token j: page_table[..., P - 1 - j // T]."""
     T = fmt.tokens
     n_pages = triton.cdiv(n_tokens, T)
-    cols = torch.arange(n_pages, device=pool.device)
-    if low:
-        cols = page_table.shape[3] - 2 - cols  # P - 1 - c (column P is the trash column)
+    cols = section_columns(torch.arange(n_pages, device=pool.device) * T, T, low, page_table.shape[3])
     # Entries past a head's length are garbage (-1, stale): clamp so the gather stays in bounds, mask later.
     pages = page_table[slots, layer][:, :, cols].long().clamp(0, pool.shape[0] - 1)  # [B, Hkv, n_pages]
     B, H = pages.shape[:2]

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kernels._common import next_pow2, num_sms, use_triton
 from kernels.page_layout import PageFormat
+from kernels.sections import section_columns, section_page
 
 MAX_SPLITS = 64
 
@@ -25,10 +26,7 @@ def _score_section(
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
-        if LOW:
-            page = tl.load(pt_row + col0 - t // T, mask=tmask, other=0).to(tl.int64)
-        else:
-            page = tl.load(pt_row + t // T, mask=tmask, other=0).to(tl.int64)
+        page = section_page(pt_row, col0, t, tmask, T, LOW)
         logit = tl.load(logit_rows[:, None] + (logit_base + t)[None, :], mask=gmask[:, None] & tmask[None, :],
                         other=float("-inf"))
         p = tl.max(tl.exp(logit - lse[:, None]), 0)  # [BLOCK_N]: max over the group's query heads
@@ -97,7 +95,7 @@ def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, lay
         if n == 0:
             continue
         j = torch.arange(n, device=pool.device)
-        cols = (page_table.shape[3] - 2 - j // T) if low else j // T  # low: P - 1 - j // T
+        cols = section_columns(j, T, low, page_table.shape[3])
         pages = page_table[sl, layer][:, :, cols].long()  # [B, Hkv, n]
         valid = j < n_tok[..., None]
         idx = (base[..., None] + j).clamp(max=NMAX - 1)

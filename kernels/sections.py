@@ -1,0 +1,23 @@
+"""Where section token j lives in a bidirectional page table row (one definition for every kernel):
+high token j is in column j // T, low token j in column P - 1 - j // T (low pages grow from the right;
+column P of the table is a trash cell). Row within the page: j % T."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def section_page(pt_row, col0, t, mask, T: tl.constexpr, LOW: tl.constexpr):
+    """Page ids (int64) of section tokens t; pt_row points at the (slot, layer, head) row, col0 = P - 1."""
+    if LOW:
+        page = tl.load(pt_row + col0 - t // T, mask=mask, other=0)
+    else:
+        page = tl.load(pt_row + t // T, mask=mask, other=0)
+    return page.to(tl.int64)
+
+
+def section_columns(j: torch.Tensor, tokens: int, low: bool, table_width: int) -> torch.Tensor:
+    """Page-table columns of section tokens j; table_width = page_table.shape[-1] = P + 1."""
+    return (table_width - 2 - j // tokens) if low else j // tokens
