@@ -194,7 +194,7 @@ class AsyncLLMEngine:
             if seq is not None:
                 seq.finish_time = time.monotonic()
                 try:
-                    final = self.engine._output(seq)  # finished, finish_reason "abort", rest of the text
+                    final = self.engine.output(seq)  # finished, finish_reason "abort", rest of the text
                 except Exception:  # pragma: no cover - the stream still has to end
                     log.exception("building the abort output of %s failed", request_id)
             stream.put(final)

@@ -122,7 +122,7 @@ class LLMEngine:
         for seq in stuck:
             log.warning("request %s exceeds the KV cache; finishing it with 'length'", seq.request_id)
             self._finish(seq, "length")
-            outputs.append(self._output(seq))
+            outputs.append(self.output(seq))
         if batch is None:
             return outputs
         tokens, logprobs = self.runner.execute(batch)
@@ -138,7 +138,7 @@ class LLMEngine:
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(self._output(seq))
+            outputs.append(self.output(seq))
         self._last_step_time = time.perf_counter() - t0
         return outputs
 
@@ -173,7 +173,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.requests.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def output(self, seq: Sequence) -> RequestOutput:
+        """What is new for this request since its last output (and everything so far)."""
         # While running, hold back a tail that could still become a stop string, so it is never streamed.
         hold = 0 if seq.finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
         visible = max(seq.emitted_chars, len(seq.text) - hold)
