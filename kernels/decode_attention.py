@@ -21,32 +21,12 @@ import triton.language as tl
 
 from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
-from kernels.quant import read_pages_ref, unpack_tile
+from kernels.quant import load_tile, read_pages_ref
 from kernels.sections import section_columns, section_page
 
 LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 4  # below this, the partial-result traffic outweighs the extra parallelism
 MAX_SPLITS = 64
-
-
-@triton.jit
-def _load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes, off, meta_off, D,
-               BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Keys or values [BLOCK_N, BLOCK_D] of rows `row` of pages `page` (int64): the cache dtype at 16 bits
-    (off in elements), else dequantized float32 (off in bytes, meta_off in fp16 units; BLOCK_D == D)."""
-    if BITS == 16:
-        x = tl.load(pool_c + off + (page * page_elems + row * D)[:, None] + d[None, :],
-                    mask=tmask[:, None] & dmask[None, :], other=0.0)
-    else:
-        RB: tl.constexpr = BLOCK_D * BITS // 8
-        j = tl.arange(0, RB)
-        packed = tl.load(pool_u8 + (page * page_bytes + off + row * RB)[:, None] + j[None, :],
-                         mask=tmask[:, None], other=0)
-        meta = page * (page_bytes // 2) + meta_off + row * 2
-        scale = tl.load(pool_h + meta, mask=tmask, other=0.0).to(tl.float32)
-        zero = tl.load(pool_h + meta + 1, mask=tmask, other=0.0).to(tl.float32)
-        x = unpack_tile(packed, BITS, BLOCK_N, BLOCK_D).to(tl.float32) * scale[:, None] + zero[:, None]
-    return x
 
 
 @triton.jit
@@ -63,9 +43,9 @@ def _attend_section(
         tmask = t < hi
         page = section_page(pt_row, col0, t, tmask, T, LOW)
         row = t % T
-        k = _load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
+        k = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
                        k_off, k_meta, D, KB, BLOCK_N, BLOCK_D)
-        v = _load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
+        v = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
                        v_off, v_meta, D, VB, BLOCK_N, BLOCK_D)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")

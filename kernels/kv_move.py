@@ -12,7 +12,7 @@ import triton.language as tl
 
 from kernels._common import check_supported, next_pow2, pool_views, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
-from kernels.quant import quantize_tile, read_rows_ref, unpack_tile, write_rows_ref
+from kernels.quant import load_tile, quantize_tile, read_rows_ref, write_rows_ref
 
 BLOCK_M = 16
 
@@ -46,18 +46,8 @@ def _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_
     else:
         # Different precision: dequantize [BLOCK_M, D] to float32, then store in the destination precision.
         m2 = ok[:, None] & (d[None, :] < D)
-        if SB == 16:
-            x = tl.load(pool_c + s_off + (sp * page_elems + sr * D)[:, None] + d[None, :], mask=m2, other=0.0)
-            x = x.to(tl.float32)
-        else:
-            SRB: tl.constexpr = BLOCK_D * SB // 8
-            js = tl.arange(0, SRB)
-            packed = tl.load(pool_u8 + (sp * page_bytes + s_off + sr * SRB)[:, None] + js[None, :],
-                             mask=ok[:, None], other=0)
-            meta = sp * (page_bytes // 2) + s_meta + sr * 2
-            scale = tl.load(pool_h + meta, mask=ok, other=0.0).to(tl.float32)
-            zero = tl.load(pool_h + meta + 1, mask=ok, other=0.0).to(tl.float32)
-            x = unpack_tile(packed, SB, BLOCK_M, BLOCK_D).to(tl.float32) * scale[:, None] + zero[:, None]
+        x = load_tile(pool_c, pool_u8, pool_h, sp, sr, ok, d, d < D, page_elems, page_bytes, s_off, s_meta, D,
+                      SB, BLOCK_M, BLOCK_D).to(tl.float32)
         if DB == 16:
             tl.store(pool_c + d_off + (dp * page_elems + dr * D)[:, None] + d[None, :],
                      x.to(pool_c.dtype.element_ty), mask=m2)
