@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
-from kernels.quant import load_tile, read_pages_ref
+from kernels.quant import load_codes, load_tile, read_pages_ref
 from kernels.sections import section_columns, section_page
 
 LOG2E = 1.4426950408889634
@@ -30,27 +30,42 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _attend_section(
-    q, m_i, l_i, acc, lo, hi, pt_row, col0,
+    q, qsum, m_i, l_i, acc, lo, hi, pt_row, col0,
     pool_c, pool_u8, pool_h, page_elems, page_bytes, k_off, k_meta, v_off, v_meta,
     qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, logit_base,
     KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, LOW: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Online softmax over tokens [lo, hi) of one section (the high one, or the low one read from the right)."""
+    """Online softmax over tokens [lo, hi) of one section (the high one, or the low one read from the right).
+
+    Quantized sides never materialize dequantized tiles: with x = c * scale + zero per token,
+        q . k_n      = scale_n * (q . c_n) + zero_n * sum(q)
+        sum_n p_n v_n = sum_n (p_n scale_n) c_n + sum_n p_n zero_n
+    so the dots run on the integer codes (exact in fp16/bf16) and scale/zero act on [G, N] only. The value
+    weights p_n scale_n are divided by the tile's largest scale before the 16-bit cast (no fp16 underflow)."""
+    DT = q.dtype
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
         page = section_page(pt_row, col0, t, tmask, T, LOW)
         row = t % T
-        k = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
-                       k_off, k_meta, D, KB, BLOCK_N, BLOCK_D)
-        v = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
-                       v_off, v_meta, D, VB, BLOCK_N, BLOCK_D)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if KB == 16:
+            k = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
+                          k_off, k_meta, D, KB, BLOCK_N, BLOCK_D)
+            s = _dot(q, tl.trans(k.to(DT)), DOT_FP32)
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            kc, ks, kz = load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, k_off, k_meta,
+                                    KB, BLOCK_N, BLOCK_D)
+            s = _dot(q, tl.trans(kc.to(DT)), DOT_FP32) * ks[None, :] + qsum[:, None] * kz[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + (logit_base + t)[None, :], s * sm_scale,
                      mask=gmask[:, None] & tmask[None, :])
@@ -59,11 +74,21 @@ def _attend_section(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if VB == 16:
+            v = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
+                          v_off, v_meta, D, VB, BLOCK_N, BLOCK_D)
+            if DOT_FP32:
+                acc = acc * alpha[:, None] + _dot(p, v, DOT_FP32)
+            else:
+                acc = tl.dot(p.to(DT), v.to(DT), acc * alpha[:, None])
         else:
-            vv = v.to(q.dtype)
-            acc = tl.dot(p.to(vv.dtype), vv, acc * alpha[:, None])
+            vc, vs, vz = load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, v_off, v_meta,
+                                    VB, BLOCK_N, BLOCK_D)
+            top = tl.max(vs, 0)
+            top = tl.where(top > 0, top, 1.0)
+            pv = p * (vs / top)[None, :]
+            zsum = tl.sum(p * vz[None, :], 1)
+            acc = acc * alpha[:, None] + _dot(pv.to(DT), vc.to(DT), DOT_FP32) * top + zsum[:, None]
         m_i = m_new
     return m_i, l_i, acc
 
@@ -102,13 +127,14 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     q = q.to(tl.float32) if DOT_FP32 else q.to(pool_c.dtype.element_ty)
+    qsum = tl.sum(q.to(tl.float32), 1)  # folds key zero points into the dot (see _attend_section)
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh  # only used with WRITE_LOGITS
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite, so empty splits merge without NaN
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_section(
-        q, m_i, l_i, acc, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
+        q, qsum, m_i, l_i, acc, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
         k_off, k_meta, v_off, v_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, 0,
         KB, VB, T, False, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
     if HAS_LOW:
@@ -118,7 +144,7 @@ def _decode_split_kernel(
         lo_lo = split * per_split_lo
         hi_lo = tl.minimum(length_lo, lo_lo + per_split_lo)
         m_i, l_i, acc = _attend_section(
-            q, m_i, l_i, acc, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
+            q, qsum, m_i, l_i, acc, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
             lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, length,
             KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
 
@@ -160,6 +186,13 @@ def _decode_reduce_kernel(
         lse = tl.where(total > 0, (m_max + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
                        float("-inf"))
         tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse)
+
+
+def launch_config(fmt: PageFormat, fmt_low: PageFormat | None) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) by precision, from the H200 sweep in benchmarks/attention.py --tune:
+    16-bit tiles like 128 tokens; quantized tiles unpack in registers and like fewer tokens per step."""
+    quantized = any(b < 16 for f in (fmt, fmt_low) if f is not None for b in (f.key_bits, f.value_bits))
+    return (64, 4, 2) if quantized else (128, 4, 2)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
@@ -245,7 +278,8 @@ def paged_decode_attention_ref(q, pool, fmt: PageFormat, cache_dtype, page_table
 
 def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer,
                                   scale, num_splits=None, max_len=None, block_n=None, out=None,
-                                  fmt_low=None, len_low=None, logits_out=None, lse_out=None):
+                                  fmt_low=None, len_low=None, logits_out=None, lse_out=None,
+                                  num_warps=None, num_stages=None):
     check_supported(fmt, cache_dtype, for_triton=True)
     has_low = _check_low(fmt, fmt_low, len_low, cache_dtype, True)
     B, Hq, D = q.shape
@@ -260,7 +294,8 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if B == 0:
         return out
     pc = pool.view(cache_dtype)
-    block_n = block_n or 128  # H100: 128 tokens per iteration measured a bit faster than 64 or 32
+    tuned_n, tuned_warps, tuned_stages = launch_config(fmt, fmt_low if has_low else None)
+    block_n = block_n or tuned_n
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
     if num_splits is None:
@@ -293,7 +328,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         KB=fmt.key_bits, VB=fmt.value_bits,
         HAS_LOW=has_low, KB_LO=low.key_bits, VB_LO=low.value_bits, T_LO=low.tokens if has_low else 1,
         WRITE_LOGITS=logits_out is not None, WRITE_LSE=lse_out is not None,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, Hq)](
