@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 KVMode = Literal["fp16", "int8", "int4", "diffkv"]
+ExecutorKind = Literal["auto", "local", "ray"]
 
 
 def parse_precision(text: str, field: str = "precision") -> tuple[int, int]:
@@ -32,6 +33,10 @@ class CacheConfig(BaseModel):
     alpha_low: float = Field(0.02, ge=0, description="token kept low if significance >= alpha_low / position")
     window: int = Field(64, ge=1, description="most recent tokens always kept at high precision")
     significance_queries: int = Field(64, ge=1, description="last prompt queries whose attention scores tokens")
+    # Evaluation baseline: "budget" keeps the `budget` fraction of each KV head's tokens (window + most
+    # significant) at precision `high` and prunes the rest (H2O/SnapKV-style equal per-head budget).
+    policy: Literal["thresholds", "budget"] = Field("thresholds", description="diffkv: alpha thresholds or budget")
+    budget: float = Field(0.5, gt=0, le=1, description="policy=budget: fraction of tokens each KV head keeps")
 
     @model_validator(mode="after")
     def _check(self) -> "CacheConfig":
@@ -63,6 +68,12 @@ class EngineConfig(BaseModel):
     seed: int = 0
     enforce_eager: bool = Field(False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured in a CUDA graph")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks the model is split over (heads by whole KV groups, MLP columns); at most the "
+                             "model's KV head count")
+    distributed_executor: ExecutorKind = Field(
+        "auto", description="'local' (in-process, one rank), 'ray' (one Ray actor per rank, in a placement "
+                            "group), or 'auto': local for tensor_parallel_size 1, ray otherwise")
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
@@ -70,4 +81,17 @@ class EngineConfig(BaseModel):
     def _check_device(self) -> "EngineConfig":
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device={self.device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.distributed_executor == "local" and self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs distributed_executor 'ray' "
+                             "or 'auto'; the 'local' executor runs a single rank")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} names one GPU but tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: use 'cuda' or 'auto' (each rank gets its own GPU)")
         return self
+
+    @property
+    def executor_kind(self) -> Literal["local", "ray"]:
+        """The executor 'auto' resolves to."""
+        if self.distributed_executor != "auto":
+            return self.distributed_executor
+        return "local" if self.tensor_parallel_size == 1 else "ray"

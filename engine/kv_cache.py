@@ -25,7 +25,7 @@ from kernels.compression_plan import compression_plan
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_move import move_tokens
 from kernels.kv_write import write_kv
-from kernels.prompt_significance import prompt_significance
+from kernels.prompt_significance import budget_keep_mask, prompt_significance
 from kernels.score_update import accumulate_scores
 
 
@@ -71,8 +71,13 @@ class KVCache:
         count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)
         mean = sig / count
         i1 = (pos + 1).float()
-        is_high = (pos >= n - cfg.window) | (mean >= info.alpha_high.unsqueeze(1) / i1)
-        is_low = ~is_high & (mean >= info.alpha_low.unsqueeze(1) / i1)
+        if cfg.policy == "budget":  # equal-budget pruning baseline: one precision, top tokens per head
+            is_high = budget_keep_mask(mean, positions, info.seq_len_of_token, info.seq_of_token, info.cu_seqlens,
+                                       cfg.budget, cfg.window)
+            is_low = torch.zeros_like(is_high)
+        else:
+            is_high = (pos >= n - cfg.window) | (mean >= info.alpha_high.unsqueeze(1) / i1)
+            is_low = ~is_high & (mean >= info.alpha_low.unsqueeze(1) / i1)
         idx_high, n_high = _segment_index(is_high, info)
         idx_low, n_low = _segment_index(is_low, info)
         mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
@@ -105,7 +110,8 @@ class KVCache:
         if self.diffkv:
             plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
                                     slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
-                                    num_queries=self.config.significance_queries)
+                                    num_queries=self.config.significance_queries,
+                                    budget=self.config.budget if self.config.policy == "budget" else None)
             new_high, new_low = plan["new_len_high"], plan["new_len_low"]
             need_low = (new_low > mm.held_low[slots] * mm.fmt_low.tokens).to(torch.int32)
             need_high = (new_high + active > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)

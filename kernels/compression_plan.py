@@ -13,6 +13,11 @@ With mean significance s(t) = score(t) / count(t) and thresholds th_h = alpha_hi
 No-op (0) when c < 0, when c < prompt_len - window (prefill already classified that token) or when no high
 token has position c. Only the plan is produced here; moving rows and pages is the caller's job.
 
+Budget policy (baseline, H2O/SnapKV-style static sparsity; `budget` given): every head keeps at most
+B(N) = max(ceil(budget * N), window) tokens, all in the high section, whatever their significance. Each step
+with c >= 0, once the new token would make the head hold more than B(N), the least significant token older
+than the window (t_c included) is pruned (3); otherwise nothing moves (1). Thresholds are not used.
+
 Outputs, int32 [B, L, H] (-1 = none): high_hole (high index that empties), to_low_src (high index whose
 token is requantized into low), low_dst (low index it goes to), action, new_len_high, new_len_low (the new
 decode token is not counted). Ties in an argmin go to the smallest index.
@@ -47,7 +52,8 @@ def _plan_kernel(
     stride_pts, stride_ptl, stride_pth, stride_hs, stride_hl, stride_hh, stride_ls, stride_ll, stride_lh,
     B, L, H, P, window, num_queries, page_words,
     hi_score, hi_pos, lo_score, lo_pos,  # segment offsets in 4-byte words
-    T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr,
+    budget,  # budget policy: fraction of tokens a head keeps
+    T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr, BUDGET: tl.constexpr,
 ):
     b, l, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -59,7 +65,10 @@ def _plan_kernel(
     th_l = tl.div_rn(tl.load(al_ptr + b), N.to(tl.float32))
     pt_row = pt_ptr + slot * stride_pts + l * stride_ptl + h * stride_pth
     c = N - 1 - window
-    hi_end = tl.where((c >= 0) & (c >= n0 - window), lh, 0)  # inactive heads scan nothing
+    if BUDGET:
+        hi_end = tl.where(c >= 0, lh, 0)
+    else:
+        hi_end = tl.where((c >= 0) & (c >= n0 - window), lh, 0)  # inactive heads scan nothing
 
     # High section: find t_c by position and the least significant token older than the window.
     jc = tl.full([], _BIG, tl.int32)
@@ -106,6 +115,10 @@ def _plan_kernel(
     act_high = tl.where(vmin < th_l, 3, tl.where(vmin < th_h, 2, 1))
     act_low = tl.where(low_prune, tl.where(v_is_c, 6, 5), 4)
     action = tl.where(go_high, act_high, tl.where(go_low, act_low, tl.where(found, 7, 0)))
+    if BUDGET:
+        keep = tl.maximum(tl.ceil(budget * N.to(tl.float32)), window + 0.0)
+        over = (jv < _BIG) & ((lh + 1).to(tl.float32) > keep)
+        action = tl.where(c >= 0, tl.where(over, 3, 1), 0)
 
     high_hole = tl.where((action == 2) | (action == 3), jv, tl.where(action >= 4, jc, -1))
     to_low = tl.where(action == 2, jv, tl.where((action == 4) | (action == 5), jc, -1))
@@ -141,7 +154,7 @@ def _argmin(vals: torch.Tensor):
 
 
 def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
-                         alpha_high, alpha_low, window, num_queries=64):
+                         alpha_high, alpha_low, window, num_queries=64, budget=None):
     """Vectorized torch: gather both sections -> [B, L, H, maxlen], then the same decision table."""
     sl = slots.long()
     P = page_table.shape[-1] - 1  # last column is the trash cell
@@ -152,7 +165,7 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     th_h = (alpha_high.float() / seq_len.float()).view(-1, 1, 1)
     th_l = (alpha_low.float() / seq_len.float()).view(-1, 1, 1)
     c = N - 1 - window
-    active = ((c >= 0) & (c >= n0 - window)).view(-1, 1, 1)
+    active = ((c >= 0) & (c >= n0 - window if budget is None else c >= 0)).view(-1, 1, 1)
     dev = page_table.device
 
     def mean(score, pos):
@@ -180,6 +193,10 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     act_high = w(vmin < th_l, 3, w(vmin < th_h, 2, 1))
     act_low = w(torch.minimum(mean_c, lmin) < th_l, w(mean_c < lmin, 6, 5), 4)
     action = w(go_high, act_high, w(go_low, act_low, w(found, 7, 0)))
+    if budget is not None:
+        keep = torch.clamp_min(torch.ceil(torch.tensor(budget, dtype=torch.float32) * seq_len.float()), float(window))
+        over = (jv < BIG) & ((lh + 1).float() > keep.view(-1, 1, 1))
+        action = w(active, w(over, 3, 1), 0)
     high_hole = w((action == 2) | (action == 3), jv, w(action >= 4, jc, -1))
     to_low = w(action == 2, jv, w((action == 4) | (action == 5), jc, -1))
     low_dst = w((action == 2) | (action == 4), ll, w(action == 5, jl, -1))
@@ -189,7 +206,7 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
 
 
 def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
-                            alpha_high, alpha_low, window, num_queries=64, block=None):
+                            alpha_high, alpha_low, window, num_queries=64, block=None, budget=None):
     assert pool.dtype == torch.uint8 and pool.is_contiguous() and fmt_high.page_bytes == fmt_low.page_bytes
     assert page_table.stride(3) == 1
     B = slots.numel()
@@ -203,23 +220,26 @@ def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_l
             *page_table.stride()[:3], *len_high.stride(), *len_low.stride(),
             B, L, H, P1 - 1, window, num_queries, fmt_high.page_bytes // 4,
             fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low.score_off // 4, fmt_low.pos_off // 4,
-            T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, num_warps=4,
+            float(budget or 0.0),
+            T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, BUDGET=budget is not None, num_warps=4,
         )
     return dict(zip(FIELDS, out.unbind(0)))
 
 
 def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table, len_high, len_low, slots,
                      prompt_len, seq_len, alpha_high, alpha_low, window: int, num_queries: int = 64,
-                     impl: str = "auto") -> dict[str, torch.Tensor]:
+                     impl: str = "auto", budget: float | None = None) -> dict[str, torch.Tensor]:
     """Algorithm 1 for every (batch entry, layer, KV head); see the module docstring for the outputs.
 
     pool uint8 [num_pages, page_bytes]; page_table int32 [S, L, H, P+1] (high section from column 0 up,
     low section from column P-1 down, column P trash); len_high/len_low int32 [S, L, H]; slots, prompt_len,
     seq_len (N: tokens whose queries were processed) int32 [B]; alpha_high/alpha_low f32 [B].
     Scores in the pages are significance SUMS; they are compared as sum / significance_count.
+    budget: None for DiffKV's thresholds; a fraction in (0, 1] for the equal-budget pruning baseline.
     """
     if use_triton(impl, pool, page_table, len_high, len_low, slots):
         return compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots,
-                                       prompt_len, seq_len, alpha_high, alpha_low, window, num_queries)
+                                       prompt_len, seq_len, alpha_high, alpha_low, window, num_queries,
+                                       budget=budget)
     return compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len,
-                                seq_len, alpha_high, alpha_low, window, num_queries)
+                                seq_len, alpha_high, alpha_low, window, num_queries, budget=budget)

@@ -204,3 +204,26 @@ def prompt_significance(q, k, cu_seqlens, scale: float | None = None, num_querie
                                           out=out)
     res = prompt_significance_ref(q, k, cu_seqlens, scale, num_queries, lse=lse)
     return res if out is None else out.copy_(res)
+
+
+def budget_keep_mask(mean: torch.Tensor, positions: torch.Tensor, seq_len: torch.Tensor, seq_of_token: torch.Tensor,
+                     cu_seqlens: torch.Tensor, budget: float, window: int) -> torch.Tensor:
+    """Equal-budget pruning of a packed prompt (the H2O/SnapKV-style baseline): bool [N, H], True for the
+    max(ceil(budget * n), window) tokens of each (sequence, KV head) that it keeps: the recent window first,
+    then the highest mean significance (ties: the earlier token). No host synchronization.
+
+    mean f32 [N, H]; positions, seq_len, seq_of_token int [N] (position in, length of and index of each
+    token's sequence); cu_seqlens int32 [B + 1].
+    """
+    N, H = mean.shape
+    pos, n = positions.long().view(-1, 1), seq_len.long().view(-1, 1)
+    key = torch.where(pos >= n - window, torch.full_like(mean, float("inf")), mean)
+    # Rank inside each sequence: sort by significance (descending), then stably by sequence.
+    by_key = torch.argsort(key, dim=0, descending=True, stable=True)  # [N, H] token ids
+    by_seq = torch.argsort(seq_of_token[by_key], dim=0, stable=True)
+    order = by_key.gather(0, by_seq)
+    start = cu_seqlens.long()[seq_of_token]  # [N]: first packed index of each token's sequence
+    rank_sorted = torch.arange(N, device=mean.device).view(-1, 1) - start[order]
+    rank = torch.empty_like(order).scatter_(0, order, rank_sorted)
+    keep = torch.clamp_min(torch.ceil(torch.tensor(budget, dtype=torch.float32) * n.float()).long(), window)
+    return rank < keep
