@@ -46,8 +46,12 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine,
+                 on_step: Optional[Callable[[list[RequestOutput], float], None]] = None):
         self.engine = engine
+        # Called on the step thread after each successful step with (outputs, step seconds): the service's
+        # per-step metrics (batch size, memory-management time). Its errors are logged, never raised.
+        self.on_step = on_step
         self._lock = threading.Lock()  # held around every engine call
         self._cmd_lock = threading.Lock()  # guards _cmds and _accepting
         self._cmds: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
@@ -223,6 +227,7 @@ class AsyncLLMEngine:
                     self._abort_locked(rid)
 
     def _step_locked(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -240,3 +245,8 @@ class AsyncLLMEngine:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
+        if self.on_step is not None:
+            try:
+                self.on_step(outputs, time.perf_counter() - t0)
+            except Exception:  # pragma: no cover - observing a step must never break it
+                log.exception("on_step callback failed")
