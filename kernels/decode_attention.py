@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
-from kernels.quant import load_codes, load_tile, read_pages_ref
+from kernels.quant import codes_as_f16, load_codes, load_tile, read_pages_ref
 from kernels.sections import section_columns, section_page
 
 LOG2E = 1.4426950408889634
@@ -38,8 +38,17 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _codes(c, DOT_FP32: tl.constexpr):
+    """Codes as dot operands: fp16 on the GPU (exact), fp32 in the interpreter / on fp32 caches."""
+    if DOT_FP32:
+        return c.to(tl.float32)
+    else:
+        return codes_as_f16(c)
+
+
+@triton.jit
 def _attend_section(
-    q, qsum, m_i, l_i, acc, lo, hi, pt_row, col0,
+    q, q16, qsum, m_i, l_i, acc, lo, hi, pt_row, col0,
     pool_c, pool_u8, pool_h, page_elems, page_bytes, k_off, k_meta, v_off, v_meta,
     qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, logit_base,
     KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, LOW: tl.constexpr, WRITE_LOGITS: tl.constexpr,
@@ -50,8 +59,9 @@ def _attend_section(
     Quantized sides never materialize dequantized tiles: with x = c * scale + zero per token,
         q . k_n      = scale_n * (q . c_n) + zero_n * sum(q)
         sum_n p_n v_n = sum_n (p_n scale_n) c_n + sum_n p_n zero_n
-    so the dots run on the integer codes (exact in fp16/bf16) and scale/zero act on [G, N] only. The value
-    weights p_n scale_n are divided by the tile's largest scale before the 16-bit cast (no fp16 underflow)."""
+    so the dots run on the integer codes (exact in fp16; q16 is q in fp16 whatever the cache dtype) and
+    scale/zero act on [G, N] only. The value weights p_n scale_n are divided by the tile's largest scale before
+    the fp16 cast (no underflow)."""
     DT = q.dtype
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
@@ -65,7 +75,7 @@ def _attend_section(
         else:
             kc, ks, kz = load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, k_off, k_meta,
                                     KB, BLOCK_N, BLOCK_D)
-            s = _dot(q, tl.trans(kc.to(DT)), DOT_FP32) * ks[None, :] + qsum[:, None] * kz[None, :]
+            s = _dot(q16, tl.trans(_codes(kc, DOT_FP32)), DOT_FP32) * ks[None, :] + qsum[:, None] * kz[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + (logit_base + t)[None, :], s * sm_scale,
                      mask=gmask[:, None] & tmask[None, :])
@@ -88,7 +98,8 @@ def _attend_section(
             top = tl.where(top > 0, top, 1.0)
             pv = p * (vs / top)[None, :]
             zsum = tl.sum(p * vz[None, :], 1)
-            acc = acc * alpha[:, None] + _dot(pv.to(DT), vc.to(DT), DOT_FP32) * top + zsum[:, None]
+            pv = pv.to(q16.dtype)
+            acc = acc * alpha[:, None] + _dot(pv, _codes(vc, DOT_FP32), DOT_FP32) * top + zsum[:, None]
         m_i = m_new
     return m_i, l_i, acc
 
@@ -127,14 +138,15 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     q = q.to(tl.float32) if DOT_FP32 else q.to(pool_c.dtype.element_ty)
-    qsum = tl.sum(q.to(tl.float32), 1)  # folds key zero points into the dot (see _attend_section)
+    q16 = q if DOT_FP32 else q.to(tl.float16)  # quantized sides dot fp16 codes (see _attend_section)
+    qsum = tl.sum(q16.to(tl.float32), 1)  # folds key zero points into the dot
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh  # only used with WRITE_LOGITS
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite, so empty splits merge without NaN
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_section(
-        q, qsum, m_i, l_i, acc, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
+        q, q16, qsum, m_i, l_i, acc, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
         k_off, k_meta, v_off, v_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, 0,
         KB, VB, T, False, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
     if HAS_LOW:
@@ -144,7 +156,8 @@ def _decode_split_kernel(
         lo_lo = split * per_split_lo
         hi_lo = tl.minimum(length_lo, lo_lo + per_split_lo)
         m_i, l_i, acc = _attend_section(
-            q, qsum, m_i, l_i, acc, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
+            q, q16, qsum, m_i, l_i, acc, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8, pool_h, page_elems,
+            page_bytes,
             lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, length,
             KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
 

@@ -169,6 +169,14 @@ def quantize_tile(x, BITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr)
 
 
 @triton.jit
+def codes_as_f16(codes):
+    """Integer codes 0..255 (int32) -> the same values in fp16 without a conversion instruction: the bit
+    pattern 0x6400 | c is the fp16 number 1024 + c, so an or, a free bitcast and an exact subtraction replace
+    the int->float conversions, which run at a quarter of the ALU rate and made quantized decode compute-bound."""
+    return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, off, meta_off,
                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Quantized rows `row` of pages `page` (int64) without dequantizing: (codes int32 [BLOCK_N, BLOCK_D],

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import dequantize_ref, quantize_ref, quantize_tile, unpack_ref, unpack_tile
+from kernels.quant import codes_as_f16, dequantize_ref, quantize_ref, quantize_tile, unpack_ref, unpack_tile
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # Round trip |x - dequant(quant(x))| <= scale/2 + FP16_SLACK[dtype] * (|min| + (max - min)) + 1e-6 * |x|:
@@ -117,3 +117,17 @@ def test_triton_tile_helpers_match_reference(bits, dtype):
     assert torch.equal(packed, rp)
     assert torch.equal(meta[:, 0], rs) and torch.equal(meta[:, 1], rz)
     assert torch.equal(codes, unpack_ref(rp, bits))
+
+
+@triton.jit
+def _codes_as_f16_kernel(codes_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, codes_as_f16(tl.load(codes_ptr + i)))
+
+
+def test_codes_as_f16_is_exact_for_every_byte():
+    """The decode kernel's conversion-free int->fp16 trick gives exactly c for every code 0..255."""
+    codes = torch.randperm(256, generator=torch.Generator().manual_seed(3)).to(torch.int32).to(DEVICE)
+    out = torch.full((256,), float("nan"), dtype=torch.float16, device=DEVICE)
+    _codes_as_f16_kernel[(1,)](codes, out, N=256)
+    assert torch.equal(out.float(), codes.float())
