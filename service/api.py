@@ -1,0 +1,355 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app served as the ingress deployment.
+
+Per request: validate (pydantic models in service.protocol; every failure is a 400 OpenAI error body),
+check the model and the token budget, ask admission control (429 + Retry-After when the predicted TTFT is
+over target), then stream from an engine replica through Serve's handle (our KV-headroom router picks it).
+The first item from the replica decides the status code (400 / 503 arrive before any token); later
+failures end an SSE stream with an error event. A client that goes away cancels the replica call, which
+aborts the request in the engine and frees its pages. Every admitted request ends in release().
+(No `from __future__ import annotations`: Serve's class-based FastAPI views need the real annotations.)
+"""
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.admission import AdmissionController, ReplicaLoad
+from service.config import ServiceConfig
+from service.metrics import Metrics
+from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelCard,
+                              ModelList, Usage, error_body, new_id, now_s)
+
+log = logging.getLogger("ray.serve")
+RETRY_AFTER_DEAD_S = 5  # a replica whose engine died is replaced within a few health-check periods
+
+app = FastAPI(title="DiffKV Serve", version="0.1.0",
+              description="OpenAI-compatible API over DiffKV-compressed paged-KV engine replicas")
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 429, 500, 503)}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: Optional[str] = None,
+                 code: Any = None, retry_after: Optional[int] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code or self.status),
+                            status_code=self.status, headers=headers)
+
+
+def _endpoint(path: str) -> str:
+    return "chat" if "chat" in path else "completions"
+
+
+def _loc_param(loc: tuple) -> Optional[str]:
+    parts = [str(p) for p in loc if p not in ("body",) and not str(p).startswith("function-")]
+    return ".".join(parts) or None
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', 'malformed')}", None
+    else:
+        param = _loc_param(tuple(first.get("loc", ())))
+        message = "; ".join(f"{_loc_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errs[:5])
+    _count_rejection(request, "invalid")
+    return APIError(400, message, "invalid_request_error", param).response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), type_).response()
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+@app.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - a bug
+    log.exception("unhandled error on %s", request.url.path)
+    return APIError(500, f"internal error: {exc!r}", "internal_error").response()
+
+
+_INGRESS: Optional["OpenAIIngress"] = None  # this process's ingress (for the validation handler's metrics)
+
+
+def _count_rejection(request: Request, reason: str) -> None:
+    if _INGRESS is not None:
+        _INGRESS.metrics.inc("diffkv_requests_rejected_total", endpoint=_endpoint(request.url.path), reason=reason)
+
+
+def _sse(obj: Union[dict, str]) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Stream:
+    """One admitted request's call to an engine replica: first item, the rest, SSE, metrics, release."""
+
+    def __init__(self, ingress: "OpenAIIngress", req: dict, endpoint: str, t0: float):
+        self.ingress, self.req, self.endpoint, self.t0 = ingress, req, endpoint, t0
+        self.rid = "chatcmpl-" + req["request_id"][4:] if endpoint == "chat" else "cmpl-" + req["request_id"][4:]
+        self.gen = ingress.engine.options(stream=True).generate.remote(req)
+        self.t_first: Optional[float] = None
+        self.finish_reason: Optional[str] = None
+        self.completion_tokens = 0
+        self.failed = False  # ended by an error (400 / 503 from the replica)
+        self._closed = False
+
+    async def _next(self) -> Optional[dict]:
+        try:
+            return await self._next_item()
+        except APIError:
+            self.failed = True
+            raise
+
+    async def _next_item(self) -> Optional[dict]:
+        try:
+            item = await self.gen.__anext__()
+        except StopAsyncIteration:
+            return None
+        except Exception as e:  # the replica actor died or became unreachable
+            if type(e).__name__ in ("RequestCancelledError",):
+                raise
+            raise APIError(503, f"the engine replica serving this request failed: {type(e).__name__}: {e}",
+                           "service_unavailable", retry_after=RETRY_AFTER_DEAD_S) from e
+        if "error" in item:
+            err = item["error"]
+            raise APIError(err["status"], err["message"], err["type"], err.get("param"),
+                           retry_after=RETRY_AFTER_DEAD_S if err["status"] == 503 else None)
+        if item.get("tokens") and self.t_first is None:
+            self.t_first = time.monotonic()
+            self.ingress.metrics.observe("diffkv_ttft_seconds", self.t_first - self.t0, endpoint=self.endpoint)
+        self.completion_tokens = item.get("completion_tokens", self.completion_tokens)
+        if item.get("finish_reason"):
+            self.finish_reason = item["finish_reason"]
+            if item.get("load"):
+                self.ingress.admission.report(ReplicaLoad(**item["load"]))
+        return item
+
+    async def first(self) -> dict:
+        try:
+            item = await self._next()
+        except APIError as e:
+            reason = {400: "invalid", 503: "engine_dead"}.get(e.status, "error")
+            self.ingress.metrics.inc("diffkv_requests_rejected_total", endpoint=self.endpoint, reason=reason)
+            raise
+        if item is None:
+            raise APIError(503, "the engine replica ended the request without output", "service_unavailable",
+                           retry_after=RETRY_AFTER_DEAD_S)
+        return item
+
+    async def rest(self) -> AsyncIterator[dict]:
+        if self.finish_reason is not None:
+            return
+        while True:
+            item = await self._next()
+            if item is None:
+                if self.finish_reason is None:
+                    raise APIError(503, "the engine replica ended the request early", "service_unavailable",
+                                   retry_after=RETRY_AFTER_DEAD_S)
+                return
+            yield item
+            if self.finish_reason is not None:
+                return
+
+    async def sse(self, first: dict, render, include_usage: bool) -> AsyncIterator[str]:
+        kw = {"rid": self.rid, "usage_field": include_usage}
+        try:
+            role = render("role", **kw)
+            if role is not None:
+                yield _sse(role)
+            last = first
+            yield _sse(render("delta", text=first["text"], finish_reason=first["finish_reason"], **kw))
+            try:
+                async for item in self.rest():
+                    last = item
+                    yield _sse(render("delta", text=item["text"], finish_reason=item["finish_reason"], **kw))
+            except APIError as e:  # headers are sent: report the failure in the stream, as OpenAI does
+                yield _sse(error_body(e.message, e.type, e.param, e.status))
+                return
+            if include_usage:
+                usage = Usage.of(last["prompt_tokens"], last["completion_tokens"])
+                chunk = render("usage", usage=usage, **kw)
+                chunk["choices"] = []
+                yield _sse(chunk)
+            yield _sse("[DONE]")
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Idempotent: cancel the replica call if it is still running, record metrics, release admission."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finish_reason is None:
+            self.gen.cancel()  # the engine replica aborts the request and frees its pages
+        now = time.monotonic()
+        m = self.ingress.metrics
+        reason = self.finish_reason or ("error" if self.failed else "abort")
+        m.inc("diffkv_requests_finished_total", endpoint=self.endpoint, reason=reason)
+        if self.finish_reason is not None:
+            m.observe("diffkv_e2e_latency_seconds", now - self.t0, endpoint=self.endpoint)
+            if self.t_first is not None and self.completion_tokens > 1:
+                m.observe("diffkv_tpot_seconds", (now - self.t_first) / (self.completion_tokens - 1),
+                          endpoint=self.endpoint)
+        self.ingress.admission.release()
+        self.ingress._publish_admission_gauges()
+
+
+@serve.deployment
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, engine, config: dict):
+        global _INGRESS
+        self.engine = engine  # DeploymentHandle of EngineReplica
+        self.cfg = ServiceConfig.model_validate(config)
+        self.admission = AdmissionController(self.cfg.admission, self.cfg.scheduler.max_num_seqs,
+                                             self.cfg.num_replicas, share=1.0 / self.cfg.ingress_replicas)
+        self.metrics = Metrics()
+        self._info: Optional[dict] = None
+        _INGRESS = self
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    async def _model_info(self) -> dict:
+        if self._info is None:
+            try:
+                self._info = await self.engine.info.remote()
+            except Exception as e:
+                raise APIError(503, f"no engine replica is available: {e!r}", "service_unavailable",
+                               retry_after=RETRY_AFTER_DEAD_S) from e
+        return self._info
+
+    def _publish_admission_gauges(self) -> None:
+        m = self.metrics
+        m.set("diffkv_arrival_rate", self.admission.arrival_rate())
+        m.set("diffkv_requests_in_flight", self.admission.in_flight)
+        if self.admission.last_prediction is not None:
+            m.set("diffkv_admission_predicted_ttft_seconds", self.admission.last_prediction)
+
+    async def _prepare(self, body: Union[ChatCompletionRequest, CompletionRequest], endpoint: str) -> dict:
+        """Checks that need the model, then admission. Returns the replica request (the caller must release)."""
+        info = await self._model_info()
+        try:
+            if body.model != info["model"]:
+                raise APIError(400, f"The model '{body.model}' does not exist; this server serves "
+                                    f"'{info['model']}'", "invalid_request_error", "model", "model_not_found")
+            max_tokens, param = body.requested_max_tokens()
+            if max_tokens is not None and max_tokens >= info["max_model_len"]:
+                raise APIError(400, f"{param}={max_tokens} does not fit this model's context of "
+                                    f"{info['max_model_len']} tokens", "invalid_request_error", param)
+        except APIError:
+            self.metrics.inc("diffkv_requests_rejected_total", endpoint=endpoint, reason="invalid")
+            raise
+        decision = self.admission.decide()
+        self._publish_admission_gauges()
+        if not decision.admit:
+            self.metrics.inc("diffkv_requests_rejected_total", endpoint=endpoint, reason=decision.reason)
+            raise APIError(429, f"The server is over capacity ({decision.detail}); retry after "
+                                f"{decision.retry_after_s}s", "rate_limit_error", None, decision.reason,
+                           retry_after=decision.retry_after_s)
+        self.metrics.inc("diffkv_requests_admitted_total", endpoint=endpoint)
+        req: dict[str, Any] = {
+            "request_id": new_id("req"), "max_tokens": max_tokens, "max_tokens_param": param,
+            "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list(),
+            "kv_compression": body.kv_compression.model_dump(exclude_none=True) if body.kv_compression else None,
+        }
+        if isinstance(body, ChatCompletionRequest):
+            req["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
+        else:
+            req["prompt"] = body.prompt
+        return req
+
+    async def _run(self, body, endpoint: str, render) -> Any:
+        """Shared by both endpoints. render(kind, ...) builds the endpoint's response objects."""
+        t0 = time.monotonic()
+        req = await self._prepare(body, endpoint)
+        stream = _Stream(self, req, endpoint, t0)
+        try:
+            first = await stream.first()
+        except BaseException:
+            await stream.close()
+            raise
+        if body.stream:
+            return StreamingResponse(stream.sse(first, render, body.include_usage()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            text, last = first["text"], first
+            async for item in stream.rest():
+                text += item["text"]
+                last = item
+        finally:
+            await stream.close()
+        usage = Usage.of(last["prompt_tokens"], last["completion_tokens"])
+        return JSONResponse(render("full", text=text, finish_reason=last["finish_reason"], usage=usage,
+                                   rid=stream.rid))
+
+    # ---- routes -----------------------------------------------------------------------------------------------
+    @app.get("/health", response_model=Health, responses=_ERRORS)
+    async def health(self) -> Health:
+        info = await self._model_info()
+        return Health(model=info["model"])
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models(self) -> ModelList:
+        info = await self._model_info()
+        return ModelList(data=[ModelCard(id=info["model"], created=now_s())])
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(self, body: ChatCompletionRequest):
+        model, created = body.model, now_s()
+
+        def render(kind: str, **kw) -> dict:
+            if kind == "full":
+                return {"id": kw["rid"], "object": "chat.completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": kw["text"]},
+                                     "logprobs": None, "finish_reason": kw["finish_reason"]}],
+                        "usage": kw["usage"].model_dump()}
+            chunk = {"id": kw["rid"], "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": []}
+            if kind == "role":
+                chunk["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]
+            elif kind == "delta":
+                delta = {"content": kw["text"]} if kw["text"] else {}
+                chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
+                                     "finish_reason": kw["finish_reason"]}]
+            if kw.get("usage_field"):
+                chunk["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
+            return chunk
+
+        return await self._run(body, "chat", render)
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(self, body: CompletionRequest):
+        model, created = body.model, now_s()
+
+        def render(kind: str, **kw) -> Optional[dict]:
+            if kind == "role":
+                return None  # completions have no role chunk
+            obj = {"id": kw["rid"], "object": "text_completion", "created": created, "model": model, "choices": []}
+            if kind in ("full", "delta"):
+                obj["choices"] = [{"index": 0, "text": kw["text"], "logprobs": None,
+                                   "finish_reason": kw["finish_reason"]}]
+            if kind == "full":
+                obj["usage"] = kw["usage"].model_dump()
+            elif kw.get("usage_field"):
+                obj["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
+            return obj
+
+        return await self._run(body, "completions", render)

@@ -1,0 +1,83 @@
+"""The Serve application: an OpenAI ingress in front of engine replicas.
+
+    from service.app import build_app
+    serve.run(build_app({"kv_mode": "diffkv", "num_replicas": 2}))
+
+or `serve run service.app:build_app kv_mode=diffkv`, or a Serve config YAML (KubeRay):
+
+    applications:
+      - name: diffkv
+        import_path: service.app:build_app
+        route_prefix: /
+        args: {kv_mode: diffkv, tensor_parallel_size: 2, admission: {ttft_target_s: 2.0}}
+
+Serve validates `args` into ServiceConfig (the type hint), so a bad argument fails the deploy with the
+field's name. (No `from __future__ import annotations` here: Serve reads build_app's annotation as a class.)
+"""
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from service.api import OpenAIIngress
+from service.config import ServiceConfig
+from service.replica import EngineReplica
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "diffkv"
+ENGINE_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
+    """Resources, placement group, health checks and the router of the engine deployment."""
+    gpu = cfg.uses_gpu()
+    opts: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT,
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "health_check_period_s": cfg.health_check_period_s,
+        "health_check_timeout_s": cfg.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": 10,
+    }
+    if cfg.autoscaling:
+        opts["autoscaling_config"] = cfg.autoscaling
+    else:
+        opts["num_replicas"] = cfg.num_replicas
+    if cfg.uses_worker_actors():
+        # Bundle 0 holds the replica (scheduler, tokenizer, no model); bundles 1..N one worker each, packed on
+        # one node so the ranks' all-reduce stays local. The engine puts its workers in this placement group.
+        worker = {"GPU": 1.0, "CPU": cfg.worker_cpus} if gpu else {"CPU": cfg.worker_cpus}
+        opts["placement_group_bundles"] = [{"CPU": cfg.replica_cpus}] + [dict(worker)
+                                                                          for _ in range(cfg.tensor_parallel_size)]
+        opts["placement_group_strategy"] = "PACK"
+        opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus}
+    else:
+        opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus, "num_gpus": 1 if gpu else 0}
+    if cfg.router.policy == "kv_headroom":
+        from service.router import KVHeadroomRouter
+
+        if KVHeadroomRouter is None:  # pragma: no cover - Ray without the request-router extension point
+            log.warning("this Ray has no RequestRouter extension point; using Serve's default router")
+        else:
+            from ray.serve.config import RequestRouterConfig
+
+            opts["request_router_config"] = RequestRouterConfig(
+                request_router_class=KVHeadroomRouter,
+                request_routing_stats_period_s=cfg.router.stats_period_s,
+                request_routing_stats_timeout_s=max(5.0, 5 * cfg.router.stats_period_s))
+    return opts
+
+
+def build_app(args: ServiceConfig) -> Application:
+    """`args`: a ServiceConfig, or a dict of its fields (validated here)."""
+    cfg = args if isinstance(args, ServiceConfig) else ServiceConfig.model_validate(args or {})
+    payload = cfg.model_dump(mode="json")
+    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(cfg)).bind(payload)
+    return OpenAIIngress.options(
+        name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress_replicas,
+        # Every request reaches the ingress at once, so admission control sees the real arrivals (Serve's
+        # default of 5 would queue them in the proxy, invisibly).
+        max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(engine, payload)

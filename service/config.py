@@ -1,0 +1,105 @@
+"""The service's typed arguments: one pydantic model, `ServiceConfig`, for `diffkv serve`, `build_app` and
+Serve config YAMLs (KubeRay). One place defines each name and its default; defaults run on a 2-core CPU
+box with the embedded model.
+
+    ServiceConfig(kv_mode="diffkv", num_replicas=2, admission={"ttft_target_s": 2.0})
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import CacheConfig, EngineConfig, KVMode, SchedulerConfig
+
+
+class AdmissionConfig(BaseModel):
+    """Admission control for Poisson arrivals (docs/ADMISSION.md has the model behind each knob)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(True, description="off: admit everything (requests queue in the engine)")
+    ttft_target_s: float = Field(
+        10.0, gt=0, description="admit while the predicted time to first token stays under this (seconds)")
+    rate_window_s: float = Field(
+        10.0, gt=0, description="time constant of the arrival-rate and service-rate estimates (seconds)")
+    max_retry_after_s: int = Field(60, ge=1, description="cap on the Retry-After a 429 carries (seconds)")
+    seed: Optional[int] = Field(None, description="seed of the coin that thins arrivals above the sustainable rate")
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy: Literal["kv_headroom", "pow2"] = Field(
+        "kv_headroom", description="kv_headroom: the replica with the most free KV pages and the shortest queue; "
+                                   "pow2: Serve's default power-of-two-choices")
+    stats_period_s: float = Field(1.0, gt=0, description="how often Serve collects each replica's routing stats")
+
+
+class ServiceConfig(BaseModel):
+    """Everything `build_app` needs. Engine settings map onto engine.EngineConfig (see engine_config())."""
+
+    model_config = ConfigDict(extra="forbid")
+    # ---- the model and its engine ----
+    model: Optional[str] = Field(None, description="HF folder, .gguf file, random:<preset>; None: embedded SmolLM2")
+    served_model_name: Optional[str] = Field(None, description="the name clients pass as `model`; default: the "
+                                                               "checkpoint's name")
+    device: str = Field("auto", description="auto | cpu | cuda")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: Optional[int] = Field(None, ge=2, description="context length; default: the model's")
+    kv_mode: Optional[KVMode] = Field(None, description="shortcut for cache.kv_mode")
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    tensor_parallel_size: int = Field(1, ge=1, description="worker actors (ranks) per engine replica")
+    distributed_executor: Literal["auto", "local", "ray"] = Field(
+        "auto", description="auto: in-process for TP=1, Ray worker actors for TP>1; ray: actors even for TP=1")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by "
+                                                           "what the context leaves)")
+    # ---- Serve deployments ----
+    num_replicas: int = Field(1, ge=1, description="engine replicas (ignored when autoscaling is set)")
+    autoscaling: Optional[dict[str, Any]] = Field(None, description="Serve autoscaling_config for engine replicas")
+    max_ongoing_requests: int = Field(
+        1024, ge=1, description="requests Serve sends one engine replica at once; admission control keeps the "
+                                "real load far below (the engine queues what it cannot batch)")
+    ingress_replicas: int = Field(1, ge=1)
+    replica_cpus: float = Field(0.5, gt=0, description="CPUs of an engine replica's actor (fractional on CPU)")
+    worker_cpus: float = Field(0.25, gt=0, description="CPUs of each tensor-parallel worker actor (CPU runs)")
+    ingress_cpus: float = Field(0.25, gt=0)
+    health_check_period_s: float = Field(2.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    stats_period_s: float = Field(0.5, gt=0, description="how often an engine replica reads its engine's stats "
+                                                         "into the metrics")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _apply_shortcuts(self) -> "ServiceConfig":
+        if self.kv_mode is not None and self.kv_mode != self.cache.kv_mode:
+            self.cache = self.cache.model_copy(update={"kv_mode": self.kv_mode})
+        self.kv_mode = self.cache.kv_mode
+        EngineConfig(device=self.device)  # same device rules as the engine, checked here, before deploying
+        return self
+
+    def uses_gpu(self) -> bool:
+        if self.device == "cpu":
+            return False
+        if self.device.startswith("cuda"):
+            return True
+        import torch
+
+        return torch.cuda.is_available()
+
+    def engine_config(self) -> EngineConfig:
+        """The engine replica's EngineConfig. TP fields are passed only when this engine has them."""
+        kw: dict[str, Any] = dict(model=self.model, device=self.device, dtype=self.dtype,
+                                  max_model_len=self.max_model_len, cache=self.cache, scheduler=self.scheduler)
+        fields = EngineConfig.model_fields
+        if "tensor_parallel_size" in fields:
+            kw["tensor_parallel_size"] = self.tensor_parallel_size
+            kw["distributed_executor"] = self.distributed_executor
+        elif self.tensor_parallel_size > 1 or self.distributed_executor == "ray":
+            raise ValueError("tensor_parallel_size > 1 / distributed_executor='ray' need an engine with "
+                             "tensor-parallel workers (EngineConfig.tensor_parallel_size)")
+        return EngineConfig(**kw)
+
+    def uses_worker_actors(self) -> bool:
+        return self.distributed_executor == "ray" or (
+            self.distributed_executor == "auto" and self.tensor_parallel_size > 1)

@@ -1,0 +1,123 @@
+"""Every metric the service exports, named once, with its description, kind, labels and buckets.
+
+Metrics go through Ray's metrics system (ray.util.metrics): every process records its own, each node's
+agent exports them in Prometheus format on the metrics export port with a `ray_` prefix
+(`diffkv_requests_running` is scraped as `ray_diffkv_requests_running`), and Prometheus sums across
+replicas with the labels below. The README lists the same table; the Grafana dashboard and the scrape
+test use these names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Label keys.
+REPLICA = "replica"  # engine replica id (Serve's replica tag)
+RANK = "rank"  # tensor-parallel rank inside the replica
+REASON = "reason"  # why a request was rejected (admission reasons, or "invalid")
+ENDPOINT = "endpoint"  # chat | completions
+KV_MODE = "kv_mode"  # fp16 | int8 | int4 | diffkv
+
+LATENCY_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0]
+TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+MM_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # counter | gauge | histogram
+    description: str
+    tags: tuple[str, ...] = ()
+    buckets: Optional[tuple[float, ...]] = None
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    # ---- engine replicas (recorded by each engine replica) ----
+    MetricSpec("diffkv_requests_running", "gauge", "Requests in the engine's running batch.", (REPLICA,)),
+    MetricSpec("diffkv_requests_waiting", "gauge", "Requests queued in the engine, waiting for a batch slot or KV "
+                                                   "pages (includes preempted ones).", (REPLICA,)),
+    MetricSpec("diffkv_batch_size", "histogram", "Sequences in each engine step (prefill or decode).", (REPLICA,),
+               tuple(BATCH_BUCKETS)),
+    MetricSpec("diffkv_kv_pages_used", "gauge", "KV pages in use, per replica and tensor-parallel rank.",
+               (REPLICA, RANK)),
+    MetricSpec("diffkv_kv_pages_total", "gauge", "KV pages in the pool, per replica and rank.", (REPLICA, RANK)),
+    MetricSpec("diffkv_kv_page_occupancy", "gauge", "Fraction of the KV page pool in use (0-1), per replica and "
+                                                    "rank.", (REPLICA, RANK)),
+    MetricSpec("diffkv_mm_seconds", "histogram", "Memory-management (KV compaction: allocation, recycling, page "
+                                                 "table) time of a decode step, per rank; sampled each stats period "
+                                                 "when steps ran.", (REPLICA, RANK), tuple(MM_BUCKETS_S)),
+    MetricSpec("diffkv_kv_compression_ratio", "gauge", "Bytes an fp16 cache would use / bytes the KV cache uses, "
+                                                       "over the running requests (1 when idle).", (REPLICA, KV_MODE)),
+    MetricSpec("diffkv_kv_tokens_high_fraction", "gauge", "Fraction of cached (token, layer, KV head) entries kept "
+                                                          "at high precision.", (REPLICA, KV_MODE)),
+    MetricSpec("diffkv_kv_tokens_low_fraction", "gauge", "Fraction kept at low precision.", (REPLICA, KV_MODE)),
+    MetricSpec("diffkv_kv_tokens_pruned_fraction", "gauge", "Fraction pruned (dropped from the cache).",
+               (REPLICA, KV_MODE)),
+    MetricSpec("diffkv_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV pages.",
+               (REPLICA,)),
+    MetricSpec("diffkv_generated_tokens_total", "counter", "Tokens generated.", (REPLICA,)),
+    MetricSpec("diffkv_service_rate", "gauge", "Measured requests per second one replica completes at its KV "
+                                               "capacity (the admission model's c * mu).", (REPLICA,)),
+    # ---- the ingress (recorded by each ingress replica) ----
+    MetricSpec("diffkv_ttft_seconds", "histogram", "Time to first token, from arrival at the ingress.", (ENDPOINT,),
+               tuple(LATENCY_BUCKETS_S)),
+    MetricSpec("diffkv_tpot_seconds", "histogram", "Time per output token after the first (mean over a request).",
+               (ENDPOINT,), tuple(TPOT_BUCKETS_S)),
+    MetricSpec("diffkv_e2e_latency_seconds", "histogram", "End-to-end request latency at the ingress.", (ENDPOINT,),
+               tuple(LATENCY_BUCKETS_S)),
+    MetricSpec("diffkv_requests_admitted_total", "counter", "Requests admitted by admission control.", (ENDPOINT,)),
+    MetricSpec("diffkv_requests_rejected_total", "counter", "Requests rejected, by reason: queue_delay / "
+                                                            "arrival_rate (admission, 429), invalid (400), "
+                                                            "engine_dead (503).", (ENDPOINT, REASON)),
+    MetricSpec("diffkv_requests_finished_total", "counter", "Admitted requests that completed, by finish reason "
+                                                            "(stop, length, abort, error).", (ENDPOINT, REASON)),
+    MetricSpec("diffkv_arrival_rate", "gauge", "Estimated arrival rate (requests/s) at this ingress (Poisson "
+                                               "estimate, exponentially weighted).", ()),
+    MetricSpec("diffkv_admission_predicted_ttft_seconds", "gauge", "Predicted TTFT of the last arrival under the "
+                                                                   "queueing model.", ()),
+    MetricSpec("diffkv_requests_in_flight", "gauge", "Admitted requests not yet finished at this ingress.", ()),
+)
+
+BY_NAME = {s.name: s for s in SPECS}
+PROMETHEUS_PREFIX = "ray_"  # Ray's exporter prefixes application metrics
+
+
+class Metrics:
+    """This process's metric objects, created on first use (Ray must be initialized by then)."""
+
+    def __init__(self, default_tags: Optional[dict[str, str]] = None):
+        self._default_tags = dict(default_tags or {})
+        self._objs: dict[str, object] = {}
+
+    def _get(self, name: str):
+        obj = self._objs.get(name)
+        if obj is None:
+            from ray.util import metrics as rm
+
+            s = BY_NAME[name]
+            if s.kind == "counter":
+                obj = rm.Counter(s.name, description=s.description, tag_keys=s.tags)
+            elif s.kind == "gauge":
+                obj = rm.Gauge(s.name, description=s.description, tag_keys=s.tags)
+            else:
+                obj = rm.Histogram(s.name, description=s.description, boundaries=list(s.buckets), tag_keys=s.tags)
+            defaults = {k: v for k, v in self._default_tags.items() if k in s.tags}
+            if defaults:
+                obj.set_default_tags(defaults)
+            self._objs[name] = obj
+        return obj
+
+    def _tags(self, name: str, tags: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        return {k: str(v) for k, v in tags.items()} if tags else None
+
+    def inc(self, name: str, value: float = 1.0, **tags) -> None:
+        if value > 0:
+            self._get(name).inc(value, tags=self._tags(name, tags))
+
+    def set(self, name: str, value: float, **tags) -> None:
+        self._get(name).set(float(value), tags=self._tags(name, tags))
+
+    def observe(self, name: str, value: float, **tags) -> None:
+        self._get(name).observe(float(value), tags=self._tags(name, tags))

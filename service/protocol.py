@@ -1,0 +1,257 @@
+"""OpenAI API request and response bodies (the subset DiffKV Serve implements), as pydantic models.
+
+Requests forbid unknown fields (OpenAI answers 400 "Unrecognized request argument") and check ranges, so
+FastAPI's validation turns every bad body into a 400 with an OpenAI error body naming the field. Limits that
+depend on the model (context length) are checked by the ingress and the engine replica.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+
+MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- requests ---------------------------------------------------------------------------------------------
+class KVCompression(_Strict):
+    """Per-request DiffKV thresholds (diffkv mode): a token stays high precision if its significance is >=
+    alpha_high / position, low precision if >= alpha_low / position, else it is pruned."""
+
+    alpha_high: Optional[StrictFloat] = Field(None, ge=0, le=1e6)
+    alpha_low: Optional[StrictFloat] = Field(None, ge=0, le=1e6)
+
+    @model_validator(mode="after")
+    def _order(self) -> "KVCompression":
+        if self.alpha_high is not None and self.alpha_low is not None and self.alpha_low > self.alpha_high:
+            raise ValueError(f"alpha_low ({self.alpha_low}) must not exceed alpha_high ({self.alpha_high})")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _SamplingFields(_Strict):
+    model: str = Field(min_length=1)
+    temperature: Optional[StrictFloat] = Field(None, ge=0, le=2)
+    top_p: Optional[StrictFloat] = Field(None, gt=0, le=1)
+    seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
+    stop: Union[str, list[str], None] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is supported")
+    user: Optional[str] = None
+    presence_penalty: Optional[StrictFloat] = Field(None, ge=0, le=0, description="not supported: only 0")
+    frequency_penalty: Optional[StrictFloat] = Field(None, ge=0, le=0, description="not supported: only 0")
+    kv_compression: Optional[KVCompression] = Field(None, description="DiffKV extension: per-request thresholds")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        if v is None:
+            return v
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+
+    def requested_max_tokens(self) -> tuple[Optional[int], str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = Field(16, ge=1)
+    echo: StrictBool = Field(False, description="not supported: only false")
+    suffix: Optional[str] = Field(None, description="not supported")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("one prompt per request is supported")
+            v = v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is empty")
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("prompt token ids must be non-negative")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    def requested_max_tokens(self) -> tuple[Optional[int], str]:
+        return self.max_tokens, "max_tokens"
+
+
+# ---- responses ------------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> "Usage":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+FinishReason = Optional[Literal["stop", "length"]]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: FinishReason = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """Both the whole response and each streamed chunk (OpenAI uses the same object for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffkv-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+
+
+def error_body(message: str, type_: str, param: Optional[str] = None, code: Any = None) -> dict:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()

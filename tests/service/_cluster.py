@@ -1,0 +1,71 @@
+"""Start Ray + Serve for the service tests (loopback, fractional CPUs) and deploy apps on it."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("DIFFKV_CACHE_DIR", os.path.expanduser("~/.cache/diffkv"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    http_port: int
+    metrics_port: int
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            return r.read().decode()
+
+
+def start_cluster(num_cpus: int = 8) -> Cluster:
+    import ray
+    from ray import serve
+
+    http_port, metrics_port = free_port(), free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000}, logging_level="warning")
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    return Cluster(http_port, metrics_port)
+
+
+def stop_cluster() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(config: dict, name: str, route_prefix: str):
+    """Deploy build_app(config) as app `name` under route_prefix; returns the engine deployment's handle."""
+    from ray import serve
+
+    from service.app import ENGINE_DEPLOYMENT, build_app
+
+    serve.run(build_app(config), name=name, route_prefix=route_prefix)
+    return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=name)
+
+
+def wait_for(pred, timeout: float, interval: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
