@@ -1,4 +1,5 @@
-"""`diffkv` command line: generate (one prompt) and chat (interactive), on the embedded model by default."""
+"""`diffkv` command line: serve (the OpenAI API on Ray Serve), generate (one prompt) and chat (interactive),
+on the embedded model by default."""
 from __future__ import annotations
 
 import argparse
@@ -112,6 +113,117 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _serve_config(args):
+    """ServiceConfig from --config (ServiceConfig fields, or a Serve config YAML whose first application's
+    `args` are used) with the command-line flags on top."""
+    from pathlib import Path
+
+    from service.config import ServiceConfig
+
+    data: dict = {}
+    if args.config:
+        text = Path(args.config).read_text()
+        if args.config.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        if "applications" in data:  # a Serve config file: take the app's args
+            data = dict(data["applications"][0].get("args") or {})
+    flags = {"model": args.model, "device": args.device, "max_model_len": args.max_model_len,
+             "num_replicas": args.num_replicas, "tensor_parallel_size": args.tensor_parallel_size,
+             "kv_mode": args.kv_mode}
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if args.ttft_target is not None:
+        data.setdefault("admission", {})["ttft_target_s"] = args.ttft_target
+    if args.no_admission:
+        data.setdefault("admission", {})["enabled"] = False
+    return ServiceConfig.model_validate(data)
+
+
+def _deploy_with_progress(app, name: str, stop) -> None:
+    """serve.run on a thread, with a progress bar over the deployments becoming healthy."""
+    import threading
+    import time
+
+    from ray import serve
+    from tqdm.auto import tqdm
+
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            serve.run(app, name=name, route_prefix="/")
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            err.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    with tqdm(total=2, desc="deploying (model load)", unit="deployment") as bar:
+        while t.is_alive():
+            t.join(1.0)
+            if stop.is_set():
+                raise KeyboardInterrupt
+            try:
+                deps = serve.status().applications[name].deployments
+                healthy = sum(1 for d in deps.values() if str(d.status).endswith("HEALTHY"))
+                bar.total = max(len(deps), 1)
+                bar.n = healthy
+                bar.refresh()
+            except (KeyError, Exception):  # the app is not registered yet
+                time.sleep(0.2)
+    if err:
+        raise err[0]
+
+
+def cmd_serve(args) -> int:
+    import os
+    import signal
+    import threading
+
+    cfg = _serve_config(args)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from service.app import APP_NAME, build_app
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
+        signal.signal(sig, lambda *_: stop.set())
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        init = {"include_dashboard": False}
+        if args.num_cpus is not None:
+            init["num_cpus"] = args.num_cpus
+        if args.metrics_port is not None:
+            init["_metrics_export_port"] = args.metrics_port
+        ray.init(**init)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        _deploy_with_progress(build_app(cfg), APP_NAME, stop)
+        metrics = f", Prometheus metrics on :{args.metrics_port}/metrics" if args.metrics_port else ""
+        print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
+              f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}). Ctrl-C stops.",
+              file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("shutting down...", file=sys.stderr, flush=True)
+        try:
+            if args.address:
+                serve.delete(APP_NAME)  # a shared cluster: remove only our app
+            else:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffkv", description="DiffKV Serve: LLM serving with a compressed KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (Ctrl-C stops)")
+    s.add_argument("--config", default=None, help="YAML/JSON of ServiceConfig fields (or a Serve config file)")
+    s.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded)")
+    s.add_argument("--device", default=None, help="auto | cpu | cuda")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--kv-mode", default=None, choices=["fp16", "int8", "int4", "diffkv"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--num-replicas", type=int, default=None, help="engine replicas")
+    s.add_argument("--tensor-parallel-size", type=int, default=None, help="worker actors per engine replica")
+    s.add_argument("--ttft-target", type=float, default=None, help="admission control's TTFT target (seconds)")
+    s.add_argument("--no-admission", action="store_true", help="admit every request (no 429s)")
+    s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
+    s.add_argument("--metrics-port", type=int, default=None, help="Prometheus export port of the local Ray")
+    s.set_defaults(func=cmd_serve)
     return parser
 
 
