@@ -189,6 +189,9 @@ class ServiceMeter:
                                self.max_num_seqs)
 
 
+REPLICA_TTL_S = 600.0  # forget a replica's capacity after this long without a report
+
+
 # ---- the decision -------------------------------------------------------------------------------------------
 @dataclass
 class Decision:
@@ -217,6 +220,7 @@ class AdmissionController:
     config: AdmissionConfig
     default_servers: int  # per replica, until the replicas report (max_num_seqs)
     default_replicas: int = 1
+    max_replicas: Optional[int] = None  # count only this many most recently reporting replicas (fixed size)
     share: float = 1.0
     clock: Callable[[], float] = time.monotonic
     in_flight: int = 0
@@ -247,10 +251,12 @@ class AdmissionController:
             return self._capacity_locked(self.clock())
 
     def _capacity_locked(self, now: float) -> tuple[float, Optional[float], float]:
-        ttl = max(30.0, 3 * self.config.rate_window_s)
-        for rid in [r for r, k in self._replicas.items() if now - k.seen > ttl]:
-            del self._replicas[rid]  # gone (scaled down, restarted under a new id) or idle for long
-        loads = [k.load for k in self._replicas.values()]
+        # A replica that stopped reporting is gone (scaled down, or replaced under a new id after a failure);
+        # with a fixed replica count, the newest reports also push out the ones it replaced.
+        for rid in [r for r, k in self._replicas.items() if now - k.seen > REPLICA_TTL_S]:
+            del self._replicas[rid]
+        known = sorted(self._replicas.values(), key=lambda k: k.seen, reverse=True)
+        loads = [k.load for k in known[: self.max_replicas or None]]
         if not loads:
             return self.default_servers * self.default_replicas * self.share, None, 0.0
         servers = sum(x.servers for x in loads) * self.share

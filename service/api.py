@@ -219,8 +219,11 @@ class OpenAIIngress:
         global _INGRESS
         self.engine = engine  # DeploymentHandle of EngineReplica
         self.cfg = ServiceConfig.model_validate(config)
-        self.admission = AdmissionController(self.cfg.admission, self.cfg.scheduler.max_num_seqs,
-                                             self.cfg.num_replicas, share=1.0 / self.cfg.ingress_replicas)
+        scaling = self.cfg.autoscaling or {}
+        self.admission = AdmissionController(
+            self.cfg.admission, self.cfg.scheduler.max_num_seqs, self.cfg.num_replicas,
+            max_replicas=scaling.get("max_replicas") if scaling else self.cfg.num_replicas,
+            share=1.0 / self.cfg.ingress_replicas)
         self.metrics = Metrics()
         self._info: Optional[dict] = None
         _INGRESS = self

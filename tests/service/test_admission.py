@@ -1,0 +1,214 @@
+"""Admission control and routing, without Ray: the queueing formulas, the estimators, the controller in a
+simulated M/M/c system under Poisson overload, and the KV-headroom ranking."""
+import math
+import random
+
+import pytest
+
+from service.admission import (AdmissionController, ArrivalRateEstimator, ReplicaLoad, ServiceMeter,
+                               conditional_wait, erlang_c, max_sustainable_rate, mmc_mean_wait)
+from service.config import AdmissionConfig
+from service.router import headroom, rank_by_headroom
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_erlang_c_known_values_and_mm1():
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # textbook value
+    assert erlang_c(3, 3.0) == 1.0 and erlang_c(4, 0.0) == 0.0
+    # large c stays finite and in [0, 1] (the Erlang-B recursion does not overflow)
+    assert 0 < erlang_c(500, 480.0) < 1
+    lam, mu = 3.0, 4.0
+    assert mmc_mean_wait(lam, 1, mu) == pytest.approx((lam / mu) / (mu - lam))
+    assert mmc_mean_wait(8.0, 2, 4.0) == math.inf
+
+
+def test_max_sustainable_rate_inverts_the_mean_wait():
+    for c, mu, w in [(1, 2.0, 0.5), (4, 0.5, 2.0), (64, 0.2, 5.0)]:
+        lam = max_sustainable_rate(c, mu, w)
+        assert 0 < lam < c * mu
+        assert mmc_mean_wait(lam, c, mu) == pytest.approx(w, rel=1e-3)
+    assert max_sustainable_rate(4, 1.0, 0.0) == 0.0
+
+
+def test_conditional_wait():
+    assert conditional_wait(3, 4, 2.0) == 0.0  # a server is free
+    assert conditional_wait(4, 4, 2.0) == pytest.approx(0.5)  # first departure
+    assert conditional_wait(9, 4, 2.0) == pytest.approx(3.0)  # six departures at 2/s
+
+
+@pytest.mark.parametrize("rate", [0.5, 5.0, 50.0])
+def test_arrival_rate_estimate_converges(rate):
+    rng = random.Random(1)
+    estimates = []
+    for _ in range(40):
+        clock = Clock()
+        est = ArrivalRateEstimator(tau=10.0, clock=clock)
+        t = rng.expovariate(rate)
+        while t < 60:
+            clock.t = t
+            est.observe()
+            t += rng.expovariate(rate)
+        estimates.append(est.rate(60.0))
+    assert sum(estimates) / len(estimates) == pytest.approx(rate, rel=0.1)
+
+
+def test_arrival_rate_estimate_right_after_start():
+    rng = random.Random(2)
+    vals = []
+    for _ in range(300):
+        clock = Clock()
+        est = ArrivalRateEstimator(tau=10.0, clock=clock)
+        t = rng.expovariate(4.0)
+        while t < 3.0:  # only 3 s of a 10 s window: the bias correction matters here
+            clock.t = t
+            est.observe()
+            t += rng.expovariate(4.0)
+        vals.append(est.rate(3.0))
+    assert sum(vals) / len(vals) == pytest.approx(4.0, rel=0.1)
+
+
+def test_service_meter_littles_law_and_kv_capacity():
+    clock = Clock()
+    meter = ServiceMeter(tau=20.0, max_num_seqs=64, clock=clock)
+    meter.pages_total = 1000
+    # 4 requests always running, one leaves every 0.5 s: X = 2/s, L = 4, so S = L / X = 2 s
+    meter.set_running(4)
+    for i in range(1, 400):
+        clock.t = 0.5 * i
+        meter.finished(pages_used=50, ttft_s=0.1, found_free_slot=True)
+    load = meter.snapshot("r")
+    assert load.service_s == pytest.approx(2.0, rel=0.02)
+    assert load.servers == pytest.approx(1000 / 50)  # KV capacity binds before max_num_seqs
+    assert load.service_rate == pytest.approx(20 / 2.0, rel=0.02)
+    assert load.prefill_s == pytest.approx(0.1)
+    # compression: half the pages per request doubles the servers, up to max_num_seqs
+    for _ in range(200):
+        meter.finished(pages_used=10, ttft_s=None, found_free_slot=False)
+    assert meter.snapshot("r").servers == 64
+
+
+def _load(servers=4.0, service_s=2.0, prefill_s=0.1, replica="r0"):
+    return ReplicaLoad(replica, servers, service_s, prefill_s, 1000, 10.0, 64)
+
+
+def test_controller_admits_while_servers_are_free_then_predicts_the_wait():
+    clock = Clock()
+    ctl = AdmissionController(AdmissionConfig(ttft_target_s=1.0, seed=0), default_servers=64, clock=clock)
+    ctl.report(_load(servers=4, service_s=2.0, prefill_s=0.1))  # c mu = 2 req/s
+    decisions = []
+    for i in range(8):
+        clock.t = 10.0 * i  # far apart: the arrival rate is low, only the state matters
+        decisions.append(ctl.decide())
+    # 4 servers free -> admitted; then waits of 0.5, 1.0 s (+0.1 prefill): 0.6 admitted, 1.1 rejected
+    assert [d.admit for d in decisions[:5]] == [True] * 5
+    assert decisions[5].admit is False and decisions[5].reason == "queue_delay"
+    assert decisions[5].predicted_ttft_s == pytest.approx(1.1)
+    assert decisions[5].retry_after_s >= 1
+    assert ctl.in_flight == 5
+    ctl.release()
+    clock.t += 1
+    assert ctl.decide().admit  # a departure made room
+    # the Retry-After of a deep queue is how long it takes to drain under the target, capped
+    ctl.in_flight = 1000
+    d = ctl.decide()
+    assert not d.admit and d.retry_after_s == ctl.config.max_retry_after_s
+
+
+def test_reports_replace_each_other_and_expire():
+    clock = Clock()
+    ctl = AdmissionController(AdmissionConfig(), default_servers=64, max_replicas=2, clock=clock)
+    for i, rid in enumerate(["a", "b", "c"]):  # c replaced a after a failure: only the newest two count
+        clock.t = float(i)
+        ctl.report(_load(servers=4, replica=rid))
+    assert ctl.capacity()[0] == 8
+    clock.t = 10_000.0
+    assert ctl.capacity() == (64, None, 0.0)  # nothing heard for long: back to the configured defaults
+
+
+def test_controller_disabled_admits_everything():
+    ctl = AdmissionController(AdmissionConfig(enabled=False), default_servers=1)
+    assert all(ctl.decide().admit for _ in range(100)) and ctl.in_flight == 100
+
+
+def test_cold_start_admits_up_to_the_configured_slots():
+    ctl = AdmissionController(AdmissionConfig(), default_servers=2, default_replicas=2)
+    assert [ctl.decide().admit for _ in range(5)] == [True] * 4 + [False]
+
+
+def simulate(arrival_rate, servers, service_rate_per_server, target, n_arrivals, seed=0, enabled=True):
+    """Discrete-event M/M/c with the controller in front: returns (admitted TTFT waits, rejections, retry)."""
+    rng = random.Random(seed)
+    clock = Clock()
+    ctl = AdmissionController(AdmissionConfig(ttft_target_s=target, seed=seed, enabled=enabled,
+                                              rate_window_s=10.0), default_servers=servers, clock=clock)
+    load = ReplicaLoad("r0", servers, 1 / service_rate_per_server, 0.0, 0, None, servers)
+    ctl.report(load)
+    busy_until = [0.0] * servers  # FCFS: each admitted request takes the earliest free server
+    t, waits, rejected, retry_afters = 0.0, [], 0, []
+    departures = []
+    for _ in range(n_arrivals):
+        t += rng.expovariate(arrival_rate)
+        clock.t = t
+        departures.sort()
+        while departures and departures[0] <= t:
+            departures.pop(0)
+            ctl.release()
+            ctl.report(load)  # the engine replica reports its load with every finished request
+        d = ctl.decide()
+        if not d.admit:
+            rejected += 1
+            retry_afters.append(d.retry_after_s)
+            continue
+        i = min(range(servers), key=lambda k: busy_until[k])
+        start = max(t, busy_until[i])
+        busy_until[i] = start + rng.expovariate(service_rate_per_server)
+        departures.append(busy_until[i])
+        waits.append(start - t)
+    return waits, rejected, retry_afters
+
+
+def test_poisson_overload_keeps_admitted_waits_under_target():
+    c, mu, target = 4, 0.5, 2.0  # capacity c mu = 2 req/s
+    waits, rejected, retry = simulate(arrival_rate=8.0, servers=c, service_rate_per_server=mu, target=target,
+                                      n_arrivals=4000)
+    assert rejected > 0.6 * 4000  # 4x overload: most arrivals must be turned away ...
+    assert len(waits) > 0.15 * 4000  # ... but the system still runs near capacity (about 1/4 admitted)
+    assert sum(waits) / len(waits) < target  # the admitted requests' mean wait meets the target
+    assert min(retry) >= 1
+    # without admission control the queue grows without bound
+    waits_off, rejected_off, _ = simulate(8.0, c, mu, target, 4000, enabled=False)
+    assert rejected_off == 0 and sum(waits_off) / len(waits_off) > 50 * target
+
+
+def test_light_load_is_never_rejected():
+    waits, rejected, _ = simulate(arrival_rate=0.5, servers=4, service_rate_per_server=0.5, target=2.0,
+                                  n_arrivals=1000)
+    assert rejected < 10 and sum(waits) / len(waits) < 0.5
+
+
+def test_headroom_prefers_free_pages_and_short_queues():
+    idle = {"pages_total": 1000, "pages_used": 0, "num_running": 0, "num_waiting": 0, "max_num_seqs": 64,
+            "pages_per_request": 50}
+    busy_pages = {**idle, "pages_used": 800, "num_running": 2}
+    long_queue = {**idle, "pages_used": 100, "num_running": 2}
+    assert headroom(idle, 0) == 1.0
+    assert headroom(busy_pages, 2) == pytest.approx(0.2)
+    # ten requests sent but not running yet will take ~50 pages each
+    assert headroom(long_queue, 12) == pytest.approx(1 - (100 + 10 * 50) / 1000)
+    assert headroom({**idle, "dead": True}, 0) == float("-inf")
+    assert headroom({}, 32) == pytest.approx(0.5)  # no stats yet: the queue alone
+    stats = {"a": busy_pages, "b": idle, "c": long_queue}
+    queues = {"a": 2, "b": 0, "c": 12}
+    order = rank_by_headroom(["a", "b", "c"], stats.get, queues.get, random.Random(0))
+    assert order == ["b", "c", "a"]
+    # ties are broken at random, so equal replicas share the load
+    firsts = {rank_by_headroom(["x", "y"], lambda r: idle, lambda r: 0, random.Random(s))[0] for s in range(20)}
+    assert firsts == {"x", "y"}
