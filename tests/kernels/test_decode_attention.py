@@ -211,9 +211,10 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
                                    lse_out=lse, **kw)
         assert not out.isnan().any() and not lse.isnan().any()
         res[impl] = (out, logits, lse)
-    # Plain call (no logits/lse) gives the same output.
+    # Plain call (no logits/lse) gives the same output, up to the compiler contracting the scale/zero
+    # fold into FMAs differently when the logits are also stored (fp32 rounding, ~1e-7 relative).
     plain = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, **kw)
-    torch.testing.assert_close(plain, res["triton"][0], atol=0, rtol=0)
+    torch.testing.assert_close(plain, res["triton"][0], atol=1e-6, rtol=1e-5)
 
     n_out, n_logits, n_lse = _naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
                                              slots.cpu(), layer, scale)
