@@ -202,10 +202,11 @@ def _decode_reduce_kernel(
 
 
 def launch_config(fmt: PageFormat, fmt_low: PageFormat | None) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) by precision, from the H200 sweep in benchmarks/attention.py --tune:
-    16-bit tiles like 128 tokens; quantized tiles unpack in registers and like fewer tokens per step."""
+    """(BLOCK_N, num_warps, num_stages) by precision, from the H200 sweep (benchmarks/tune_decode_attention.py,
+    results/tune_decode_attention_H200.json): 128-token tiles and 4 warps win everywhere; one pipeline stage
+    for a single quantized format (its unpacking already fills the registers), two otherwise."""
     quantized = any(b < 16 for f in (fmt, fmt_low) if f is not None for b in (f.key_bits, f.value_bits))
-    return (64, 4, 2) if quantized else (128, 4, 2)
+    return (128, 4, 1) if quantized and fmt_low is None else (128, 4, 2)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
