@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedCheckpoint, load_checkpoint
+from engine.model_settings import apply_model_settings
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -28,6 +29,7 @@ class LLMEngine:
             config = config.model_copy(update=overrides)
         self.config = config
         ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model)
+        self.config = config = apply_model_settings(config, ckpt.name)  # calibrated alphas unless set
         self.arch = ckpt.arch
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name

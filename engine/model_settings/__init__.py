@@ -1,0 +1,58 @@
+"""Per-model DiffKV settings written by `diffkv calibrate` (one JSON file per model, shipped with the
+package): the engine uses a model's calibrated alpha_high / alpha_low whenever the user did not set them.
+
+A file `<model id>.json` holds {"model": <checkpoint name>, "alpha_high": .., "alpha_low": .., "calibration":
+{how they were chosen}}; the model id is the loaded checkpoint's name, lower-cased.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from engine.config import CacheConfig, EngineConfig
+
+SETTINGS_DIR = Path(__file__).parent
+THRESHOLDS = ("alpha_high", "alpha_low")
+
+
+def model_id(model_name: str) -> str:
+    return model_name.strip().lower()
+
+
+def settings_path(model_name: str, directory: Path = SETTINGS_DIR) -> Path:
+    return directory / f"{model_id(model_name)}.json"
+
+
+def load_model_settings(model_name: str, directory: Path = SETTINGS_DIR) -> Optional[dict]:
+    """The model's settings, or None if it was never calibrated. A damaged file is an error, not a default."""
+    path = settings_path(model_name, directory)
+    if not path.is_file():
+        return None
+    try:
+        settings = json.loads(path.read_text())
+        for k in THRESHOLDS:
+            if not isinstance(settings[k], (int, float)) or settings[k] < 0:
+                raise ValueError(f"{k} must be a number >= 0")
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{path}: damaged model settings ({e}); rerun `diffkv calibrate` or delete it") from e
+    return settings
+
+
+def apply_model_settings(config: EngineConfig, model_name: str, directory: Path = SETTINGS_DIR) -> EngineConfig:
+    """The config with the model's calibrated thresholds in place of the defaults the user left unset."""
+    cache = config.cache
+    if cache.kv_mode != "diffkv" or cache.policy != "thresholds":
+        return config
+    unset = [k for k in THRESHOLDS if k not in cache.model_fields_set]
+    settings = load_model_settings(model_name, directory) if unset else None
+    if not settings:
+        return config
+    values = {**cache.model_dump(include=cache.model_fields_set), **{k: float(settings[k]) for k in unset}}
+    try:
+        new_cache = CacheConfig(**values)
+    except ValueError as e:
+        raise ValueError(f"cache: your {', '.join(sorted(cache.model_fields_set & set(THRESHOLDS)))} and "
+                         f"{model_name}'s calibrated {', '.join(unset)} ({settings_path(model_name, directory)}) "
+                         f"do not fit together; set both alphas: {e}") from e
+    return config.model_copy(update={"cache": new_cache})

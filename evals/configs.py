@@ -1,0 +1,70 @@
+"""The KV configurations compared, all through the same engine, pages and kernels (CacheConfig values).
+
+  fp16                16-bit cache (reference)
+  diffkv              K8V4 / K4V2 / pruned by the model's calibrated alpha_high, alpha_low
+  k8v8, k4v4          uniform int8 / int4 (kv_mode int8 / int4)
+  k8v4, k4v8,         uniform at one precision: diffkv with high = low = that precision and both alphas 0,
+  k4v2, k2v4          so every token stays in the high section (the mirrors test "keys over values")
+  kivi2               KIVI-like: the recent window at 16 bits, every older token at K2V2 (alpha_high out of
+                      reach, alpha_low 0: nothing is high beyond the window, nothing is pruned)
+  prune50, prune_eq   equal per-head budget pruning (H2O/SnapKV-style static sparsity) at 16 bits: each KV
+                      head keeps 50% of its tokens, or the share that costs what DiffKV costs
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig
+
+UNREACHABLE = 1e9  # an alpha_high no significance reaches (KIVI-like: only the window stays high)
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    name: str
+    label: str
+    family: str  # fp16 | diffkv | uniform | mirror | kivi | prune
+    cache: dict = field(default_factory=dict)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(**self.cache)
+
+
+def _uniform(name: str, precision: str, family: str = "uniform") -> KVConfig:
+    return KVConfig(name, f"uniform {precision}", family,
+                    {"kv_mode": "diffkv", "high": precision, "low": precision, "alpha_high": 0.0, "alpha_low": 0.0})
+
+
+def diffkv_config(alpha_high: float | None, alpha_low: float | None, name: str = "diffkv") -> KVConfig:
+    """DiffKV K8V4/K4V2; None alphas leave the engine's per-model settings in charge."""
+    cache = {"kv_mode": "diffkv"}
+    if alpha_high is not None:
+        cache["alpha_high"] = alpha_high
+    if alpha_low is not None:
+        cache["alpha_low"] = alpha_low
+    label = "DiffKV" if alpha_high is None else f"DiffKV a_h={alpha_high:g} a_l={alpha_low:g}"
+    return KVConfig(name, label, "diffkv", cache)
+
+
+def prune_config(budget: float, name: str) -> KVConfig:
+    if not 0 < budget <= 1:
+        raise ValueError(f"prune budget {budget} must be in (0, 1]")
+    return KVConfig(name, f"prune {100 * budget:.0f}% (equal budget)", "prune",
+                    {"kv_mode": "diffkv", "policy": "budget", "budget": round(budget, 4), "high": "K16V16",
+                     "low": "K16V16"})
+
+
+def baseline_configs() -> list[KVConfig]:
+    """Every configuration that does not depend on DiffKV's calibrated thresholds or measured memory."""
+    return [
+        KVConfig("fp16", "fp16", "fp16", {"kv_mode": "fp16"}),
+        KVConfig("k8v8", "uniform K8V8", "uniform", {"kv_mode": "int8"}),
+        KVConfig("k4v4", "uniform K4V4", "uniform", {"kv_mode": "int4"}),
+        _uniform("k8v4", "K8V4"),
+        _uniform("k4v8", "K4V8", "mirror"),
+        _uniform("k4v2", "K4V2"),
+        _uniform("k2v4", "K2V4", "mirror"),
+        KVConfig("kivi2", "KIVI-like 2-bit + 16-bit window", "kivi",
+                 {"kv_mode": "diffkv", "high": "K16V16", "low": "K2V2", "alpha_high": UNREACHABLE, "alpha_low": 0.0}),
+        prune_config(0.5, "prune50"),
+    ]

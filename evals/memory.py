@@ -1,0 +1,35 @@
+"""KV memory of a configuration as a fraction of an fp16 cache, metadata included.
+
+Bytes per token of a precision are those of the engine's unified page at a 16-bit cache dtype (what the
+GPU uses): quantized keys and values, their fp16 scale/zero, the f32 significance score and the int32
+position, divided by the tokens a page holds. So the numbers do not depend on the machine (on CPU the
+engine keeps its 16-bit pages in fp32). The fp16 reference is 2 bytes x (K + V) x head_dim per token and KV
+head; the fp16 cache itself costs slightly more (its score and position rows).
+"""
+from __future__ import annotations
+
+from engine.config import CacheConfig
+from kernels.page_layout import PageFormat, page_bytes_for
+
+HALF = 2  # bytes of a 16-bit element
+
+
+def token_bytes(key_bits: int, value_bits: int, head_dim: int, block_size: int = 16) -> float:
+    page = page_bytes_for(block_size, head_dim, HALF)
+    return PageFormat.make(key_bits, value_bits, head_dim, page, HALF).token_bytes()
+
+
+def fp16_token_bytes(head_dim: int) -> int:
+    return 2 * HALF * head_dim
+
+
+def memory_fraction(cache: CacheConfig, head_dim: int, tokens_high: int, tokens_low: int, tokens_pruned: int) -> float:
+    """Bytes of the kept tokens over what an fp16 cache would use for all of them (per KV head)."""
+    total = tokens_high + tokens_low + tokens_pruned
+    if total <= 0:
+        raise ValueError("memory_fraction: no tokens")
+    high, low = cache.precisions()
+    used = tokens_high * token_bytes(*high, head_dim, cache.block_size)
+    if tokens_low:
+        used += tokens_low * token_bytes(*low, head_dim, cache.block_size)
+    return used / (total * fp16_token_bytes(head_dim))
