@@ -8,10 +8,11 @@ from typing import Any, Optional, Union
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.executor import Executor, make_executor
 from engine.loader import LoadedCheckpoint, load_checkpoint
 from engine.model_settings import apply_model_settings
-from engine.model_runner import ModelRunner
+from engine.parallel import check_tensor_parallel
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, Status
@@ -28,26 +29,33 @@ class LLMEngine:
         elif overrides:
             config = config.model_copy(update=overrides)
         self.config = config
-        ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model)
+        # Ray ranks load the weights themselves: the driver only needs the architecture and the tokenizer.
+        local = config.executor_kind == "local"
+        ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model, with_weights=local)
+        check_tensor_parallel(ckpt.arch, config.tensor_parallel_size)
         self.config = config = apply_model_settings(config, ckpt.name)  # calibrated alphas unless set
         self.arch = ckpt.arch
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name
         self.max_model_len = min(config.max_model_len or ckpt.arch.max_position_embeddings,
                                  ckpt.arch.max_position_embeddings)
-        random = ckpt.weights is None
-        self.runner = ModelRunner(config, ckpt.arch, None if random else ckpt.weights, self.max_model_len)
-        self.mm = self.runner.mm
+        self.executor: Executor = make_executor(config, ckpt, self.max_model_len)
+        self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner (local executor)
+        self.mm = self.executor.mm
         self.scheduler = Scheduler(config.scheduler, self.mm)
         self.requests: dict[str, Sequence] = {}
         self._last_step_time = 0.0
         self._num_generated = 0
+        self._dead: Optional[str] = None  # why the engine cannot serve any more
+        self._shut_down = False
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int], None] = None,
                     sampling: Optional[SamplingParams] = None, prompt_token_ids: Optional[list[int]] = None,
                     arrival_time: Optional[float] = None, kv_compression: Optional[dict] = None) -> None:
-        """Queue a request. Bad input raises InvalidRequestError (naming the field) and changes nothing."""
+        """Queue a request. Bad input raises InvalidRequestError (naming the field) and changes nothing;
+        a dead or shut-down engine raises EngineDeadError."""
+        self._check_alive()
         sampling = sampling or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -75,7 +83,7 @@ class LLMEngine:
         alphas = self._check_kv_compression(kv_compression)
         gen = None
         if sampling.seed is not None:
-            gen = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
+            gen = self.executor.make_generator(sampling.seed)
         seq = Sequence(request_id, ids, sampling,
                        IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
                        generator=gen, arrival_time=arrival_time or time.monotonic())
@@ -110,6 +118,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.remove(seq)
+        self.executor.finish_request(request_id)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return True
 
@@ -118,6 +127,8 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. A worker lost or failing raises EngineDeadError (the engine is then dead)."""
+        self._check_alive()
         t0 = time.perf_counter()
         batch, stuck = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
@@ -127,7 +138,11 @@ class LLMEngine:
             outputs.append(self.output(seq))
         if batch is None:
             return outputs
-        tokens, logprobs = self.runner.execute(batch)
+        try:
+            tokens, logprobs = self.executor.execute(batch)
+        except EngineDeadError as e:
+            self._die(str(e))
+            raise
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(batch.seqs, tokens)):
             seq.output_token_ids.append(tok)
@@ -174,6 +189,7 @@ class LLMEngine:
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.monotonic()
         self.scheduler.remove(seq)
         self.requests.pop(seq.request_id, None)
+        self.executor.finish_request(seq.request_id)
 
     def output(self, seq: Sequence) -> RequestOutput:
         """What is new for this request since its last output (and everything so far)."""
@@ -191,35 +207,36 @@ class LLMEngine:
 
     def kv_usage(self, seq: Sequence) -> dict[str, int]:
         """KV memory one running sequence holds now (one device read)."""
-        mm = self.mm
-        pages, hi, lo = torch.stack([(mm.held_high[seq.slot] + mm.held_low[seq.slot]).sum(),
-                                     mm.len_high[seq.slot].sum(), mm.len_low[seq.slot].sum()]).tolist()
-        return {"pages_used": pages, "bytes_used": pages * mm.page_bytes,
+        pages, hi, lo = self.executor.slot_usage(seq.slot)  # summed over ranks
+        heads = self._heads_per_seq()
+        return {"pages_used": pages, "bytes_used": pages * self.mm.page_bytes,
                 "bytes_fp16": seq.num_cached * self._fp16_token_bytes(), "tokens": seq.num_cached,
-                "tokens_high": hi, "tokens_low": lo, "tokens_pruned": seq.num_cached * mm.heads_per_seq - hi - lo}
+                "tokens_high": hi, "tokens_low": lo, "tokens_pruned": seq.num_cached * heads - hi - lo}
+
+    def _heads_per_seq(self) -> int:
+        """(layer, KV head) pairs of one sequence over all ranks."""
+        return self.arch.num_layers * self.arch.num_kv_heads
 
     def _fp16_token_bytes(self) -> int:
         """What one token costs in an fp16 cache across all layers and KV heads (K and V)."""
-        return 2 * 2 * self.arch.head_dim * self.mm.heads_per_seq
+        return 2 * 2 * self.arch.head_dim * self._heads_per_seq()
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Next-token logits [V] after a prompt, through the same cache and kernels as serving (tests, eval)."""
-        from engine.model_runner import Batch
-
-        seq = Sequence("__logits__", list(prompt_token_ids), SamplingParams(temperature=0, max_tokens=1),
-                       detokenizer=None)
-        seq.slot = self.mm.alloc_slot()
+        self._check_alive()
         try:
-            self.runner.execute(Batch(True, [seq]), keep_logits=True)
-            return self.runner.last_logits[0].cpu()
-        finally:
-            self.mm.free([seq.slot])
+            return self.executor.prompt_logits(prompt_token_ids)
+        except EngineDeadError as e:
+            self._die(str(e))
+            raise
 
     # ---- stats -----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        mm = self.mm
-        free = mm.free_pages()
-        used = mm.num_pages - free
+        """Totals over the tensor-parallel ranks (pages and tokens summed, memory-management time the
+        slowest rank's) and each rank's own pages under "ranks"."""
+        ranks = self.executor.rank_stats()
+        page_bytes = self.mm.page_bytes
+        used = sum(r["pages_used"] for r in ranks)
         running = self.scheduler.running
         cached = sum(s.num_cached for s in running)
         bytes_fp16 = cached * self._fp16_token_bytes()
@@ -229,14 +246,57 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": self._num_generated,
-            "pages_total": mm.num_pages,
+            "pages_total": sum(r["pages_total"] for r in ranks),
             "pages_used": used,
-            "page_bytes": mm.page_bytes,
-            "bytes_used": used * mm.page_bytes,
+            "page_bytes": page_bytes,
+            "bytes_used": used * page_bytes,
             "bytes_fp16": bytes_fp16,
-            "compression_ratio": (bytes_fp16 / (used * mm.page_bytes)) if used else None,
+            "compression_ratio": (bytes_fp16 / (used * page_bytes)) if used else None,
             "cached_tokens": cached,
-            **self.runner.kv.token_counts([s.slot for s in running if s.slot is not None], cached),
+            **self.executor.token_counts([s.slot for s in running if s.slot is not None], cached),
             "last_step_seconds": self._last_step_time,
-            "last_mm_seconds": self.runner.kv.mm_seconds(),
+            "last_mm_seconds": max(r["last_mm_seconds"] for r in ranks),
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "ranks": ranks,
         }
+
+    # ---- health and lifecycle ----------------------------------------------------------------------------
+    def is_healthy(self) -> bool:
+        """False once a worker was lost or a step failed on one, and after shutdown()."""
+        return self._dead is None
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine is dead or a worker is gone (pings Ray workers)."""
+        self._check_alive()
+        try:
+            self.executor.check_health()
+        except EngineDeadError as e:
+            self._die(str(e))
+            raise
+
+    def shutdown(self) -> None:
+        """Abort every request (their pages go back) and release the workers (idempotent). The engine
+        serves nothing afterwards."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        for rid in list(self.requests):
+            self.abort(rid)
+        self.executor.shutdown()
+        if self._dead is None:
+            self._dead = "the engine was shut down"
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not serving: {self._dead}")
+
+    def _die(self, reason: str) -> None:
+        """A rank is lost: nothing can run any more. Release the remaining workers at once (they may be
+        blocked in a collective) so the owner can start a replacement; requests stay for the owner to fail."""
+        if self._dead is None:
+            self._dead = reason
+            log.error("engine is dead: %s", reason)
+        try:
+            self.executor.shutdown()
+        except Exception:  # pragma: no cover - releasing must not hide the original error
+            log.exception("releasing the workers of a dead engine failed")

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from engine.model_config import ModelArch
-from engine.parallel import SINGLE, ParallelContext
+from engine.parallel import SINGLE, ParallelContext, check_tensor_parallel
 
 
 class AttentionBackend(Protocol):
@@ -27,10 +27,11 @@ class DecoderLayer(nn.Module):
         self.idx = idx
         self.pc = pc
         D = arch.head_dim
-        self.num_heads = arch.num_heads // pc.world_size
-        self.num_kv_heads = arch.num_kv_heads // pc.world_size
+        self.num_heads = pc.num_heads(arch)
+        self.num_kv_heads = pc.num_kv_heads(arch)
         self.qkv_sizes = (self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D)
-        inter = arch.intermediate_size // pc.world_size
+        c0, c1 = pc.mlp_columns(arch)
+        inter = c1 - c0
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.qkv_proj = nn.Linear(arch.hidden_size, sum(self.qkv_sizes), bias=arch.attention_bias)
@@ -62,9 +63,7 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, arch: ModelArch, max_len: int, pc: ParallelContext = SINGLE):
         super().__init__()
-        pc.shard(arch.num_heads, "num_heads")
-        pc.shard(arch.num_kv_heads, "num_kv_heads")
-        pc.shard(arch.intermediate_size, "intermediate_size")
+        check_tensor_parallel(arch, pc.world_size)
         self.arch, self.pc = arch, pc
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, pc) for i in range(arch.num_layers))
@@ -84,63 +83,93 @@ class CausalLM(nn.Module):
         return (hidden @ w.t()).float()
 
     # ---- weights --------------------------------------------------------------------------------
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter `name` given its full (single-rank) value: the one definition of
+        the split. qkv_proj rows are [q | k | v] and gate_up_proj rows [gate | up], each cut per head or
+        column range; o_proj and down_proj are cut along their input columns; the rest is replicated."""
+        arch, pc = self.arch, self.pc
+        if pc.world_size == 1:
+            return full
+        D = arch.head_dim
+        q0, q1 = pc.q_heads(arch)
+        k0, k1 = pc.kv_heads(arch)
+        c0, c1 = pc.mlp_columns(arch)
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            q, k, v = full.split([arch.num_heads * D, arch.num_kv_heads * D, arch.num_kv_heads * D])
+            return torch.cat([q[q0 * D: q1 * D], k[k0 * D: k1 * D], v[k0 * D: k1 * D]])
+        if name.endswith("o_proj.weight"):
+            return full[:, q0 * D: q1 * D]
+        if name.endswith("gate_up_proj.weight"):
+            gate, up = full.chunk(2)
+            return torch.cat([gate[c0:c1], up[c0:c1]])
+        if name.endswith("down_proj.weight"):
+            return full[:, c0:c1]
+        return full
+
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face-named state dict into this rank's shards (fusing q/k/v and gate/up)."""
-        arch, pc = self.arch, self.pc
+        """Copy a Hugging Face-named state dict into this rank's shards (fusing q/k/v and gate/up). Tensors
+        are read one layer at a time, so a lazy mapping keeps only that much of the checkpoint in memory."""
+        arch = self.arch
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint has no tensor {name!r}")
             return weights[name]
 
-        def rows(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
-            a, b = pc.shard(n, what)
-            per = t.shape[0] // n
-            return t[a * per: b * per]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        def put(param: torch.Tensor, name: str, full: torch.Tensor, source: str) -> None:
+            value = self.shard(name, full)
             if param.shape != value.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(param.shape)}")
+                raise ValueError(f"{source}: checkpoint shape {tuple(full.shape)} does not give model shape "
+                                 f"{tuple(param.shape)} (rank {self.pc.rank} of {self.pc.world_size})")
             param.copy_(value)
 
-        put(self.embed_tokens.weight, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
+        put(self.embed_tokens.weight, "embed_tokens.weight", get("model.embed_tokens.weight"),
+            "model.embed_tokens.weight")
+        put(self.norm.weight, "norm.weight", get("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
-            put(self.lm_head.weight, get("lm_head.weight"), "lm_head.weight")
+            put(self.lm_head.weight, "lm_head.weight", get("lm_head.weight"), "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q = rows(get(p + "self_attn.q_proj.weight"), arch.num_heads, "num_heads")
-            k = rows(get(p + "self_attn.k_proj.weight"), arch.num_kv_heads, "num_kv_heads")
-            v = rows(get(p + "self_attn.v_proj.weight"), arch.num_kv_heads, "num_kv_heads")
-            put(layer.qkv_proj.weight, torch.cat([q, k, v]), p + "qkv")
+            n = f"layers.{i}."
+            qkv = [get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+            put(layer.qkv_proj.weight, n + "qkv_proj.weight", torch.cat(qkv), p + "self_attn.q/k/v_proj.weight")
             if arch.attention_bias:
-                bq = rows(get(p + "self_attn.q_proj.bias"), arch.num_heads, "num_heads")
-                bk = rows(get(p + "self_attn.k_proj.bias"), arch.num_kv_heads, "num_kv_heads")
-                bv = rows(get(p + "self_attn.v_proj.bias"), arch.num_kv_heads, "num_kv_heads")
-                put(layer.qkv_proj.bias, torch.cat([bq, bk, bv]), p + "qkv bias")
-            o = get(p + "self_attn.o_proj.weight")
-            put(layer.o_proj.weight, rows(o.t(), arch.num_heads, "num_heads").t(), p + "self_attn.o_proj.weight")
+                bias = [get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+                put(layer.qkv_proj.bias, n + "qkv_proj.bias", torch.cat(bias), p + "self_attn.q/k/v_proj.bias")
+            put(layer.o_proj.weight, n + "o_proj.weight", get(p + "self_attn.o_proj.weight"),
+                p + "self_attn.o_proj.weight")
             if arch.qk_norm:
-                put(layer.q_norm.weight, get(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
-                put(layer.k_norm.weight, get(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-            g = rows(get(p + "mlp.gate_proj.weight"), arch.intermediate_size, "intermediate_size")
-            u = rows(get(p + "mlp.up_proj.weight"), arch.intermediate_size, "intermediate_size")
-            put(layer.gate_up_proj.weight, torch.cat([g, u]), p + "gate_up")
-            dn = get(p + "mlp.down_proj.weight")
-            put(layer.down_proj.weight, rows(dn.t(), arch.intermediate_size, "intermediate_size").t(),
+                put(layer.q_norm.weight, n + "q_norm.weight", get(p + "self_attn.q_norm.weight"),
+                    p + "self_attn.q_norm.weight")
+                put(layer.k_norm.weight, n + "k_norm.weight", get(p + "self_attn.k_norm.weight"),
+                    p + "self_attn.k_norm.weight")
+            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            put(layer.gate_up_proj.weight, n + "gate_up_proj.weight", gate_up, p + "mlp.gate/up_proj.weight")
+            put(layer.down_proj.weight, n + "down_proj.weight", get(p + "mlp.down_proj.weight"),
                 p + "mlp.down_proj.weight")
-            put(layer.input_layernorm.weight, get(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, get(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm.weight")
+            put(layer.input_layernorm.weight, n + "input_layernorm.weight", get(p + "input_layernorm.weight"),
+                p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, n + "post_attention_layernorm.weight",
+                get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
 
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights in place on the model's device (GPU benchmarks of large shapes): norms at one,
-        matrices and biases drawn from N(0, std)."""
+        matrices and biases drawn from N(0, std). Every rank draws each parameter at its full single-rank
+        shape from the same stream and keeps its shard, so TP=N builds the same model as TP=1."""
         g = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        full_shapes = self._full_shapes()
         for name, p in self.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).mul_(std))
+                full = torch.randn(full_shapes[name], generator=g, device=p.device, dtype=torch.float32).mul_(std)
+                p.copy_(self.shard(name, full))
+
+    def _full_shapes(self) -> dict[str, torch.Size]:
+        if self.pc.world_size == 1:
+            return {name: p.shape for name, p in self.named_parameters()}
+        with torch.device("meta"):
+            whole = CausalLM(self.arch, 1, SINGLE)
+        return {name: p.shape for name, p in whole.named_parameters()}

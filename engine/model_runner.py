@@ -62,10 +62,10 @@ class ModelRunner:
         else:
             model.load_weights(weights)
         self.model = model.eval()
-        shape = CacheShape(arch.num_layers, arch.num_kv_heads // pc.world_size, arch.head_dim,
+        shape = CacheShape(arch.num_layers, pc.num_kv_heads(arch), arch.head_dim,
                            config.scheduler.max_num_seqs, max_model_len, config.cache.block_size)
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
-                          arch.num_heads // pc.world_size)
+                          pc.num_heads(arch))
         self.mm = self.kv.mm
         self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
         self.max_model_len = max_model_len
@@ -108,11 +108,17 @@ class ModelRunner:
         return a[0], a[1]
 
     @torch.inference_mode()
-    def execute(self, batch: Batch, keep_logits: bool = False) -> tuple[list[int], list[float] | None]:
-        """Run one step; with keep_logits the last positions' fp32 logits stay in self.last_logits."""
+    def execute(self, batch: Batch, keep_logits: bool = False,
+                sample_tokens: bool = True) -> tuple[list[int], list[float] | None]:
+        """Run one step; with keep_logits the last positions' fp32 logits stay in self.last_logits.
+        sample_tokens=False (tensor-parallel ranks other than 0) runs the forward and returns no tokens."""
         seqs = batch.seqs
         logits = self._prefill(seqs) if batch.is_prefill else self._decode(seqs)
         self.last_logits = logits if keep_logits else None
+        if not sample_tokens:
+            for s in seqs:
+                s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
+            return [], None
         params = [s.params for s in seqs]
         forced = [_teacher_token(s) for s in seqs]
         if any(t is not None for t in forced):

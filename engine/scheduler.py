@@ -3,24 +3,40 @@ preemption by recompute when the page pool runs out.
 
 A step is either a prefill batch (newly admitted prompts, prioritized like vLLM) or a decode batch
 (one token for every running sequence). Page accounting asks the memory manager for the device's free
-page count once per step and plans against each sequence's worst-case growth.
+page count once per step and plans against each sequence's worst-case growth. With tensor parallelism
+the page pool is a view of every rank's memory manager: free pages are the minimum over ranks, page
+demands the largest rank's, and frees reach every rank (engine.distributed_pages).
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Optional
+from typing import Optional, Protocol
 
 from engine.config import SchedulerConfig
-from engine.memory import MemoryManager
 from engine.model_runner import Batch
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
 
+class PagePool(Protocol):
+    """What the scheduler needs of the KV memory (engine.memory.MemoryManager or, over Ray ranks,
+    engine.distributed_pages.DistributedPages)."""
+
+    num_pages: int
+    num_free_slots: int
+
+    def free_pages(self) -> int: ...
+    def alloc_slot(self) -> int: ...
+    def free(self, slots: list[int]) -> None: ...
+    def pages_for_tokens(self, num_tokens: int) -> int: ...
+    def pages_to_grow(self, old_len: int, new_len: int) -> int: ...
+    def pages_held(self, slot: int) -> int: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, mm: MemoryManager):
+    def __init__(self, config: SchedulerConfig, mm: PagePool):
         self.config = config
         self.mm = mm
         self.waiting: deque[Sequence] = deque()

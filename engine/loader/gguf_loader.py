@@ -273,8 +273,10 @@ def _cache_entry(path: Path) -> tuple[Path, dict]:
     return cache_dir() / "gguf" / f"{path.stem}-{identity_key(identity)}", identity
 
 
-def load_gguf(path: str | Path, sha256: Optional[str] = None) -> tuple[ModelArch, dict[str, torch.Tensor], Tokenizer]:
-    """Load (from cache when possible) a GGUF checkpoint as float32 HF-named weights."""
+def load_gguf(path: str | Path, sha256: Optional[str] = None,
+              with_weights: bool = True) -> tuple[ModelArch, Optional[dict[str, torch.Tensor]], Tokenizer]:
+    """Load (from cache when possible) a GGUF checkpoint as float32 HF-named weights. with_weights=False
+    returns weights=None and, when the conversion is cached, reads only its metadata."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -283,7 +285,7 @@ def load_gguf(path: str | Path, sha256: Optional[str] = None) -> tuple[ModelArch
     try:
         meta = json.loads(meta_path.read_text())
         if meta["format"] == CACHE_FORMAT and meta["source"]["size"] == identity["size"] and weights_path.is_file():
-            weights = load_file(weights_path)  # mmap-backed read of the converted float32 tensors
+            weights = load_file(weights_path) if with_weights else None  # the converted float32 tensors
             return ModelArch.model_validate(meta["arch"]), weights, Tokenizer.from_json(meta["tokenizer"])
     except (OSError, ValueError, KeyError):
         pass  # no cache or a stale/damaged one: convert again
@@ -302,4 +304,4 @@ def load_gguf(path: str | Path, sha256: Optional[str] = None) -> tuple[ModelArch
         atomic_write_text(meta_path, json.dumps(meta))
     except OSError:
         pass  # read-only or full cache dir: still return the converted model
-    return arch, weights, tokenizer
+    return arch, weights if with_weights else None, tokenizer

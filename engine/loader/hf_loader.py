@@ -132,13 +132,17 @@ def load_hf_tokenizer(folder: Path, eos_ids: list[int], bos_id: Optional[int]) -
     return Tokenizer(backend, chat_template=template, bos_token_id=bos_id, eos_token_ids=eos_ids), eos_ids, bos_id
 
 
-def load_hf(folder: str | Path) -> tuple[ModelArch, dict[str, torch.Tensor], Tokenizer]:
+def load_hf(folder: str | Path,
+            with_weights: bool = True) -> tuple[ModelArch, Optional[dict[str, torch.Tensor]], Tokenizer]:
+    """with_weights=False reads config and tokenizer only (weights=None)."""
     folder = Path(folder)
     cfg = _read_json(folder / "config.json")
     gen = _read_json(folder / "generation_config.json", required=False)
     arch = arch_from_config(cfg, folder, extra_eos=_as_list(gen.get("eos_token_id")), bos_fallback=gen.get("bos_token_id"))
     tokenizer, eos_ids, bos_id = load_hf_tokenizer(folder, arch.eos_token_ids, arch.bos_token_id)
     arch = arch.model_copy(update={"eos_token_ids": eos_ids, "bos_token_id": bos_id})
+    if not with_weights:
+        return arch, None, tokenizer
 
     weights = load_hf_weights(folder)
     for k in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
