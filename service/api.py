@@ -51,8 +51,20 @@ def _endpoint(path: str) -> str:
     return "chat" if "chat" in path else "completions"
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "json-or-python", "is-instance"}
+
+
 def _loc_param(loc: tuple) -> Optional[str]:
-    parts = [str(p) for p in loc if p not in ("body",) and not str(p).startswith("function-")]
+    """The field a validation error is about: 'messages.0.role'. Stops at a union member's tag ('str',
+    'list[TextPart]', 'function-after[...]'), which names a type, not a field."""
+    parts = []
+    for p in loc:
+        p = str(p)
+        if p == "body" and not parts:
+            continue
+        if p in _TYPE_TAGS or "[" in p:
+            break
+        parts.append(p)
     return ".".join(parts) or None
 
 
