@@ -1,5 +1,5 @@
-"""`diffkv` command line: serve (the OpenAI API on Ray Serve), generate (one prompt) and chat (interactive),
-on the embedded model by default."""
+"""`diffkv` command line: serve (the OpenAI API on Ray Serve), generate (one prompt), chat (interactive), and
+eval / calibrate (accuracy, evals/), on the embedded model by default."""
 from __future__ import annotations
 
 import argparse
@@ -254,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus export port of the local Ray")
     s.set_defaults(func=cmd_serve)
+    from evals import cli as evals_cli  # accuracy commands live with the evaluation package
+
+    e = sub.add_parser("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
+    evals_cli.add_eval_args(e)
+    e.set_defaults(func=evals_cli.cmd_eval)
+    k = sub.add_parser("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file")
+    evals_cli.add_calibrate_args(k)
+    k.set_defaults(func=evals_cli.cmd_calibrate)
     return parser
 
 

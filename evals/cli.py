@@ -1,0 +1,135 @@
+"""`diffkv eval` and `diffkv calibrate`: argument parsing and the two commands (service/cli.py registers them)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from evals.problems import TASKS
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="embedded SmolLM2 (default), qwen2.5-coder-1.5b, .gguf or HF folder")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="batch size of the engine")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    from evals.configs import baseline_configs
+
+    p.add_argument("--config", default=None, choices=[c.name for c in baseline_configs()] + ["diffkv"],
+                   help="a named configuration of docs/ACCURACY.md (else --kv-mode and the DiffKV options)")
+    p.add_argument("--kv-mode", default="diffkv", choices=["fp16", "int8", "int4", "diffkv"])
+    p.add_argument("--alpha-high", type=float, default=None, help="diffkv (default: the model's calibrated value)")
+    p.add_argument("--alpha-low", type=float, default=None)
+    p.add_argument("--high", default=None, help="diffkv high precision, e.g. K8V4")
+    p.add_argument("--low", default=None, help="diffkv low precision, e.g. K4V2")
+    p.add_argument("--tasks", nargs="*", default=["chain_sum"], choices=TASKS, help="task accuracy on these")
+    p.add_argument("--limit", type=int, default=20, help="problems per task (eval split)")
+    p.add_argument("--max-tokens", type=int, default=None, help="generation limit per problem")
+    p.add_argument("--fidelity", type=int, default=4, help="fidelity generations vs fp16 (0: none)")
+    p.add_argument("--gen-len", type=int, default=128, help="tokens per fidelity generation")
+    p.add_argument("--compare-fp16", action="store_true", help="also run fp16 on the problems: paired difference")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here (else stdout)")
+
+
+def _kv_config(args):
+    from evals.configs import KVConfig, baseline_configs, diffkv_config
+
+    if args.config == "diffkv" or (args.config is None and args.kv_mode == "diffkv"):
+        kvc = diffkv_config(args.alpha_high, args.alpha_low)
+        extra = {k: v for k, v in (("high", args.high), ("low", args.low)) if v is not None}
+        return KVConfig(kvc.name, kvc.label, kvc.family, {**kvc.cache, **extra})
+    if args.config is not None:
+        return next(c for c in baseline_configs() if c.name == args.config)
+    return KVConfig(args.kv_mode, args.kv_mode, "fp16" if args.kv_mode == "fp16" else "uniform",
+                    {"kv_mode": args.kv_mode})
+
+
+def cmd_eval(args) -> int:
+    from evals.configs import baseline_configs
+    from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
+    from evals.harness import DEFAULT_MAX_TOKENS, evaluate_config
+    from evals.problems import load_problems
+    from evals.runner import EvalModel
+    from evals.stats import paired_diff
+
+    for name in ("limit", "fidelity", "gen_len", "max_num_seqs"):
+        if getattr(args, name) < (0 if name == "fidelity" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'fidelity' else '>= 1'}")
+    kvc = _kv_config(args)
+    model = EvalModel(args.model, device=args.device, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
+    problems = load_problems(split="eval", tasks=tuple(args.tasks), limit=args.limit) if args.tasks else []
+    max_tokens = {t: args.max_tokens for t in TASKS} if args.max_tokens else dict(DEFAULT_MAX_TOKENS)
+    fp16 = baseline_configs()[0]
+    prompts, refs, base = [], [], None
+    if args.fidelity:
+        prompts = fidelity_prompts(model, load_problems(split="fidelity", limit=args.fidelity))
+        with model.engine(fp16.cache) as eng:
+            refs = reference_generations(eng, prompts, args.gen_len)
+    if refs or args.compare_fp16:  # fp16's own NLL along its tokens is the base of the NLL increase
+        base = evaluate_config(model, fp16, problems if args.compare_fp16 else (), prompts, refs, max_tokens)
+    result = evaluate_config(model, kvc, problems, prompts, refs, max_tokens) if kvc.name != "fp16" or base is None \
+        else base
+    report = {"model": model.name, "device": args.device, "seed": args.seed, "config": result["cache"],
+              "config_name": kvc.name, "seconds": result["seconds"]}
+    if "tasks" in result:
+        report["tasks"] = result["tasks"]
+    if refs:
+        report["fidelity"] = {**result["fidelity"], **compare_to_fp16(result["fidelity"], base["fidelity"]),
+                              "fp16_nll": base["fidelity"]["nll"]}
+    if args.compare_fp16 and problems:
+        report["paired_vs_fp16"] = {}
+        for task, t in result["tasks"].items():
+            d = paired_diff(base["tasks"][task]["correct"], t["correct"])
+            report["paired_vs_fp16"][task] = {"fp16_accuracy": base["tasks"][task]["accuracy"],
+                                              "diff_points": 100 * d["mean"],
+                                              "ci95_points": [100 * d["ci_low"], 100 * d["ci_high"]], "n": d["n"]}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--generations", type=int, default=32, help="calibration generations (calib split)")
+    p.add_argument("--gen-len", type=int, default=256, help="tokens per calibration generation")
+    p.add_argument("--tolerance", type=float, default=0.01, help="top-1 agreement tolerance per stage")
+    p.add_argument("--tasks", nargs="*", default=[], choices=TASKS, help="also record calib-split accuracy on these")
+    p.add_argument("--limit", type=int, default=50, help="calibration problems per task")
+    p.add_argument("--settings-dir", type=Path, default=None, help="default: the engine's model_settings package")
+    p.add_argument("--dry-run", action="store_true", help="print the result, write no settings file")
+
+
+def cmd_calibrate(args) -> int:
+    from evals.calibrate import calibrate, write_settings
+    from evals.fidelity import fidelity_prompts, reference_generations
+    from evals.problems import load_problems
+    from evals.runner import EvalModel
+
+    if args.generations < 1 or args.gen_len < 1:
+        raise ValueError("--generations and --gen-len must be >= 1")
+    model = EvalModel(args.model, device=args.device, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
+    prompts = fidelity_prompts(model, load_problems(split="calib", tasks=("gsm_symbolic",), limit=args.generations))
+    with model.engine({"kv_mode": "fp16"}) as eng:
+        refs = reference_generations(eng, prompts, args.gen_len)
+    problems = load_problems(split="calib", tasks=tuple(args.tasks), limit=args.limit) if args.tasks else []
+    result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
+    print(json.dumps({k: result[k] for k in ("model", "alpha_high", "alpha_low")}))
+    if not args.dry_run:
+        from engine.model_settings import SETTINGS_DIR
+
+        print(f"wrote {write_settings(result, args.settings_dir or SETTINGS_DIR)}", file=sys.stderr)
+    return 0

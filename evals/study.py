@@ -1,0 +1,202 @@
+"""The whole accuracy study of one model, one command:
+
+    python3 -m evals.study --model qwen2.5-coder-1.5b --device cuda --out evals/results/qwen2.5-coder-1.5b
+
+1. fp16 reference generations (EOS ignored) for the fidelity prompts of the `fidelity` and `calib` splits;
+2. calibration of alpha_high / alpha_low on the `calib` split (`--no-calibrate`: the model's settings file);
+3. every configuration (fp16, DiffKV, uniform and mirror quantization, KIVI-like, equal-budget pruning at
+   50% and at DiffKV's measured memory) on fidelity and task accuracy (`eval` split);
+4. summary.json: per configuration fidelity vs fp16 with paired intervals, accuracy with the paired
+   difference to fp16, memory and token fractions, and the checks of the issue's claims.
+
+Each configuration's result is written as soon as it is done (configs/<name>.json); `--resume` reuses them.
+`python3 -m evals.report` turns every summary under evals/results/ into docs/ACCURACY.md and its plot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from evals.calibrate import calibrate, write_settings
+from evals.configs import baseline_configs, diffkv_config, prune_config
+from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
+from evals.harness import DEFAULT_MAX_TOKENS, evaluate_config
+from evals.memory import fp16_token_bytes, token_bytes
+from evals.problems import TASKS, load_problems
+from evals.runner import EvalModel
+from evals.stats import paired_diff
+
+SMOKE = dict(fidelity_n=2, gen_len=24, calib_n=2, calib_gen_len=24, task_n=3, calib_task_n=0,
+             max_tokens={"gsm_symbolic": 24, "basic_arithmetic": 16, "chain_sum": 16})
+
+
+def _dump(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def summarize(results: dict, fp16_name: str = "fp16") -> dict:
+    """Each configuration against fp16: fidelity deltas, accuracy and paired accuracy differences (points)."""
+    base = results[fp16_name]
+    rows = {}
+    for name, r in results.items():
+        row = {"label": r["label"], "family": r["family"], "cache": r["cache"]}
+        if "fidelity" in r:
+            f = r["fidelity"]
+            row["fidelity"] = {k: f[k] for k in ("n_generations", "gen_tokens", "top1_agreement", "nll",
+                                                 "memory_fraction", "token_fractions")}
+            row["fidelity"].update(compare_to_fp16(f, base["fidelity"]))
+        if "tasks" in r:
+            row["tasks"] = {}
+            for task, t in r["tasks"].items():
+                b = base["tasks"][task]
+                if t["ids"] != b["ids"]:
+                    raise ValueError(f"{name}/{task}: not the same problems as fp16")
+                d = paired_diff(b["correct"], t["correct"])
+                row["tasks"][task] = {
+                    "n": t["n"], "accuracy": t["accuracy"], "memory_fraction": t["memory_fraction"],
+                    "token_fractions": t["token_fractions"], "mean_output_tokens": t["mean_output_tokens"],
+                    "truncated": t["truncated"],
+                    "diff_vs_fp16_points": 100 * d["mean"], "diff_ci95_points": [100 * d["ci_low"], 100 * d["ci_high"]]}
+        rows[name] = row
+    return rows
+
+
+def check_claims(rows: dict, memory_cap: float = 0.30) -> dict:
+    """The issue's claims, evaluated on the data (True / False; None when a configuration is missing)."""
+    def fid(name):
+        return rows.get(name, {}).get("fidelity")
+
+    out = {}
+    d = fid("diffkv")
+    if d:
+        out["diffkv_memory_fraction"] = d["memory_fraction"]
+        out["diffkv_within_memory_cap"] = d["memory_fraction"] <= memory_cap
+        for other in ("k4v4", "prune_eq", "prune50"):
+            o = fid(other)
+            if o:
+                out[f"diffkv_better_than_{other}"] = {
+                    "other_memory_fraction": o["memory_fraction"],
+                    "agreement": d["top1_agreement"] > o["top1_agreement"],
+                    "nll_increase": d["nll_increase"] < o["nll_increase"]}
+    for better, worse in (("k8v4", "k4v8"), ("k4v2", "k2v4")):
+        b, w = fid(better), fid(worse)
+        if b and w:
+            out[f"{better}_beats_{worse}"] = {"agreement": b["top1_agreement"] > w["top1_agreement"],
+                                             "nll": b["nll"] < w["nll"]}
+    acc = rows.get("diffkv", {}).get("tasks", {})
+    out["diffkv_accuracy_ci_within_2_points"] = {
+        t: v["diff_ci95_points"][0] >= -2 and v["diff_ci95_points"][1] <= 2 and v["diff_ci95_points"][0] <= 0
+        <= v["diff_ci95_points"][1] for t, v in acc.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="embedded (default), qwen2.5-coder-1.5b, a .gguf or HF folder")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tasks", nargs="+", default=["gsm_symbolic"], choices=TASKS)
+    ap.add_argument("--task-n", type=int, default=250, help="eval problems per task")
+    ap.add_argument("--fidelity-n", type=int, default=64, help="fidelity generations")
+    ap.add_argument("--gen-len", type=int, default=512, help="tokens per fidelity generation")
+    ap.add_argument("--calib-n", type=int, default=32, help="calibration generations")
+    ap.add_argument("--calib-gen-len", type=int, default=512)
+    ap.add_argument("--calib-task-n", type=int, default=0, help="calibration problems per task (accuracy, recorded)")
+    ap.add_argument("--max-tokens", type=json.loads, default={}, help='per-task generation limit, JSON {"task": n}')
+    ap.add_argument("--tolerance", type=float, default=0.01, help="calibration: agreement tolerance per stage")
+    ap.add_argument("--no-calibrate", action="store_true", help="use the model's settings file instead")
+    ap.add_argument("--write-settings", action="store_true", help="write the calibrated alphas to engine/model_settings")
+    ap.add_argument("--configs", nargs="+", default=None, help="only these configurations (fp16 always runs)")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="reuse configs/<name>.json already in --out")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline end to end in minutes")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v if k != "max_tokens" else {**v, **args.max_tokens})
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    model = EvalModel(args.model, device=args.device, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
+    out = args.out
+    tasks = tuple(args.tasks)
+    problems = load_problems(split="eval", tasks=tasks, limit=args.task_n)
+    calib_problems = load_problems(split="calib", tasks=tasks, limit=args.calib_task_n) if args.calib_task_n else []
+    fid = fidelity_prompts(model, load_problems(split="fidelity", limit=args.fidelity_n))
+    cal = fidelity_prompts(model, load_problems(split="calib", tasks=("gsm_symbolic",), limit=args.calib_n))
+    max_tokens = {**DEFAULT_MAX_TOKENS, **args.max_tokens}
+
+    ref_path = out / "references.json"
+    refs = json.loads(ref_path.read_text()) if args.resume and ref_path.is_file() else None
+    if refs is None or len(refs["fidelity"]) != len(fid) or len(refs["calib"]) != len(cal):
+        with model.engine({"kv_mode": "fp16"}) as eng:
+            refs = {"fidelity": reference_generations(eng, fid, args.gen_len),
+                    "calib": reference_generations(eng, cal, args.calib_gen_len) if not args.no_calibrate else []}
+        _dump(ref_path, refs)
+
+    if args.no_calibrate:
+        from engine.model_settings import load_model_settings
+
+        settings = load_model_settings(model.name)
+        if settings is None:
+            raise SystemExit(f"--no-calibrate: {model.name} has no settings file; run without it to calibrate")
+        calib = {"model": model.name, "alpha_high": settings["alpha_high"], "alpha_low": settings["alpha_low"],
+                 "calibration": {"from_settings_file": True, **settings.get("calibration", {})}}
+    else:
+        cal_path = out / "calibration.json"
+        if args.resume and cal_path.is_file():
+            calib = json.loads(cal_path.read_text())
+        else:
+            calib = calibrate(model, cal, refs["calib"], calib_problems, max_tokens, tolerance=args.tolerance)
+            _dump(cal_path, calib)
+        if args.write_settings:
+            print(f"wrote {write_settings(calib)}")
+
+    def run(kvc):
+        path = out / "configs" / f"{kvc.name}.json"
+        if args.resume and path.is_file():
+            return json.loads(path.read_text())
+        r = evaluate_config(model, kvc, problems, fid, refs["fidelity"], max_tokens)
+        _dump(path, r)
+        return r
+
+    results = {}
+    wanted = set(args.configs) if args.configs else None
+    todo = [c for c in baseline_configs() if c.name == "fp16"] + [diffkv_config(calib["alpha_high"], calib["alpha_low"])]
+    todo += [c for c in baseline_configs() if c.name != "fp16"]
+    for kvc in todo:
+        if wanted is None or kvc.name in wanted or kvc.name == "fp16":
+            results[kvc.name] = run(kvc)
+            print(f"{kvc.name}: {json.dumps(summarize({**results, 'fp16': results['fp16']}, 'fp16')[kvc.name].get('fidelity', {}), default=str)[:300]}")
+    if "diffkv" in results and (wanted is None or "prune_eq" in wanted):
+        # Equal-budget pruning at DiffKV's own memory: keep the share of 16-bit tokens that costs as much.
+        fp16_share = token_bytes(16, 16, model.head_dim) / fp16_token_bytes(model.head_dim)
+        budget = min(1.0, results["diffkv"]["fidelity"]["memory_fraction"] / fp16_share)
+        results["prune_eq"] = run(prune_config(budget, "prune_eq"))
+    rows = summarize(results)
+    summary = {
+        "model": model.name, "device": str(args.device), "torch": torch.__version__, "host": platform.node(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "calibration": calib, "configs": rows, "claims": check_claims(rows),
+        "seconds": time.perf_counter() - t_start,
+    }
+    _dump(out / "summary.json", summary)
+    print(json.dumps(summary["claims"], indent=1))
+    print(f"summary: {out / 'summary.json'} ({summary['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
