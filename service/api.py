@@ -8,6 +8,7 @@ failures end an SSE stream with an error event. A client that goes away cancels 
 aborts the request in the engine and frees its pages. Every admitted request ends in release().
 (No `from __future__ import annotations`: Serve's class-based FastAPI views need the real annotations.)
 """
+import asyncio
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,7 +30,8 @@ from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorRes
 log = logging.getLogger("ray.serve")
 RETRY_AFTER_DEAD_S = 5  # a replica whose engine died is replaced within a few health-check periods
 
-app = FastAPI(title="DiffKV Serve", version="0.1.0",
+# The schema route is the ingress's own (it adds the served model's name), hence openapi_url=None here.
+app = FastAPI(title="DiffKV Serve", version="0.1.0", openapi_url=None,
               description="OpenAI-compatible API over DiffKV-compressed paged-KV engine replicas")
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 429, 500, 503)}
@@ -98,12 +101,14 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # 
     return APIError(500, f"internal error: {exc!r}", "internal_error").response()
 
 
-_INGRESS: Optional["OpenAIIngress"] = None  # this process's ingress (for the validation handler's metrics)
 
 
 def _count_rejection(request: Request, reason: str) -> None:
-    if _INGRESS is not None:
-        _INGRESS.metrics.inc("diffkv_requests_rejected_total", endpoint=_endpoint(request.url.path), reason=reason)
+    # Serve ships the ingress class (and this app) to the replica by value, so module globals are not
+    # shared with it: the ingress leaves itself on the app's state instead.
+    ingress = getattr(request.app.state, "ingress", None)
+    if ingress is not None:
+        ingress.metrics.inc("diffkv_requests_rejected_total", endpoint=_endpoint(request.url.path), reason=reason)
 
 
 def _sse(obj: Union[dict, str]) -> str:
@@ -227,8 +232,7 @@ class _Stream:
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine, config: dict):
-        global _INGRESS
+    async def __init__(self, engine, config: dict):
         self.engine = engine  # DeploymentHandle of EngineReplica
         self.cfg = ServiceConfig.model_validate(config)
         scaling = self.cfg.autoscaling or {}
@@ -238,7 +242,16 @@ class OpenAIIngress:
             share=1.0 / self.cfg.ingress_replicas)
         self.metrics = Metrics()
         self._info: Optional[dict] = None
-        _INGRESS = self
+        self._schema: Optional[dict] = None
+        app.state.ingress = self
+        # Ask the engine for the model's name and context now, without holding up the deployment.
+        self._info_task = asyncio.get_running_loop().create_task(self._prefetch_info())
+
+    async def _prefetch_info(self) -> None:
+        try:
+            await self._model_info()
+        except APIError:
+            pass  # the first request asks again
 
     # ---- helpers ------------------------------------------------------------------------------------------
     async def _model_info(self) -> dict:
@@ -315,6 +328,19 @@ class OpenAIIngress:
                                    rid=stream.rid))
 
     # ---- routes -----------------------------------------------------------------------------------------------
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        """FastAPI's schema with `model` limited to the served model (clients and fuzzers see the one value
+        that is accepted)."""
+        if self._schema is None:
+            info = await self._model_info()
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=request.app.routes)
+            for name in ("ChatCompletionRequest", "CompletionRequest"):
+                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [info["model"]]
+            self._schema = schema
+        return JSONResponse(self._schema)
+
     @app.get("/health", response_model=Health, responses=_ERRORS)
     async def health(self) -> Health:
         info = await self._model_info()

@@ -225,7 +225,7 @@ def test_fuzz_from_openapi_schema_no_5xx(service):
                                                           ("POST", "/v1/completions"), ("GET", "/v1/models")}
     statuses: dict[int, int] = {}
     for op in ops:
-        @settings(max_examples=25 if op.method.upper() == "POST" else 5, deadline=None, database=None,
+        @settings(max_examples=20 if op.method.upper() == "POST" else 5, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=op.as_strategy())
         def check(case):
@@ -236,5 +236,5 @@ def test_fuzz_from_openapi_schema_no_5xx(service):
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
         check()
-    assert statuses.get(400, 0) > 0  # the fuzzer did reach the validation
+    assert statuses.get(400, 0) > 0 and statuses.get(200, 0) > 0  # it reached both validation and generation
     engine_idle(service)
