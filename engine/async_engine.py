@@ -11,6 +11,9 @@ asyncio.Queue through `loop.call_soon_threadsafe`.
     async for out in aeng.generate("req-1", "Hello", SamplingParams(max_tokens=16)):
         print(out.delta_text, end="")
     await aeng.shutdown()
+
+A dead engine (a tensor-parallel worker lost: LLMEngine.step raised EngineDeadError) fails every request in
+flight with EngineDeadError and every later generate() at once; the owner shuts it down and replaces it.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
@@ -77,14 +81,28 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
-        """Abort every request in flight (their iterators end), stop and join the step thread (idempotent)."""
+        """Abort every request in flight (their iterators end), stop and join the step thread, then shut the
+        engine down (its workers are released; idempotent)."""
         thread = self._thread
-        if thread is None:
-            return
-        self._stopping = True
-        self._wake.set()
-        await asyncio.to_thread(thread.join)
-        self._thread = None
+        if thread is not None:
+            self._stopping = True
+            self._wake.set()
+            await asyncio.to_thread(thread.join)
+            self._thread = None
+        await asyncio.to_thread(self._shutdown_engine)
+
+    def _shutdown_engine(self) -> None:
+        with self._lock:
+            self.engine.shutdown()
+
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy()
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine is dead or one of its workers is gone (runs between steps)."""
+        if not self.engine.is_healthy():
+            self.engine.check_health()  # raises with the reason
+        await self._call(self.engine.check_health)
 
     async def __aenter__(self) -> "AsyncLLMEngine":
         await self.start()
@@ -100,10 +118,13 @@ class AsyncLLMEngine:
         """Stream this request's outputs, ending after the finished one.
 
         The request is validated and queued when iteration starts: a bad request raises
-        InvalidRequestError from the first `__anext__`, before any output. If a step fails, the iterator
-        raises RuntimeError (its __cause__ is the step's error). If the consumer stops early (break +
-        aclose(), cancellation), the request is aborted and its pages are freed.
+        InvalidRequestError from the first `__anext__`, before any output. If the engine is dead, or dies
+        while the request runs, the iterator raises EngineDeadError; if a step fails otherwise it raises
+        RuntimeError (its __cause__ is the step's error). If the consumer stops early (break + aclose(),
+        cancellation), the request is aborted and its pages are freed.
         """
+        if not self.engine.is_healthy():
+            self.engine.check_health()  # raises EngineDeadError with the reason, before anything is queued
         if not self.running:
             raise RuntimeError("AsyncLLMEngine is not running; call start() first")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -122,6 +143,9 @@ class AsyncLLMEngine:
                 if item is None:  # aborted without a final output
                     done = True
                     return
+                if isinstance(item, EngineDeadError):
+                    done = True
+                    raise EngineDeadError(f"request {request_id!r} failed: {item}") from item
                 if isinstance(item, BaseException):
                     done = True
                     raise RuntimeError(f"engine step failed for request {request_id!r}: {item!r}") from item

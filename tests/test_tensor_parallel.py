@@ -1,0 +1,240 @@
+"""Tensor parallelism on CPU: Ray actor ranks joined by gloo give the tokens of one rank.
+
+The embedded SmolLM2-135M has 9 query heads and 3 KV heads, so TP=2 splits it unevenly (rank 0: KV heads
+0-1, rank 1: KV head 2). One Ray instance serves the whole module; every engine is shut down at the end.
+"""
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.errors import EngineDeadError
+from engine.llm_engine import LLMEngine
+
+from conftest import assert_all_pages_free, run_all
+
+ray = pytest.importorskip("ray")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at",
+    "A list of colors: red, green,",
+    "import numpy as np\nx = np.",
+    "Once upon a time in a land far, far away, there lived a king who had three daughters. The youngest",
+]
+# Longer than the DiffKV window (64), so prompt tokens are kept high, low or pruned per head.
+LONG_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+               "combined movable metal type, oil-based inks and a wooden press adapted from wine making. "
+               "Within decades, printing shops spread across Europe, books became cheaper, literacy rose, "
+               "and ideas travelled faster than ever before. Scholars argue that the press")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(smollm):
+    """Engines built on demand, once per module, shut down at its end."""
+    built = {}
+
+    def get(name, **kw):
+        if name not in built:
+            ckpt = None if str(kw.get("model", "")).startswith("random:") else smollm
+            built[name] = LLMEngine(EngineConfig(device="cpu", **kw), checkpoint=ckpt)
+        return built[name]
+
+    yield get
+    for eng in built.values():
+        eng.shutdown()
+
+
+_REFS: dict = {}
+
+
+def reference(engines, mode, prompts, sampling):
+    """TP=1 in-process outputs, computed once per (mode, prompts)."""
+    key = (mode, tuple(prompts), repr(sampling))
+    if key not in _REFS:
+        eng = engines(f"local-{mode}", cache={"kv_mode": mode, "num_pages": 4000})
+        _REFS[key] = run_all(eng, prompts, sampling)
+        assert_all_pages_free(eng)
+    return _REFS[key]
+
+
+def test_tp2_fp16_equals_tp1_through_preemption_with_uneven_heads(engines):
+    ref = reference(engines, "fp16", PROMPTS, GREEDY)
+    # Rank 0 holds 30 layers x 2 KV heads: 60 pages per 16 tokens of a sequence; 300 pages per rank cannot
+    # hold six sequences, so decoding preempts (and recomputes) on the rank that fills first.
+    eng = engines("tp2-fp16", tensor_parallel_size=2, cache={"num_pages": 300})
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, GREEDY)
+    eng.step()  # the first prefill
+    ranks = eng.stats()["ranks"]
+    assert [r["pages_total"] for r in ranks] == [300, 300]
+    # Uneven split: rank 0 caches two KV heads per layer, rank 1 one, so it holds exactly twice the pages.
+    assert ranks[0]["pages_used"] == 2 * ranks[1]["pages_used"] > 0
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert eng.stats()["num_preemptions"] > 0
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == [o.token_ids for o in ref]
+    assert_all_pages_free(eng)  # every rank's pool, and the driver's view of it
+
+
+def test_tp2_prompt_logits_and_seeded_sampling_equal_tp1(engines):
+    local = engines("local-fp16", cache={"kv_mode": "fp16", "num_pages": 4000})
+    eng = engines("tp2-fp16", tensor_parallel_size=2, cache={"num_pages": 300})
+    ids = local.tokenizer.encode(PROMPTS[1])
+    torch.testing.assert_close(eng.prompt_logits(ids), local.prompt_logits(ids), atol=2e-4, rtol=0)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True, logprobs=True)
+    want = run_all(local, PROMPTS[:2], sp)
+    got = run_all(eng, PROMPTS[:2], sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+    assert_all_pages_free(eng)
+
+
+def test_tp2_diffkv_equals_tp1_and_abort_frees_every_rank(engines):
+    prompts = PROMPTS[:2] + [LONG_PROMPT]
+    ref = reference(engines, "diffkv", prompts, GREEDY)
+    eng = engines("tp2-diffkv", tensor_parallel_size=2, cache={"kv_mode": "diffkv", "num_pages": 3000})
+    out = run_all(eng, prompts, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    long_usage = out[-1].kv_usage  # summed over ranks: the same per-head decisions as one rank
+    assert long_usage["tokens_low"] + long_usage["tokens_pruned"] > 0
+    assert long_usage == ref[-1].kv_usage
+    assert_all_pages_free(eng)
+
+    # Abort mid-decode on the driver: the frees reach both ranks with the next step.
+    eng.add_request("keep", PROMPTS[0], GREEDY)
+    eng.add_request("drop", LONG_PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.stats()["pages_used"] > 0
+    assert eng.abort("drop")
+    eng.mm.check_invariants(live_slots=[eng.requests["keep"].slot])
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_all_pages_free(eng)
+
+
+def test_ray_executor_with_one_rank_equals_local(engines):
+    tiny = {"model": "random:tiny", "cache": {"num_pages": 500}}
+    want = run_all(engines("tiny-local", **tiny), PROMPTS, GREEDY)
+    eng = engines("tiny-ray1", distributed_executor="ray", **tiny)
+    assert [o.token_ids for o in run_all(eng, PROMPTS, GREEDY)] == [o.token_ids for o in want]
+    assert [r["rank"] for r in eng.stats()["ranks"]] == [0]
+    assert_all_pages_free(eng)
+
+
+def test_killed_rank_mid_generation_raises_engine_dead_and_releases_the_rest():
+    eng = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2,
+                                 cache={"num_pages": 500}))
+    workers = list(eng.executor.workers)
+    pg = eng.executor._own_pg
+    long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(str(i), p, long)
+    eng.step()
+    killer = threading.Timer(0.3, ray.kill, [workers[1]])
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1 of 2 died"):
+        while time.monotonic() - t0 < 60:
+            eng.step()
+    killer.join()
+    assert time.monotonic() - t0 < 30, "a dead rank must be noticed quickly"
+    assert not eng.is_healthy()
+    with pytest.raises(EngineDeadError):
+        eng.add_request("late", PROMPTS[0], GREEDY)
+    with pytest.raises(EngineDeadError):
+        eng.step()
+    with pytest.raises(ray.exceptions.RayActorError):  # rank 0, blocked in the all-reduce, was killed too
+        ray.get(workers[0].ping.remote(), timeout=30)
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+    eng.shutdown()
+    eng.shutdown()  # idempotent
+
+
+def test_async_streams_get_engine_dead_when_a_worker_is_killed():
+    from engine.async_engine import AsyncLLMEngine
+
+    eng = LLMEngine(EngineConfig(model="random:tiny", device="cpu", distributed_executor="ray",
+                                 cache={"num_pages": 500}))
+    pg = eng.executor._own_pg
+    long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+
+    async def consume(aeng, rid, prompt, started):
+        n = 0
+        async for _ in aeng.generate(rid, prompt, long):
+            n += 1
+            started.set()
+        return n
+
+    async def main():
+        aeng = AsyncLLMEngine(eng)
+        await aeng.start()
+        await aeng.check_health()
+        started = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.create_task(consume(aeng, f"s{i}", PROMPTS[i], started[i])) for i in range(2)]
+        for ev in started:
+            await ev.wait()
+        ray.kill(eng.executor.workers[0])
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(EngineDeadError):  # fails fast, before anything is queued
+            await asyncio.wait_for(aeng.generate("late", PROMPTS[0], GREEDY).__anext__(), timeout=10)
+        with pytest.raises(EngineDeadError):
+            await aeng.check_health()
+        assert not aeng.is_healthy()
+        await asyncio.wait_for(aeng.shutdown(), timeout=60)
+
+    asyncio.run(main())
+    assert eng.requests == {} and not eng.has_unfinished_requests()
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+
+
+def test_bad_tensor_parallel_sizes_name_the_field(smollm):
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds the model's 3 KV heads"):
+        LLMEngine(EngineConfig(device="cpu", tensor_parallel_size=4), checkpoint=smollm)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 exceeds the model's 2 KV heads"):
+        LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs distributed_executor"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor="local")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("kv_mode", ["fp16", "diffkv"])
+def test_driver_page_rules_match_the_memory_manager(kv_mode):
+    """DistributedPages restates MemoryManager's worst-case page rules for the rank with the most heads."""
+    from engine.config import CacheConfig
+    from engine.distributed_pages import DistributedPages
+    from engine.memory import CacheShape, MemoryManager
+
+    high, low = CacheConfig(kv_mode=kv_mode).precisions()
+    mm = MemoryManager(CacheShape(4, 2, 32, 8, 256, 16), 64, torch.float32, "cpu", high=high, low=low)
+    info = {"num_pages": mm.num_pages, "page_bytes": mm.page_bytes, "heads_per_seq": mm.heads_per_seq,
+            "tokens_high": mm.fmt_high.tokens, "extra_prompt_pages": mm.extra_prompt_pages,
+            "two_sided": mm.fmt_low is not None, "max_seqs": 8}
+    smaller = {**info, "heads_per_seq": mm.heads_per_seq // 2}
+    view = DistributedPages([info, smaller], check=lambda live: [])
+    for n in range(1, 120, 7):
+        assert view.pages_for_tokens(n) == mm.pages_for_tokens(n)
+        assert view.pages_to_grow(n, n + 1) == mm.pages_to_grow(n, n + 1)
+    assert [view.alloc_slot() for _ in range(3)] == [mm.alloc_slot() for _ in range(3)]
