@@ -84,6 +84,7 @@ class RayExecutor(Executor):
                 raise ValueError(f"rank {info['rank']} loaded a different model than the driver's checkpoint "
                                  f"{ckpt.name!r}: pass the checkpoint's path as EngineConfig.model")
         self.devices = [info["gpu"] if info["gpu"] != "cpu" else info["device"] for info in infos]
+        self.dtype = infos[0]["dtype"]
         self.mm = DistributedPages(infos, self._check_ranks)
         log.info("%d tensor-parallel rank(s) on %s; pages per rank %s", n, self.devices, self.mm.pages_total)
 

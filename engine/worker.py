@@ -117,7 +117,7 @@ class Worker:
                                     world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT, **kw)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        ckpt = load_checkpoint(self.config.model)
+        ckpt = load_checkpoint(self.config.model, lazy=True)  # HF folders: one tensor in host memory at a time
         pc = ParallelContext(self.rank, self.world_size)
         self.runner = ModelRunner(self.config, ckpt.arch, ckpt.weights, max_model_len, pc)
         del ckpt
@@ -127,7 +127,7 @@ class Worker:
         return {"rank": self.rank, "arch": self.runner.arch.model_dump(mode="json"), "num_pages": mm.num_pages,
                 "page_bytes": mm.page_bytes, "heads_per_seq": mm.heads_per_seq, "tokens_high": mm.fmt_high.tokens,
                 "extra_prompt_pages": mm.extra_prompt_pages, "two_sided": mm.fmt_low is not None,
-                "max_seqs": mm.shape.max_seqs, "device": str(self.device),
+                "max_seqs": mm.shape.max_seqs, "device": str(self.device), "dtype": str(self.runner.dtype),
                 "gpu": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
 
     # ---- per step ----------------------------------------------------------------------------------

@@ -142,6 +142,43 @@ def test_ray_executor_with_one_rank_equals_local(engines):
     assert_all_pages_free(eng)
 
 
+def test_tp2_hf_folder_with_biases_and_tied_embeddings_loaded_lazily(tmp_path):
+    """Qwen2 shape (q/k/v biases, tied embeddings), 3 KV heads split 2 + 1; ranks read the folder lazily."""
+    transformers = pytest.importorskip("transformers")
+    from engine.loader import load_checkpoint
+    from engine.loader.hf_loader import LazySafetensors
+    from engine.tokenizer import Tokenizer
+
+    cfg = transformers.Qwen2Config(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512,
+                                   tie_word_embeddings=True, eos_token_id=7)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_()  # HF starts biases at zero; a misplaced bias shard must show
+    model.save_pretrained(tmp_path)
+    Tokenizer.byte_level(256).backend.save(str(tmp_path / "tokenizer.json"))
+    lazy = load_checkpoint(tmp_path, lazy=True)
+    assert isinstance(lazy.weights, LazySafetensors) and "lm_head.weight" not in lazy.weights
+    eager = load_checkpoint(tmp_path)
+    assert set(lazy.weights) == set(eager.weights)
+    assert all(torch.equal(lazy.weights[k], v) for k, v in eager.weights.items())
+
+    prompts = [[5, 17, 42, 99, 3], [250, 1, 8], list(range(20, 60))]
+    outs = {}
+    for tp in (1, 2):
+        eng = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=tp,
+                                     cache={"num_pages": 200}))
+        try:
+            outs[tp] = [o.token_ids for o in run_all(eng, prompts, GREEDY)]
+            assert_all_pages_free(eng)
+        finally:
+            eng.shutdown()
+    assert outs[2] == outs[1]
+
+
 def test_killed_rank_mid_generation_raises_engine_dead_and_releases_the_rest():
     eng = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2,
                                  cache={"num_pages": 500}))
@@ -238,3 +275,24 @@ def test_driver_page_rules_match_the_memory_manager(kv_mode):
         assert view.pages_for_tokens(n) == mm.pages_for_tokens(n)
         assert view.pages_to_grow(n, n + 1) == mm.pages_to_grow(n, n + 1)
     assert [view.alloc_slot() for _ in range(3)] == [mm.alloc_slot() for _ in range(3)]
+
+
+def test_benchmark_smoke_checks_tokens_and_times_decode(tmp_path):
+    """benchmarks/tensor_parallel.py --smoke (random:tiny, TP 1 and 2 on CPU), run in this module's Ray."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tensor_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_tensor_parallel", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "tp.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    import json
+
+    result = json.loads(out.read_text())
+    assert [c["tokens_equal"] for c in result["checks"]] == [True, True]
+    assert result["checks"][1]["prompt_logits_max_abs_diff"] < 1e-4
+    assert [(r["tp"], r["batch"]) for r in result["rows"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(r["decode_tok_s"] > 0 for r in result["rows"])
+    assert result["rows"][2]["pages_per_rank"] == [result["rows"][2]["pages_per_rank"][0]] * 2

@@ -43,11 +43,12 @@ class LoadedCheckpoint:
 
 def load_checkpoint(model: str | Path | None = None, *, materialize_random: bool = False, seed: int = 0,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    with_weights: bool = True) -> LoadedCheckpoint:
+                    with_weights: bool = True, lazy: bool = False) -> LoadedCheckpoint:
     """File checkpoints keep their stored dtype (GGUF: float32 after dequantization) on CPU.
     `materialize_random=True` makes random presets return `random_weights(arch, seed, dtype, device)`.
     `with_weights=False` reads only the architecture and tokenizer (weights=None): a tensor-parallel driver,
-    whose ranks load their own shards."""
+    whose ranks load their own shards. `lazy=True` (Hugging Face folders) reads each tensor only when it is
+    used, so a rank taking its shard tensor by tensor never holds the whole checkpoint."""
     if model is None or model == "embedded":
         path = embedded_model_path()
         arch, weights, tok = load_gguf(path, sha256=EXPECTED_SHA256, with_weights=with_weights)
@@ -69,7 +70,7 @@ def load_checkpoint(model: str | Path | None = None, *, materialize_random: bool
 
     path = Path(model).expanduser()
     if path.is_dir():
-        arch, weights, tok = load_hf(path, with_weights=with_weights)
+        arch, weights, tok = load_hf(path, with_weights=with_weights, lazy=lazy)
         return LoadedCheckpoint(arch, weights, tok, path.name, path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":

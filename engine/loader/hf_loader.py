@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import tokenizers
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.loader.weights import check_weights
@@ -87,7 +88,47 @@ def arch_from_config(cfg: dict, folder: Path, extra_eos: list[int] = (), bos_fal
     )
 
 
-def load_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+class LazySafetensors(Mapping[str, torch.Tensor]):
+    """HF-named tensors read from their safetensors files on access, one at a time: a tensor-parallel rank
+    takes its shard of each and drops the rest, so it never holds the whole checkpoint in host memory."""
+
+    def __init__(self, paths: list[Path]):
+        self._where: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for p in paths:
+            with safe_open(str(p), framework="pt") as f:
+                for name in f.keys():
+                    self._where[name] = p
+                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __delitem__(self, name: str) -> None:
+        del self._where[name], self._shapes[name]
+
+    def pop(self, name: str, default=None):
+        if name not in self._where:
+            return default
+        del self[name]
+        return default  # the tensor itself is never read
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+
+def _safetensors_paths(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(_read_json(index)["weight_map"].values()))
@@ -101,6 +142,13 @@ def load_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(
                 f"{folder}: no *.safetensors weights found (pytorch_model.bin is not supported; re-save with safetensors)"
             )
+    return paths
+
+
+def load_hf_weights(folder: Path, lazy: bool = False) -> dict[str, torch.Tensor] | LazySafetensors:
+    paths = _safetensors_paths(folder)
+    if lazy:
+        return LazySafetensors(paths)
     weights: dict[str, torch.Tensor] = {}
     for p in paths:
         weights.update(load_file(p))
@@ -132,9 +180,10 @@ def load_hf_tokenizer(folder: Path, eos_ids: list[int], bos_id: Optional[int]) -
     return Tokenizer(backend, chat_template=template, bos_token_id=bos_id, eos_token_ids=eos_ids), eos_ids, bos_id
 
 
-def load_hf(folder: str | Path,
-            with_weights: bool = True) -> tuple[ModelArch, Optional[dict[str, torch.Tensor]], Tokenizer]:
-    """with_weights=False reads config and tokenizer only (weights=None)."""
+def load_hf(folder: str | Path, with_weights: bool = True,
+            lazy: bool = False) -> tuple[ModelArch, Optional[Mapping[str, torch.Tensor]], Tokenizer]:
+    """with_weights=False reads config and tokenizer only (weights=None); lazy=True returns a
+    LazySafetensors mapping (tensors read on access) instead of loading every tensor now."""
     folder = Path(folder)
     cfg = _read_json(folder / "config.json")
     gen = _read_json(folder / "generation_config.json", required=False)
@@ -144,7 +193,7 @@ def load_hf(folder: str | Path,
     if not with_weights:
         return arch, None, tokenizer
 
-    weights = load_hf_weights(folder)
+    weights = load_hf_weights(folder, lazy=lazy)
     for k in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
         del weights[k]  # old checkpoints saved this recomputable buffer
     if arch.tie_word_embeddings:

@@ -37,9 +37,11 @@ def check_weights(arch: ModelArch, weights: dict[str, torch.Tensor], source: str
     """Raise ValueError if names or shapes disagree with `arch` (catches bad configs early, with the
     file named, instead of a shape error deep inside the model)."""
     expected = expected_shapes(arch)
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    bad = [f"{k}: {tuple(weights[k].shape)} != {v}" for k, v in expected.items() if k in weights and tuple(weights[k].shape) != v]
+    # A lazy mapping (LazySafetensors) knows its shapes without reading any tensor.
+    shapes = getattr(weights, "shapes", None) or {k: tuple(t.shape) for k, t in weights.items()}
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
+    bad = [f"{k}: {shapes[k]} != {v}" for k, v in expected.items() if k in shapes and shapes[k] != v]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensors (e.g. {missing[:3]})")
