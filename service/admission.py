@@ -122,20 +122,30 @@ class ReplicaLoad:
     pages_total: int = 0
     pages_per_request: Optional[float] = None
     max_num_seqs: int = 0
+    saturated_rate: Optional[float] = None  # completions/s measured while requests were left waiting
 
     @property
     def service_rate(self) -> Optional[float]:
-        """c * mu: requests per second this replica completes when all its servers are busy."""
+        """c * mu: requests per second this replica completes when all its servers are busy. Measured while it
+        was saturated if it has been; until then extrapolated as c / S."""
+        if self.saturated_rate:
+            return self.saturated_rate
         return None if not self.service_s else self.servers / self.service_s
 
 
 class ServiceMeter:
     """An engine replica measuring itself (thread-safe: the step thread and the event loop both feed it).
 
-    * servers c = min(max_num_seqs, pages_total / pages per request): KV capacity, which compression changes;
+    * servers c: how many requests the engine runs at once when requests are left waiting after a step (it
+      could not admit more: slots or KV pages, including the worst-case reservation for prompts); until
+      that happens, min(max_num_seqs, pages_total / pages per request). KV capacity, which compression
+      changes, is what bounds it;
     * time in service S = L / X (Little's law on the running batch): L the time-averaged number running, X the
       completion rate, both exponentially weighted with the same time constant, so their ratio is the mean
       time a request holds a batch slot at the current load;
+    * the service rate c mu: completions per second while the engine was saturated (throughput measured
+      under a queue, so it includes everything a full batch costs: prefill interruptions, preemptions);
+      before any saturation, c / S;
     * prefill_s: EWMA of TTFT over requests that found a free slot (no queueing in the engine).
     """
 
@@ -149,6 +159,9 @@ class ServiceMeter:
         self._area = 0.0  # decayed integral of the number running
         self._done = 0.0  # decayed count of completions
         self._pages = _Ewma(0.1)
+        self._saturated = _Ewma(0.05)  # requests running after steps that left some waiting
+        self._sat_time = 0.0  # decayed seconds of steps that left requests waiting
+        self._sat_done = 0.0  # decayed completions in those steps
         self._prefill = _Ewma(0.2)
         self.pages_total = 0
 
@@ -160,7 +173,20 @@ class ServiceMeter:
         # integral of n * exp(-(now - u) / tau) over the interval, n constant since _last
         self._area = self._area * d + self._running * self.tau * (1 - d)
         self._done *= d
+        self._sat_time *= d
+        self._sat_done *= d
         self._last = now
+
+    def step(self, n: int, waiting: int, finished: int, seconds: float, now: Optional[float] = None) -> None:
+        """After each engine step: n requests were in the batch, `finished` of them ended, `waiting` are left
+        queued (the engine could not admit them), and the step took `seconds`."""
+        with self._lock:
+            self._advance(self.clock() if now is None else now)
+            self._running = n - finished
+            if waiting > 0 and n > 0:
+                self._saturated.add(float(n))
+                self._sat_time += seconds
+                self._sat_done += finished
 
     def set_running(self, n: int, now: Optional[float] = None) -> None:
         with self._lock:
@@ -183,10 +209,15 @@ class ServiceMeter:
             service_s = self._area / self._done if self._done > 1e-6 and self._area > 0 else None
             per_req = self._pages.value
             servers = float(self.max_num_seqs)
-            if per_req and self.pages_total:
-                servers = max(1.0, min(servers, self.pages_total / per_req))
+            if self._saturated.value is not None:
+                servers = min(servers, self._saturated.value)
+            elif per_req and self.pages_total:
+                servers = min(servers, self.pages_total / per_req)
+            servers = max(1.0, servers)
+            # a rate from a handful of saturated completions is too noisy to act on
+            sat_rate = self._sat_done / self._sat_time if self._sat_done >= 3 and self._sat_time > 0 else None
             return ReplicaLoad(replica, servers, service_s, self._prefill.value, self.pages_total, per_req,
-                               self.max_num_seqs)
+                               self.max_num_seqs, sat_rate)
 
 
 REPLICA_TTL_S = 600.0  # forget a replica's capacity after this long without a report

@@ -218,7 +218,8 @@ class EngineReplica:
         if outputs:
             self._batch_sizes.append(len(outputs))
         finished = sum(1 for o in outputs if o.finished)
-        self.meter.set_running(len(self.engine.scheduler.running) + finished)
+        sched = self.engine.scheduler
+        self.meter.step(len(sched.running) + finished, len(sched.waiting), finished, seconds)
 
     async def _poll_stats(self) -> None:
         while True:

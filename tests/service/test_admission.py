@@ -89,10 +89,19 @@ def test_service_meter_littles_law_and_kv_capacity():
     assert load.servers == pytest.approx(1000 / 50)  # KV capacity binds before max_num_seqs
     assert load.service_rate == pytest.approx(20 / 2.0, rel=0.02)
     assert load.prefill_s == pytest.approx(0.1)
-    # compression: half the pages per request doubles the servers, up to max_num_seqs
+    # compression: a fifth of the pages per request gives five times the servers, up to max_num_seqs
     for _ in range(200):
         meter.finished(pages_used=10, ttft_s=None, found_free_slot=False)
     assert meter.snapshot("r").servers == 64
+    # once the engine leaves requests waiting, what it really runs at once is the capacity, and the
+    # throughput measured meanwhile is the service rate: 5 running, one finishing every 0.25 s step
+    t = clock.t
+    for i in range(1, 200):
+        clock.t = t + 0.25 * i
+        meter.step(5, waiting=3, finished=1, seconds=0.25)
+    load = meter.snapshot("r")
+    assert load.servers == pytest.approx(5.0)
+    assert load.saturated_rate == pytest.approx(4.0) and load.service_rate == pytest.approx(4.0)
 
 
 def _load(servers=4.0, service_s=2.0, prefill_s=0.1, replica="r0"):
