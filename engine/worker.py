@@ -108,6 +108,8 @@ class Worker:
         from engine.model_runner import ModelRunner
         from engine.parallel import ParallelContext
 
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before NCCL binds its communicator to the current device
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -115,8 +117,6 @@ class Worker:
             kw = {"device_id": self.device} if backend == "nccl" else {}
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                     world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT, **kw)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         ckpt = load_checkpoint(self.config.model, lazy=True)  # HF folders: one tensor in host memory at a time
         pc = ParallelContext(self.rank, self.world_size)
         self.runner = ModelRunner(self.config, ckpt.arch, ckpt.weights, max_model_len, pc)

@@ -179,6 +179,51 @@ def test_tp2_hf_folder_with_biases_and_tied_embeddings_loaded_lazily(tmp_path):
     assert outs[2] == outs[1]
 
 
+def test_engine_inside_a_placement_group_puts_its_ranks_in_bundles_1_to_n(engines):
+    """The Ray Serve pattern: a replica in bundle 0 of its placement group, its ranks in bundles 1..N."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from engine.ray_executor import RayExecutor
+
+    want = run_all(engines("tiny-local", model="random:tiny", cache={"num_pages": 500}), PROMPTS[:2], GREEDY)
+
+    class Replica:  # defined here so Ray ships it by value
+        def run(self, prompts, sampling):
+            from ray.util.placement_group import get_current_placement_group
+
+            eng = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2,
+                                         cache={"num_pages": 500}))
+            try:
+                for i, p in enumerate(prompts):
+                    eng.add_request(str(i), p, sampling)
+                done = {}
+                while eng.has_unfinished_requests():
+                    done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+                return (eng.executor._own_pg is None, get_current_placement_group().bundle_count,
+                        [done[str(i)] for i in range(len(prompts))])
+            finally:
+                eng.shutdown()
+
+    pg = placement_group([{"CPU": 0.1}, {"CPU": 0.2}, {"CPU": 0.2}], strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    try:
+        replica = ray.remote(Replica).options(num_cpus=0.1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)).remote()
+        used_callers_group, bundles, tokens = ray.get(replica.run.remote(PROMPTS[:2], GREEDY), timeout=300)
+        ray.kill(replica)
+    finally:
+        remove_placement_group(pg)
+    assert used_callers_group and bundles == 3
+    assert tokens == [o.token_ids for o in want]
+
+    class Group:  # too few bundles: the replica's plus one rank
+        bundle_specs = [{"CPU": 1}, {"CPU": 1}]
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: .* placement group of 2 bundle"):
+        RayExecutor._bundles_of(Group(), 2)
+
+
 def test_killed_rank_mid_generation_raises_engine_dead_and_releases_the_rest():
     eng = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2,
                                  cache={"num_pages": 500}))
