@@ -75,7 +75,7 @@ class ServiceConfig(BaseModel):
         if self.kv_mode is not None and self.kv_mode != self.cache.kv_mode:
             self.cache = self.cache.model_copy(update={"kv_mode": self.kv_mode})
         self.kv_mode = self.cache.kv_mode
-        EngineConfig(device=self.device)  # same device rules as the engine, checked here, before deploying
+        self.engine_config()  # the engine's own rules (device, TP sizes), checked here, before deploying
         return self
 
     def uses_gpu(self) -> bool:
@@ -88,18 +88,11 @@ class ServiceConfig(BaseModel):
         return torch.cuda.is_available()
 
     def engine_config(self) -> EngineConfig:
-        """The engine replica's EngineConfig. TP fields are passed only when this engine has them."""
-        kw: dict[str, Any] = dict(model=self.model, device=self.device, dtype=self.dtype,
-                                  max_model_len=self.max_model_len, cache=self.cache, scheduler=self.scheduler)
-        fields = EngineConfig.model_fields
-        if "tensor_parallel_size" in fields:
-            kw["tensor_parallel_size"] = self.tensor_parallel_size
-            kw["distributed_executor"] = self.distributed_executor
-        elif self.tensor_parallel_size > 1 or self.distributed_executor == "ray":
-            raise ValueError("tensor_parallel_size > 1 / distributed_executor='ray' need an engine with "
-                             "tensor-parallel workers (EngineConfig.tensor_parallel_size)")
-        return EngineConfig(**kw)
+        """The engine replica's EngineConfig."""
+        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+                            cache=self.cache, scheduler=self.scheduler, tensor_parallel_size=self.tensor_parallel_size,
+                            distributed_executor=self.distributed_executor)
 
     def uses_worker_actors(self) -> bool:
-        return self.distributed_executor == "ray" or (
-            self.distributed_executor == "auto" and self.tensor_parallel_size > 1)
+        """The engine runs its ranks as Ray actors (then the replica needs a placement group for them)."""
+        return self.engine_config().executor_kind == "ray"
