@@ -221,3 +221,55 @@ def test_headroom_prefers_free_pages_and_short_queues():
     # ties are broken at random, so equal replicas share the load
     firsts = {rank_by_headroom(["x", "y"], lambda r: idle, lambda r: 0, random.Random(s))[0] for s in range(20)}
     assert firsts == {"x", "y"}
+
+
+class _Replica:
+    """What Serve's router hands a RequestRouter: an id, the replica's routing stats, its queue cap."""
+
+    def __init__(self, rid, **stats):
+        self.replica_id, self.routing_stats, self.max_ongoing_requests = rid, stats, 1024
+
+
+def test_kv_headroom_router_ranks_serve_candidates():
+    import asyncio
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from service.router import KVHeadroomRouter
+
+    router = KVHeadroomRouter(DeploymentID(name="EngineReplica", app_name="t"), DeploymentHandleSource.UNKNOWN,
+                              use_replica_queue_len_cache=True)
+    router.initialize_state(seed=0)
+    full = _Replica("full", pages_total=1000, pages_used=900, num_running=3, max_num_seqs=8, pages_per_request=100)
+    empty = _Replica("empty", pages_total=1000, pages_used=100, num_running=1, max_num_seqs=8, pages_per_request=100)
+    ranks = asyncio.run(router.choose_replicas([full, empty]))
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["empty"], ["full"]]
+    # Serve's queue-length cache counts requests sent since the stats: 7 queued on "empty" take its pages
+    router.on_new_queue_len_info("empty", 8)
+    router.on_new_queue_len_info("full", 3)
+    ranks = asyncio.run(router.choose_replicas([full, empty]))
+    assert [rank[0].replica_id for rank in ranks] == ["full", "empty"]
+    assert asyncio.run(router.choose_replicas([])) == []
+
+
+def test_engine_deployment_options():
+    from service.app import engine_deployment_options
+    from service.config import ServiceConfig
+    from service.router import KVHeadroomRouter
+
+    tp2 = engine_deployment_options(ServiceConfig(device="cpu", tensor_parallel_size=2, num_replicas=3))
+    assert tp2["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}]
+    assert tp2["placement_group_strategy"] == "PACK" and tp2["ray_actor_options"] == {"num_cpus": 0.5}
+    assert tp2["num_replicas"] == 3
+    router = tp2["request_router_config"]
+    assert router.request_router_class.endswith("KVHeadroomRouter") and KVHeadroomRouter is not None
+    tp1 = engine_deployment_options(ServiceConfig(device="cpu", router={"policy": "pow2"},
+                                                  autoscaling={"min_replicas": 1, "max_replicas": 4}))
+    assert "placement_group_bundles" not in tp1 and tp1["ray_actor_options"]["num_gpus"] == 0
+    assert "request_router_config" not in tp1 and "num_replicas" not in tp1
+    assert tp1["autoscaling_config"]["max_replicas"] == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ServiceConfig(device="cpu", tensor_parallel_size=2, distributed_executor="local")
+    with pytest.raises(ValueError):
+        ServiceConfig(kv_mode="int3")
+    assert ServiceConfig(kv_mode="diffkv").cache.kv_mode == "diffkv"
