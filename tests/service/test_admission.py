@@ -226,8 +226,12 @@ def test_headroom_prefers_free_pages_and_short_queues():
 class _Replica:
     """What Serve's router hands a RequestRouter: an id, the replica's routing stats, its queue cap."""
 
-    def __init__(self, rid, **stats):
-        self.replica_id, self.routing_stats, self.max_ongoing_requests = rid, stats, 1024
+    def __init__(self, name, **stats):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.name = name
+        self.replica_id = ReplicaID(name, DeploymentID(name="EngineReplica", app_name="t"))
+        self.routing_stats, self.max_ongoing_requests = stats, 1024
 
 
 def test_kv_headroom_router_ranks_serve_candidates():
@@ -243,12 +247,12 @@ def test_kv_headroom_router_ranks_serve_candidates():
     full = _Replica("full", pages_total=1000, pages_used=900, num_running=3, max_num_seqs=8, pages_per_request=100)
     empty = _Replica("empty", pages_total=1000, pages_used=100, num_running=1, max_num_seqs=8, pages_per_request=100)
     ranks = asyncio.run(router.choose_replicas([full, empty]))
-    assert [[r.replica_id for r in rank] for rank in ranks] == [["empty"], ["full"]]
+    assert [[r.name for r in rank] for rank in ranks] == [["empty"], ["full"]]
     # Serve's queue-length cache counts requests sent since the stats: 7 queued on "empty" take its pages
-    router.on_new_queue_len_info("empty", 8)
-    router.on_new_queue_len_info("full", 3)
+    router.on_new_queue_len_info(empty.replica_id, 8)
+    router.on_new_queue_len_info(full.replica_id, 3)
     ranks = asyncio.run(router.choose_replicas([full, empty]))
-    assert [rank[0].replica_id for rank in ranks] == ["full", "empty"]
+    assert [rank[0].name for rank in ranks] == ["full", "empty"]
     assert asyncio.run(router.choose_replicas([])) == []
 
 
