@@ -245,7 +245,16 @@ class OpenAIIngress:
         self._schema: Optional[dict] = None
         app.state.ingress = self
         # Ask the engine for the model's name and context now, without holding up the deployment.
-        self._info_task = asyncio.get_running_loop().create_task(self._prefetch_info())
+        loop = asyncio.get_running_loop()
+        self._info_task = loop.create_task(self._prefetch_info())
+        self._gauges_task = loop.create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        """Re-set the admission gauges every second: the arrival-rate estimate decays between arrivals, and
+        Ray stops exporting a gauge that is not set for a while."""
+        while True:
+            await asyncio.sleep(1.0)
+            self._publish_admission_gauges()
 
     async def _prefetch_info(self) -> None:
         try:

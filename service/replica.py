@@ -73,6 +73,7 @@ class EngineReplica:
         self.in_flight = 0
         self._dead: Optional[str] = None
         self._last_stats: dict[str, Any] = {}
+        self._compression: dict[str, float] = {}  # last compression gauges measured with requests running
         self._prev_counters = {"num_preemptions": 0, "num_generated_tokens": 0}
         await self._poll_once()  # pages_total for the meter before the first request
         self._poller = asyncio.get_running_loop().create_task(self._poll_stats())
@@ -254,11 +255,13 @@ class EngineReplica:
             if steps_ran and r.get("last_mm_seconds"):
                 m.observe("diffkv_mm_seconds", r["last_mm_seconds"], rank=rank)
         entries = st.get("tokens_high", 0) + st.get("tokens_low", 0) + st.get("tokens_pruned", 0)
-        if entries > 0:  # keep the last measured values while idle
-            m.set("diffkv_kv_compression_ratio", st.get("compression_ratio") or 1.0)
-            m.set("diffkv_kv_tokens_high_fraction", st["tokens_high"] / entries)
-            m.set("diffkv_kv_tokens_low_fraction", st["tokens_low"] / entries)
-            m.set("diffkv_kv_tokens_pruned_fraction", st["tokens_pruned"] / entries)
+        if entries > 0:  # while idle, the last measured values stay (re-set below: Ray drops unset gauges)
+            self._compression = {"diffkv_kv_compression_ratio": st.get("compression_ratio") or 1.0,
+                                 "diffkv_kv_tokens_high_fraction": st["tokens_high"] / entries,
+                                 "diffkv_kv_tokens_low_fraction": st["tokens_low"] / entries,
+                                 "diffkv_kv_tokens_pruned_fraction": st["tokens_pruned"] / entries}
+        for name, value in self._compression.items():
+            m.set(name, value)
         for key, name in (("num_preemptions", "diffkv_preemptions_total"),
                           ("num_generated_tokens", "diffkv_generated_tokens_total")):
             m.inc(name, st[key] - self._prev_counters[key])
@@ -266,8 +269,7 @@ class EngineReplica:
         while self._batch_sizes:
             m.observe("diffkv_batch_size", self._batch_sizes.popleft())
         rate = self.meter.snapshot(self.replica_id).service_rate
-        if rate is not None:
-            m.set("diffkv_service_rate", rate)
+        m.set("diffkv_service_rate", rate or 0.0)
 
     async def __del__(self) -> None:
         """Serve calls this on graceful shutdown: end the step thread, abort what is left, release workers."""
