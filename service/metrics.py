@@ -49,7 +49,8 @@ SPECS: tuple[MetricSpec, ...] = (
                                                  "table) time of a decode step, per rank; sampled each stats period "
                                                  "when steps ran.", (REPLICA, RANK), tuple(MM_BUCKETS_S)),
     MetricSpec("diffkv_kv_compression_ratio", "gauge", "Bytes an fp16 cache would use / bytes the KV cache uses, "
-                                                       "over the running requests (1 when idle).", (REPLICA, KV_MODE)),
+                                                       "over the running requests (while idle: the last value "
+                                                       "measured with requests running).", (REPLICA, KV_MODE)),
     MetricSpec("diffkv_kv_tokens_high_fraction", "gauge", "Fraction of cached (token, layer, KV head) entries kept "
                                                           "at high precision.", (REPLICA, KV_MODE)),
     MetricSpec("diffkv_kv_tokens_low_fraction", "gauge", "Fraction kept at low precision.", (REPLICA, KV_MODE)),
@@ -59,7 +60,8 @@ SPECS: tuple[MetricSpec, ...] = (
                (REPLICA,)),
     MetricSpec("diffkv_generated_tokens_total", "counter", "Tokens generated.", (REPLICA,)),
     MetricSpec("diffkv_service_rate", "gauge", "Measured requests per second one replica completes at its KV "
-                                               "capacity (the admission model's c * mu).", (REPLICA,)),
+                                               "capacity (the admission model's c * mu; 0 until measured).",
+               (REPLICA,)),
     # ---- the ingress (recorded by each ingress replica) ----
     MetricSpec("diffkv_ttft_seconds", "histogram", "Time to first token, from arrival at the ingress.", (ENDPOINT,),
                tuple(LATENCY_BUCKETS_S)),

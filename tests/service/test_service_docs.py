@@ -1,0 +1,19 @@
+"""The README documents every metric of service/metrics.py, and the admission page states its formulas."""
+from pathlib import Path
+
+from service.metrics import SPECS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_readme_documents_every_metric_with_its_description():
+    readme = (ROOT / "README.md").read_text()
+    for spec in SPECS:
+        assert f"| `{spec.name}` | {spec.kind} |" in readme, f"{spec.name} is not in the README's metrics table"
+        assert spec.description in readme, f"{spec.name}: the README's description is out of date"
+
+
+def test_admission_page_has_the_model():
+    page = (ROOT / "docs" / "ADMISSION.md").read_text()
+    for needle in ("Erlang", "E[W | n] = (n - C + 1) / M", "λ_max", "Retry-After", "thinning"):
+        assert needle in page
