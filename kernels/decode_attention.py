@@ -27,7 +27,6 @@ from kernels.sections import section_columns, section_page
 LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 4  # below this, the partial-result traffic outweighs the extra parallelism
 MAX_SPLITS = 64
-FMA_DEFAULT = False  # quantized-only sections: CUDA-core products instead of tensor-core dots (see _attend_section)
 
 
 @triton.jit
@@ -48,18 +47,12 @@ def _codes(c, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _codes_f32(c):
-    """Integer codes (< 2^23) as fp32 without a conversion instruction: 0x4B000000 | c is 2^23 + c."""
-    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _attend_section(
     q, q16, qsum, m_i, l_i, acc, lo, hi, pt_row, col0,
     pool_c, pool_u8, pool_h, page_elems, page_bytes, k_off, k_meta, v_off, v_meta,
     qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, logit_base,
     KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, LOW: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, FMA: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Online softmax over tokens [lo, hi) of one section (the high one, or the low one read from the right).
 
@@ -68,9 +61,7 @@ def _attend_section(
         sum_n p_n v_n = sum_n (p_n scale_n) c_n + sum_n p_n zero_n
     so the dots run on the integer codes (exact in fp16; q16 is q in fp16 whatever the cache dtype) and
     scale/zero act on [G, N] only. The value weights p_n scale_n are divided by the tile's largest scale before
-    the fp16 cast (no underflow). FMA (both sides quantized, BLOCK_G = the group): no tensor cores - the
-    products are broadcast multiplies reduced over D (scores) and over the tile's tokens (values), so the codes
-    never leave the registers they were loaded into."""
+    the fp16 cast (no underflow)."""
     DT = q.dtype
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
@@ -84,11 +75,7 @@ def _attend_section(
         else:
             kc, ks, kz = load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, k_off, k_meta,
                                     KB, BLOCK_N, BLOCK_D)
-            if FMA:
-                s = tl.sum(q[:, None, :] * _codes_f32(kc)[None, :, :], 2)
-            else:
-                s = _dot(q16, tl.trans(_codes(kc, DOT_FP32)), DOT_FP32)
-            s = s * ks[None, :] + qsum[:, None] * kz[None, :]
+            s = _dot(q16, tl.trans(_codes(kc, DOT_FP32)), DOT_FP32) * ks[None, :] + qsum[:, None] * kz[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + (logit_base + t)[None, :], s * sm_scale,
                      mask=gmask[:, None] & tmask[None, :])
@@ -107,15 +94,12 @@ def _attend_section(
         else:
             vc, vs, vz = load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, v_off, v_meta,
                                     VB, BLOCK_N, BLOCK_D)
+            top = tl.max(vs, 0)
+            top = tl.where(top > 0, top, 1.0)
+            pv = p * (vs / top)[None, :]
             zsum = tl.sum(p * vz[None, :], 1)
-            if FMA:
-                pv = p * vs[None, :]
-                acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * _codes_f32(vc)[None, :, :], 1) + zsum[:, None]
-            else:
-                top = tl.max(vs, 0)
-                top = tl.where(top > 0, top, 1.0)
-                pv = (p * (vs / top)[None, :]).to(q16.dtype)
-                acc = acc * alpha[:, None] + _dot(pv, _codes(vc, DOT_FP32), DOT_FP32) * top + zsum[:, None]
+            pv = pv.to(q16.dtype)
+            acc = acc * alpha[:, None] + _dot(pv, _codes(vc, DOT_FP32), DOT_FP32) * top + zsum[:, None]
         m_i = m_new
     return m_i, l_i, acc
 
@@ -135,7 +119,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
     KB: tl.constexpr = 16, VB: tl.constexpr = 16,
     HAS_LOW: tl.constexpr = False, KB_LO: tl.constexpr = 16, VB_LO: tl.constexpr = 16, T_LO: tl.constexpr = 1,
-    WRITE_LOGITS: tl.constexpr = False, WRITE_LSE: tl.constexpr = False, FMA: tl.constexpr = False,
+    WRITE_LOGITS: tl.constexpr = False, WRITE_LSE: tl.constexpr = False,
 ):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -154,9 +138,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     q = q.to(tl.float32) if DOT_FP32 else q.to(pool_c.dtype.element_ty)
-    if FMA:
-        q = q.to(tl.float32)
-    q16 = q if (DOT_FP32 or FMA) else q.to(tl.float16)  # quantized sides dot fp16 codes (see _attend_section)
+    q16 = q if DOT_FP32 else q.to(tl.float16)  # quantized sides dot fp16 codes (see _attend_section)
     qsum = tl.sum(q16.to(tl.float32), 1)  # folds key zero points into the dot
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh  # only used with WRITE_LOGITS
 
@@ -166,7 +148,7 @@ def _decode_split_kernel(
     m_i, l_i, acc = _attend_section(
         q, q16, qsum, m_i, l_i, acc, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
         k_off, k_meta, v_off, v_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, 0,
-        KB, VB, T, False, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32, FMA)
+        KB, VB, T, False, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
     if HAS_LOW:
         # The low section (its own format, pages from the right end of the row), split the same way.
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
@@ -177,7 +159,7 @@ def _decode_split_kernel(
             q, q16, qsum, m_i, l_i, acc, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8, pool_h, page_elems,
             page_bytes,
             lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, length,
-            KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32, FMA)
+            KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # length 0 -> zeros
@@ -311,7 +293,7 @@ def paged_decode_attention_ref(q, pool, fmt: PageFormat, cache_dtype, page_table
 def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer,
                                   scale, num_splits=None, max_len=None, block_n=None, out=None,
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
-                                  num_warps=None, num_stages=None, fma=None):
+                                  num_warps=None, num_stages=None):
     check_supported(fmt, cache_dtype, for_triton=True)
     has_low = _check_low(fmt, fmt_low, len_low, cache_dtype, True)
     B, Hq, D = q.shape
@@ -328,10 +310,6 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     pc = pool.view(cache_dtype)
     tuned_n, tuned_warps, tuned_stages = launch_config(fmt, fmt_low if has_low else None)
     block_n = block_n or tuned_n
-    all_quantized = all(b < 16 for f in ((fmt, fmt_low) if has_low else (fmt,)) for b in (f.key_bits, f.value_bits))
-    fma = FMA_DEFAULT and all_quantized if fma is None else fma
-    if fma and not all_quantized:
-        raise ValueError("fma=True needs every section quantized (16-bit sides use tensor-core dots)")
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
     if num_splits is None:
@@ -359,11 +337,11 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         fmt.page_bytes // fmt.full_itemsize, fmt.page_bytes,
         *seg_offsets(fmt, "k"), *seg_offsets(fmt, "v"), *seg_offsets(low, "k"), *seg_offsets(low, "v"),
         GROUP=group, T=T, NUM_SPLITS=num_splits,
-        BLOCK_G=next_pow2(group) if fma else max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=BLOCK_D,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=BLOCK_D,
         DOT_FP32=dot_in_fp32(q, pool) or q.dtype == torch.float32 or cache_dtype == torch.float32,
         KB=fmt.key_bits, VB=fmt.value_bits,
         HAS_LOW=has_low, KB_LO=low.key_bits, VB_LO=low.value_bits, T_LO=low.tokens if has_low else 1,
-        WRITE_LOGITS=logits_out is not None, WRITE_LSE=lse_out is not None, FMA=fma,
+        WRITE_LOGITS=logits_out is not None, WRITE_LSE=lse_out is not None,
         num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )
     if num_splits > 1:

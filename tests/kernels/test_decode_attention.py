@@ -186,7 +186,7 @@ def _naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, le
 
 
 def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, layer, seed, block_n=None,
-                  max_len=None, fma=None):
+                  max_len=None):
     isz = torch.empty((), dtype=dtype).element_size()
     fmt_hi, fmt_lo = formats(spec, D, isz)
     pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE, seed)
@@ -205,7 +205,7 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
         lse = torch.full((B, Hq), float("nan"), device=DEVICE)
         if impl == "triton":
             paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, out=out,
-                                          logits_out=logits, lse_out=lse, fma=fma, **kw)
+                                          logits_out=logits, lse_out=lse, **kw)
         else:
             paged_decode_attention(*args, num_splits=num_splits, impl=impl, out=out, logits_out=logits,
                                    lse_out=lse, **kw)
@@ -213,7 +213,7 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
         res[impl] = (out, logits, lse)
     # Plain call (no logits/lse) gives the same output, up to the compiler contracting the scale/zero
     # fold into FMAs differently when the logits are also stored (fp32 rounding, ~1e-7 relative).
-    plain = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, fma=fma, **kw)
+    plain = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, **kw)
     torch.testing.assert_close(plain, res["triton"][0], atol=1e-6, rtol=1e-5)
 
     n_out, n_logits, n_lse = _naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
@@ -266,28 +266,6 @@ def test_decode_quantized_long_multi_split(spec, D, block_n, num_splits):
     for dtype in DTYPES:
         _run_sections(spec, dtype, 8, 2, D, lens_hi, lens_lo, [1, 0], num_splits, layer=1, seed=D + len(spec),
                       block_n=block_n)
-
-
-@pytest.mark.parametrize("spec,Hq,Hkv,num_splits", [("K8V4+K4V2", 8, 2, None), ("K4V2", 6, 2, 3), ("K8V8", 2, 2, 1)])
-def test_decode_fma_path_matches_reference(spec, Hq, Hkv, num_splits):
-    """The CUDA-core variant (no tensor-core dots; GQA groups of 4, 3 and 1) against the references."""
-    lens_hi = [[40, 7], [3, 33]]
-    lens_lo = [[21, 0], [9, 45]] if "+" in spec else None
-    for dtype in DTYPES:
-        _run_sections(spec, dtype, Hq, Hkv, 64, lens_hi, lens_lo, [1, 0], num_splits, layer=1, seed=Hq,
-                      block_n=16, fma=True)
-
-
-def test_decode_fma_needs_quantized_sections():
-    isz = torch.empty((), dtype=DTYPES[0]).element_size()
-    fmt_hi, _ = formats("K16V16", 64, isz)
-    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
-    pool = torch.zeros(2, fmt_hi.page_bytes, dtype=torch.uint8, device=DEVICE)
-    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
-    lens = torch.ones(1, 1, 1, dtype=torch.int32, device=DEVICE)
-    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="fma"):
-        paged_decode_attention_triton(q, pool, fmt_hi, DTYPES[0], pt, lens, slots, 0, 0.125, fma=True)
 
 
 def test_decode_low_section_needs_format():
