@@ -23,3 +23,15 @@ def test_memory_manager_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["prompt_mm_ms"] > 0 and r["gen_mm_ms"] > 0 for r in rows)
+
+
+def test_throughput_smoke(tmp_path):
+    out = tmp_path / "throughput.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--smoke", "--quiet", "--out",
+                    str(out)], check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["fp16", "diffkv"]
+    for r in rows:
+        assert r["tokens"] == 4 * 16 and r["tokens_per_s"] > 0 and r["steps"] > 0
+        assert r["max_batch"] >= 1 and r["compression_ratio"] > 0 and r["preemptions"] >= 0
+    assert rows[1]["compression_ratio"] > rows[0]["compression_ratio"]

@@ -1,0 +1,209 @@
+"""Offline generation throughput per KV mode at a fixed KV memory budget (like vLLM's benchmark_throughput).
+
+N chat prompts (gsm_symbolic questions from evals/data/problems.jsonl, or synthetic token ids) are all submitted at
+once; the engine generates `--max-tokens` per prompt (`ignore_eos`, or natural stops with `--natural-stop`) for
+every `--modes` entry in one run, each with the same `--kv-memory-gb` page pool, so a mode that stores a token in
+fewer bytes keeps more sequences running. Reported per mode: generated tokens/s, mean and max running batch,
+compression ratio (fp16 bytes / bytes held, averaged over steps), preemptions, steps; beside them Hugging Face
+transformers' `generate` on the same weights and prompts (static batches of --hf-batch, what a user without a
+server would run), unless --no-hf.
+
+Usage (GPU):  python benchmarks/throughput.py --num-prompts 96 --max-tokens 4096 --kv-memory-gb 2
+Smoke (CPU):  python benchmarks/throughput.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result  # noqa: E402
+from engine import EngineConfig, SamplingParams  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.loader import load_checkpoint  # noqa: E402
+
+PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
+MODES = ("fp16", "int8", "int4", "diffkv")
+
+
+def load_prompts(ckpt, n: int, source: str, seed: int) -> list[list[int]]:
+    """Prompt token ids: chat-templated gsm_symbolic questions, or random ids (`synthetic`, 64-256 tokens)."""
+    if source == "gsm_symbolic":
+        rows = [json.loads(line) for line in PROBLEMS.read_text().splitlines() if line.strip()]
+        qs = [r["question"] for r in rows if r["task"] == "gsm_symbolic"]
+        if not qs:
+            raise ValueError(f"no gsm_symbolic problems in {PROBLEMS}")
+        tok = ckpt.tokenizer
+        return [tok.encode(tok.apply_chat_template([{"role": "user", "content": qs[i % len(qs)]}]),
+                           add_special_tokens=False) for i in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    V = ckpt.arch.vocab_size
+    return [torch.randint(0, V, (int(torch.randint(64, 257, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def run_mode(ckpt, mode: str, prompts: list[list[int]], args) -> dict:
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                       cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb},
+                       scheduler={"max_num_seqs": args.max_num_seqs,
+                                  "max_num_batched_tokens": args.max_num_batched_tokens})
+    engine = LLMEngine(cfg, checkpoint=ckpt)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.natural_stop)
+    # Warm-up (kernels compiled, graphs captured) outside the timed region.
+    engine.add_request("warmup", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, sp)
+    batches, ratios, generated, steps = [], [], 0, 0
+    from tqdm import tqdm
+
+    total = len(prompts) * args.max_tokens
+    t0 = time.perf_counter()
+    with tqdm(total=total, desc=f"{mode:>6}", unit="tok", disable=args.quiet) as bar:
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            steps += 1
+            n = sum(len(o.new_token_ids) for o in outs)
+            generated += n
+            bar.update(n)
+            if steps % args.stats_every == 0:
+                st = engine.stats()
+                batches.append(st["num_running"])
+                if st["compression_ratio"]:
+                    ratios.append(st["compression_ratio"])
+    if args.device != "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    st = engine.stats()
+    res = {"mode": mode, "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
+           "mean_batch": statistics.mean(batches) if batches else None, "max_batch": max(batches, default=None),
+           "compression_ratio": statistics.mean(ratios) if ratios else None,
+           "preemptions": st["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
+    """transformers generate, greedy, left-padded static batches, on the checkpoint's weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a = ckpt.arch
+    cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                      num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+                      num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+                      rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
+                      tie_word_embeddings=a.tie_word_embeddings)
+    dev = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict({k: v.float() for k, v in ckpt.weights.items()}, strict=False)
+    model.tie_weights()
+    model = model.to(dev, dtype)
+    subset = prompts[: args.hf_prompts]
+    generated, t0 = 0, time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(subset), args.hf_batch):
+            chunk = subset[i: i + args.hf_batch]
+            width = max(map(len, chunk))
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, p in enumerate(chunk):
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            out = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=args.max_tokens,
+                                 min_new_tokens=0 if args.natural_stop else args.max_tokens, do_sample=False,
+                                 pad_token_id=0)
+            generated += (out.shape[1] - width) * len(chunk)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    del model
+    gc.collect()
+    return {"mode": "hf-transformers", "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall,
+            "prompts": len(subset), "batch": args.hf_batch, "dtype": str(dtype)}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--prompts", default="gsm_symbolic", choices=("gsm_symbolic", "synthetic"))
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--natural-stop", action="store_true", help="stop at EOS instead of ignore_eos")
+    ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="page pool size, the same for every mode")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--hf-prompts", type=int, default=32, help="prompts given to transformers (a subset)")
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--stats-every", type=int, default=8, help="steps between batch/compression samples")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="random:tiny on CPU, a few short generations")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model = args.model or "random:tiny"
+        args.device, args.prompts = "cpu", "synthetic"
+        args.num_prompts, args.max_tokens, args.kv_memory_gb = 4, 16, 0.001
+        args.modes = [m for m in args.modes if m in ("fp16", "diffkv")]
+        args.hf_prompts, args.hf_batch, args.stats_every = 2, 2, 1
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    ckpt = load_checkpoint(args.model)
+    if ckpt.weights is None:
+        args.no_hf = True  # random weights are initialised inside the engine: nothing to hand transformers
+    prompts = load_prompts(ckpt, args.num_prompts, args.prompts, args.seed)
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu")
+    print(f"{gpu} | model {ckpt.name} | {len(prompts)} prompts (mean {statistics.mean(map(len, prompts)):.0f} "
+          f"tokens) x {args.max_tokens} new | KV pool {args.kv_memory_gb} GiB")
+    rows = [run_mode(ckpt, m, prompts, args) for m in args.modes]
+    if not args.no_hf:
+        rows.append(run_hf(ckpt, prompts, args))
+    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "fp16"), None)
+    for r in rows:
+        r["speedup_vs_fp16"] = r["tokens_per_s"] / base if base else None
+    print(f"\n{'mode':>16} {'tok/s':>9} {'vs fp16':>8} {'mean batch':>10} {'max batch':>9} {'compr.':>7} "
+          f"{'preempt':>7} {'seconds':>8}")
+    for r in rows:
+        def f(k, spec):
+            return format(r[k], spec) if r.get(k) is not None else "-"
+        print(f"{r['mode']:>16} {r['tokens_per_s']:>9.0f} {f('speedup_vs_fp16', '.2f'):>8} "
+              f"{f('mean_batch', '.1f'):>10} {f('max_batch', 'd'):>9} {f('compression_ratio', '.2f'):>7} "
+              f"{f('preemptions', 'd'):>7} {r['seconds']:>8.1f}")
+    result = {"benchmark": "throughput", "device": gpu, "torch": torch.__version__, "model": ckpt.name,
+              "command": "python benchmarks/throughput.py " + " ".join(argv),
+              "config": {k: v for k, v in vars(args).items() if k not in ("quiet",)}, "rows": rows}
+    write_result(result, "throughput", gpu, args.out, args.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
