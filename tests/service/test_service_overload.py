@@ -183,7 +183,16 @@ def test_poisson_burst_at_several_times_capacity(service):
 
 def test_metrics_endpoint_shows_every_metric_with_non_trivial_values(service):
     rid = service["replica"]
-    samples = parse_metrics(service["cluster"].scrape())
+    # one bad request, so the rejection counter has its "invalid" reason too
+    r = httpx.post(service["base"] + "/v1/completions", json={"model": service["model"], "prompt": "hi",
+                                                              "temperature": 7}, timeout=30)
+    assert r.status_code == 400
+
+    def scrape_with_invalid():
+        samples = parse_metrics(service["cluster"].scrape())
+        invalid = values(samples, PROMETHEUS_PREFIX + "diffkv_requests_rejected_total", reason="invalid")
+        return samples if invalid and sum(invalid) > 0 else None
+    samples = wait_for(scrape_with_invalid, 15, what="the 400 in diffkv_requests_rejected_total")
     names = {n for n, _, _ in samples}
     P = PROMETHEUS_PREFIX
     for spec in SPECS:
