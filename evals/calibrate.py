@@ -6,7 +6,8 @@ The paper picks the value with the best calibration accuracy. With the few hundr
 small model affords, accuracy cannot separate neighbouring values, so each stage scores a value by its
 teacher-forced top-1 agreement with the fp16 cache over long generations (and records task accuracy when
 problems are given), and picks the most compressive value whose agreement is within `tolerance` of the
-stage's best (larger alphas keep fewer tokens high / low).
+stage's best (larger alphas keep fewer tokens high / low). A stage's points run as one batch of one engine,
+each request with its own thresholds (the engine's per-request kv_compression).
 """
 from __future__ import annotations
 
@@ -14,25 +15,37 @@ import json
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from engine.model_settings import SETTINGS_DIR, settings_path
-from evals.configs import diffkv_config
-from evals.harness import evaluate_config
+from evals.fidelity import score_fidelity, teacher_forced_requests
+from evals.harness import DEFAULT_MAX_TOKENS
+from evals.runner import run_requests
+from evals.tasks import score_tasks, task_requests
 
 ALPHA_HIGH_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
 ALPHA_LOW_GRID = (0.0, 0.02, 0.04, 0.06, 0.08, 0.1)
 
 
-def _point(model, ah, al, prompts, refs, problems, max_tokens) -> dict:
-    r = evaluate_config(model, diffkv_config(ah, al, name=f"calib-ah{ah:g}-al{al:g}"), problems, prompts, refs,
-                        max_tokens)
-    f = r["fidelity"]
-    point = {"alpha_high": ah, "alpha_low": al, "top1_agreement": f["top1_agreement"], "nll": f["nll"],
-             "memory_fraction": f["memory_fraction"], "token_fractions": f["token_fractions"]}
-    if "tasks" in r:
-        point["accuracy"] = {t: v["accuracy"] for t, v in r["tasks"].items()}
-    return point
+def _sweep(model, eng, points: list[tuple[float, float]], prompts, refs, problems, max_tokens, desc) -> list[dict]:
+    """All sweep points in one batch of one engine: each request carries its point's thresholds."""
+    reqs, spans = [], []
+    for ah, al in points:
+        kv = {"alpha_high": ah, "alpha_low": al}
+        fid = teacher_forced_requests(prompts, refs, kv)
+        tasks = task_requests(model, problems, {**DEFAULT_MAX_TOKENS, **(max_tokens or {})}, kv) if problems else []
+        spans.append((len(reqs), len(fid), len(tasks)))
+        reqs += fid + tasks
+    outs = run_requests(eng, reqs, desc)
+    result = []
+    for (ah, al), (start, n_fid, n_tasks) in zip(points, spans):
+        cache = eng.config.cache.model_copy(update={"alpha_high": ah, "alpha_low": al})
+        f = score_fidelity(cache, model.head_dim, refs, outs[start:start + n_fid], desc)
+        point = {"alpha_high": ah, "alpha_low": al, "top1_agreement": f["top1_agreement"], "nll": f["nll"],
+                 "memory_fraction": f["memory_fraction"], "token_fractions": f["token_fractions"]}
+        if n_tasks:
+            t = score_tasks(cache, model.head_dim, problems, outs[start + n_fid:start + n_fid + n_tasks])
+            point["accuracy"] = {k: v["accuracy"] for k, v in t.items()}
+        result.append(point)
+    return result
 
 
 def _pick(points: list[dict], key: str, tolerance: float) -> dict:
@@ -46,13 +59,16 @@ def calibrate(model, prompts, refs, problems=(), max_tokens=None, tolerance: flo
     if not refs:
         raise ValueError("calibrate: needs fp16 reference generations of the calibration prompts")
     t0 = time.perf_counter()
-    stage1 = [_point(model, ah, 0.0, prompts, refs, problems, max_tokens)
-              for ah in tqdm(alpha_high_grid, desc="calibrate alpha_high")]
-    ah = _pick(stage1, "alpha_high", tolerance)["alpha_high"]
-    lows = [al for al in alpha_low_grid if al <= ah]
-    stage2 = [next(p for p in stage1 if p["alpha_high"] == ah)]  # alpha_low = 0 was measured in stage 1
-    stage2 += [_point(model, ah, al, prompts, refs, problems, max_tokens)
-               for al in tqdm([a for a in lows if a > 0], desc="calibrate alpha_low")]
+    prompts, refs, problems = list(prompts), list(refs), list(problems)
+    with model.engine({"kv_mode": "diffkv"}) as eng:  # K8V4 / K4V2; thresholds per request
+        stage1 = _sweep(model, eng, [(ah, 0.0) for ah in alpha_high_grid], prompts, refs, problems, max_tokens,
+                        "calibrate alpha_high")
+        ah = _pick(stage1, "alpha_high", tolerance)["alpha_high"]
+        lows = [al for al in alpha_low_grid if 0 < al <= ah]
+        stage2 = [next(p for p in stage1 if p["alpha_high"] == ah)]  # alpha_low = 0 was measured in stage 1
+        if lows:
+            stage2 += _sweep(model, eng, [(ah, al) for al in lows], prompts, refs, problems, max_tokens,
+                             "calibrate alpha_low")
     chosen = _pick(stage2, "alpha_low", tolerance)
     return {
         "model": model.name, "alpha_high": chosen["alpha_high"], "alpha_low": chosen["alpha_low"],

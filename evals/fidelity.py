@@ -23,12 +23,14 @@ def reference_generations(engine, prompts: list[list[int]], gen_len: int) -> lis
     return [o.token_ids for o in run_requests(engine, [Request(p, sp) for p in prompts], "fp16 reference")]
 
 
-def teacher_forced(engine, cache, head_dim: int, prompts: list[list[int]], refs: list[list[int]],
-                   desc: str, kv_compression: dict | None = None) -> dict:
-    """Per-generation agreement and NLL of one configuration along the reference tokens."""
-    reqs = [Request(p, SamplingParams(temperature=0, max_tokens=len(r), ignore_eos=True, teacher_tokens=r,
+def teacher_forced_requests(prompts: list[list[int]], refs: list[list[int]],
+                            kv_compression: dict | None = None) -> list[Request]:
+    return [Request(p, SamplingParams(temperature=0, max_tokens=len(r), ignore_eos=True, teacher_tokens=r,
                                       logprobs=True), kv_compression) for p, r in zip(prompts, refs)]
-    outs = run_requests(engine, reqs, desc)
+
+
+def score_fidelity(cache, head_dim: int, refs: list[list[int]], outs: list, desc: str) -> dict:
+    """Per-generation agreement and NLL of one configuration along the reference tokens, and its memory."""
     per_gen, hi, lo, pr = [], 0, 0, 0
     for o, r in zip(outs, refs):
         if o.token_ids != r or len(o.teacher_agree) != len(r) or len(o.logprobs) != len(r):

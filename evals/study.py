@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of torch (1 is fastest on a busy host)")
     ap.add_argument("--resume", action="store_true", help="reuse configs/<name>.json already in --out")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline end to end in minutes")
     args = ap.parse_args(argv)
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in SMOKE.items():
             setattr(args, k, v if k != "max_tokens" else {**v, **args.max_tokens})
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     model = EvalModel(args.model, device=args.device, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
@@ -163,27 +166,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_settings:
             print(f"wrote {write_settings(calib)}")
 
-    def run(kvc):
-        path = out / "configs" / f"{kvc.name}.json"
-        if args.resume and path.is_file():
-            return json.loads(path.read_text())
-        r = evaluate_config(model, kvc, problems, fid, refs["fidelity"], max_tokens)
-        _dump(path, r)
-        return r
-
     results = {}
     wanted = set(args.configs) if args.configs else None
-    todo = [c for c in baseline_configs() if c.name == "fp16"] + [diffkv_config(calib["alpha_high"], calib["alpha_low"])]
-    todo += [c for c in baseline_configs() if c.name != "fp16"]
-    for kvc in todo:
-        if wanted is None or kvc.name in wanted or kvc.name == "fp16":
-            results[kvc.name] = run(kvc)
-            print(f"{kvc.name}: {json.dumps(summarize({**results, 'fp16': results['fp16']}, 'fp16')[kvc.name].get('fidelity', {}), default=str)[:300]}")
-    if "diffkv" in results and (wanted is None or "prune_eq" in wanted):
+
+    def run(kvc):
+        # --resume: reuse a recorded result, and keep those of configurations not asked for this time, so
+        # a study split over several commands (--configs subsets) ends with one complete summary.
+        path = out / "configs" / f"{kvc.name}.json"
+        if args.resume and path.is_file():
+            results[kvc.name] = json.loads(path.read_text())
+        elif wanted is None or kvc.name in wanted or kvc.name == "fp16":
+            results[kvc.name] = evaluate_config(model, kvc, problems, fid, refs["fidelity"], max_tokens)
+            _dump(path, results[kvc.name])
+            f = results[kvc.name].get("fidelity")
+            if f:
+                print(f"{kvc.name}: top-1 agreement {f['top1_agreement']:.4f}, NLL {f['nll']:.4f}, "
+                      f"memory {100 * f['memory_fraction']:.1f}% of fp16")
+
+    run(baseline_configs()[0])
+    run(diffkv_config(calib["alpha_high"], calib["alpha_low"]))
+    for kvc in baseline_configs()[1:]:
+        run(kvc)
+    if "diffkv" in results:
         # Equal-budget pruning at DiffKV's own memory: keep the share of 16-bit tokens that costs as much.
         fp16_share = token_bytes(16, 16, model.head_dim) / fp16_token_bytes(model.head_dim)
-        budget = min(1.0, results["diffkv"]["fidelity"]["memory_fraction"] / fp16_share)
-        results["prune_eq"] = run(prune_config(budget, "prune_eq"))
+        run(prune_config(min(1.0, results["diffkv"]["fidelity"]["memory_fraction"] / fp16_share), "prune_eq"))
     rows = summarize(results)
     summary = {
         "model": model.name, "device": str(args.device), "torch": torch.__version__, "host": platform.node(),

@@ -1,0 +1,184 @@
+"""Accuracy harness (evals/): `diffkv eval` smoke run on SmolLM2, answer extraction and scoring, paired
+intervals, memory accounting, problem splits, the baselines as engine configurations, calibration choice,
+per-model settings and the report."""
+import json
+import math
+
+import pytest
+
+from conftest import run_all
+from engine import EngineConfig, SamplingParams
+from engine.model_settings import apply_model_settings, load_model_settings, settings_path
+from evals.calibrate import _pick
+from evals.configs import UNREACHABLE, baseline_configs, diffkv_config, prune_config
+from evals.memory import fp16_token_bytes, memory_fraction, token_bytes
+from evals.problems import SPLITS, TASKS, load_problems
+from evals.stats import paired_diff
+from evals.tasks import extract_answer, is_correct
+
+
+# ---- scoring ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("First 3 + 4 = 7, then 7 * 2 = 14.\nAnswer: 14", "14"),
+    ("so the answer is -1,250.", "-1250"),
+    ("We get \\boxed{42} apples", "42"),
+    ("Answer: 12. Check: 5 + 7 = 12, so 99 is wrong", "12"),
+    ("the total is 3.5 then 7", "7"),
+    ("no digits here", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_is_correct_compares_numbers():
+    assert is_correct("14", "14") and is_correct("14.0", "14") and is_correct("-3", "-3")
+    assert not is_correct("15", "14") and not is_correct(None, "14")
+
+
+def test_paired_diff_interval():
+    a, b = [1, 0, 1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 1, 0]
+    d = paired_diff(a, b)
+    assert d["n"] == 8 and d["mean"] == pytest.approx(1 / 8) and d["ci_low"] < d["mean"] < d["ci_high"]
+    same = paired_diff(a, a)
+    assert same["mean"] == same["ci_low"] == same["ci_high"] == 0
+    with pytest.raises(ValueError):
+        paired_diff([1], [1, 0])
+
+
+# ---- memory ------------------------------------------------------------------------------------------------
+def test_memory_fraction_includes_metadata():
+    D = 64
+    fp16 = memory_fraction(EngineConfig().cache, D, 100, 0, 0)
+    assert fp16 == pytest.approx((4 * D + 8) / (4 * D))  # score + position per token
+    diff = diffkv_config(1.0, 0.02).cache_config()
+    k8v4, k4v2 = token_bytes(8, 4, D), token_bytes(4, 2, D)
+    assert memory_fraction(diff, D, 10, 20, 70) == pytest.approx((10 * k8v4 + 20 * k4v2) / (100 * fp16_token_bytes(D)))
+    assert token_bytes(4, 4, D) < token_bytes(8, 4, D) == token_bytes(4, 8, D) < token_bytes(8, 8, D)
+    with pytest.raises(ValueError):
+        memory_fraction(diff, D, 0, 0, 0)
+
+
+# ---- data ----------------------------------------------------------------------------------------------------
+def test_problem_splits_are_disjoint_and_answered():
+    seen = {}
+    for split in SPLITS:
+        probs = load_problems(split=split)
+        assert probs and all(p.answer and p.question and p.task in TASKS for p in probs)
+        seen[split] = {p.question for p in probs}
+    assert not seen["eval"] & seen["calib"] and not seen["eval"] & seen["fidelity"]
+    assert not seen["calib"] & seen["fidelity"]
+    assert len(load_problems(split="eval", tasks=("gsm_symbolic",))) >= 200
+    assert len(load_problems(split="eval", tasks=("chain_sum",), limit=5)) == 5
+    with pytest.raises(ValueError):
+        load_problems(split="train")
+
+
+# ---- configurations ----------------------------------------------------------------------------------------
+def test_every_configuration_is_a_valid_cache_config():
+    names = [c.name for c in baseline_configs()]
+    assert names == ["fp16", "k8v8", "k4v4", "k8v4", "k4v8", "k4v2", "k2v4", "kivi2", "prune50"]
+    for c in baseline_configs() + [diffkv_config(2.0, 0.04), prune_config(0.27, "prune_eq")]:
+        c.cache_config()
+    with pytest.raises(ValueError):
+        prune_config(0.0, "x")
+
+
+def _usage(engine, prompt, n=24):
+    return run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+
+
+PROMPT = "Write a long and careful explanation of why the sky is blue, with examples. " * 4
+
+
+def test_uniform_through_diffkv_equals_the_uniform_mode(make_engine):
+    """high = low = K8V8 with both alphas 0 keeps every token high: same tokens and pages as kv_mode int8."""
+    a = _usage(make_engine(cache={"kv_mode": "int8"}), PROMPT)
+    b = _usage(make_engine(cache={"kv_mode": "diffkv", "high": "K8V8", "low": "K8V8", "alpha_high": 0.0,
+                                  "alpha_low": 0.0}), PROMPT)
+    assert a.token_ids == b.token_ids
+    assert b.kv_usage["tokens_low"] == b.kv_usage["tokens_pruned"] == 0
+    assert a.kv_usage["pages_used"] == b.kv_usage["pages_used"]
+
+
+def test_kivi_like_keeps_only_the_window_high(make_engine):
+    kivi = next(c for c in baseline_configs() if c.name == "kivi2")
+    assert kivi.cache["alpha_high"] == UNREACHABLE
+    engine = make_engine(cache={**kivi.cache, "window": 16})
+    out = _usage(engine, PROMPT)
+    heads = engine.arch.num_layers * engine.arch.num_kv_heads
+    u = out.kv_usage
+    assert u["tokens_high"] == 16 * heads and u["tokens_pruned"] == 0
+    assert u["tokens_low"] == (u["tokens"] - 16) * heads
+
+
+# ---- calibration choice ------------------------------------------------------------------------------------
+def test_calibration_picks_the_most_compressive_value_within_tolerance():
+    pts = [{"alpha_high": a, "top1_agreement": agr} for a, agr in ((0, .99), (1, .985), (2, .975), (3, .95))]
+    assert _pick(pts, "alpha_high", 0.01)["alpha_high"] == 1
+    assert _pick(pts, "alpha_high", 0.05)["alpha_high"] == 3
+
+
+# ---- per-model settings ------------------------------------------------------------------------------------
+def _settings(tmp_path, name, **values):
+    path = settings_path(name, tmp_path)
+    path.write_text(json.dumps({"model": name, **values}))
+    return path
+
+
+def test_model_settings_fill_only_unset_thresholds(tmp_path):
+    _settings(tmp_path, "Some-Model", alpha_high=3.0, alpha_low=0.04)
+    cfg = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), "Some-Model", tmp_path)
+    assert (cfg.cache.alpha_high, cfg.cache.alpha_low) == (3.0, 0.04)
+    cfg = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv", "alpha_high": 5.0}), "some-model", tmp_path)
+    assert (cfg.cache.alpha_high, cfg.cache.alpha_low) == (5.0, 0.04)
+    for untouched in (EngineConfig(), EngineConfig(cache={"kv_mode": "diffkv", "policy": "budget"})):
+        assert apply_model_settings(untouched, "Some-Model", tmp_path) is untouched
+    assert apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), "Other", tmp_path).cache.alpha_high == 1.0
+    with pytest.raises(ValueError, match="do not fit together"):
+        apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv", "alpha_high": 0.03}), "Some-Model", tmp_path)
+    _settings(tmp_path, "Broken", alpha_high="x", alpha_low=0.0)
+    with pytest.raises(ValueError, match="damaged"):
+        load_model_settings("Broken", tmp_path)
+
+
+def test_engine_uses_the_shipped_settings_of_its_model(make_engine, smollm):
+    settings = load_model_settings(smollm.name)
+    assert settings is not None, f"no calibrated settings shipped for {smollm.name}"
+    engine = make_engine(cache={"kv_mode": "diffkv"})
+    assert (engine.config.cache.alpha_high, engine.config.cache.alpha_low) == (settings["alpha_high"],
+                                                                               settings["alpha_low"])
+    explicit = make_engine(cache={"kv_mode": "diffkv", "alpha_high": 0.5, "alpha_low": 0.0})
+    assert (explicit.config.cache.alpha_high, explicit.config.cache.alpha_low) == (0.5, 0.0)
+
+
+# ---- the command ------------------------------------------------------------------------------------------
+def test_diffkv_eval_smoke(tmp_path):
+    """CI smoke: `diffkv eval` on a handful of problems with SmolLM2; the JSON's fields and ranges."""
+    from service.cli import main
+
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--device", "cpu", "--kv-mode", "diffkv", "--tasks", "chain_sum", "--limit", "3",
+               "--max-tokens", "12", "--fidelity", "2", "--gen-len", "12", "--compare-fp16",
+               "--kv-cache-memory-gb", "0.25", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["model"] == "SmolLM2-135M-Instruct-Q4_1" and r["config"]["kv_mode"] == "diffkv"
+    t = r["tasks"]["chain_sum"]
+    assert t["n"] == 3 and len(t["correct"]) == 3 and 0 <= t["accuracy"] <= 1
+    assert 0 < t["memory_fraction"] < 1 and math.isclose(sum(t["token_fractions"].values()), 1)
+    f = r["fidelity"]
+    assert f["n_generations"] == 2 and f["gen_tokens"] == 12
+    assert 0 <= f["top1_agreement"] <= 1 and f["nll"] >= 0 and f["fp16_nll"] >= 0
+    assert 0 < f["memory_fraction"] < 1 and math.isclose(sum(f["token_fractions"].values()), 1)
+    lo, hi = f["nll_increase_ci"]
+    assert lo <= f["nll_increase"] <= hi
+    p = r["paired_vs_fp16"]["chain_sum"]
+    assert p["n"] == 3 and p["ci95_points"][0] <= p["diff_points"] <= p["ci95_points"][1]
+    assert -100 <= p["diff_points"] <= 100
+
+
+def test_diffkv_eval_rejects_bad_arguments(capsys):
+    from service.cli import main
+
+    assert main(["eval", "--device", "cpu", "--limit", "0"]) == 2
+    assert "--limit" in capsys.readouterr().err
