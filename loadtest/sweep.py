@@ -147,9 +147,14 @@ def summarize(results: list[StreamResult], duration: float, rate: float, burstin
 def server_model(base_url: str) -> str:
     import httpx
 
-    r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        r = httpx.get(url, timeout=30)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"cannot read the served model from {url}: {e!r} (is the server up? or pass --model)") \
+            from None
 
 
 def parse_rates(text: str) -> list[float]:
