@@ -123,9 +123,9 @@ def engine_idle(service) -> dict:
 
 # ---- Grafana: every dashboard series is in a live scrape ---------------------------------------------------------
 def scrapes_during(service, fn):
-    """fn()'s result, and the series (name -> labels) seen in scrapes taken every 0.5 s while it ran. Ray drops a
-    gauge from the export when it has not been set for two report intervals, so some series (the ingress's
-    admission gauges, the compression gauges) are only visible while requests run."""
+    """fn()'s result, and the series (name -> labels) seen in scrapes taken every 0.5 s while it ran (and once
+    after): a series only ever set while requests run still counts as exported. (Ray drops a gauge from its
+    export when it has not been set for two report intervals.)"""
     seen: dict = {}
     stop = threading.Event()
 
