@@ -24,7 +24,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from service.admission import ServiceMeter
 from service.config import ServiceConfig
-from service.metrics import KV_MODE, RANK, REPLICA, Metrics
+from service.metrics import KV_MODE, REPLICA, Metrics
 
 log = logging.getLogger("ray.serve")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 import urllib.request
@@ -69,3 +70,22 @@ def wait_for(pred, timeout: float, interval: float = 0.5, what: str = "condition
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict, float]]:
+    """Prometheus text format -> (series name, labels, value) per sample line."""
+    out = []
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
+            out.append((m["name"], labels, float(m["value"])))
+    return out
+
+
+def values(samples, name, **labels):
+    """Values of the samples of one series whose labels include `labels`."""
+    return [v for n, lab, v in samples if n == name and all(lab.get(k) == val for k, val in labels.items())]

@@ -5,14 +5,13 @@ by then show every metric of service.metrics with non-trivial values."""
 import asyncio
 import json
 import random
-import re
 import threading
 import time
 
 import httpx
 import pytest
 
-from _cluster import deploy, wait_for
+from _cluster import deploy, parse_metrics, values, wait_for
 from service.metrics import PROMETHEUS_PREFIX, SPECS
 
 APP = "overload"
@@ -31,23 +30,6 @@ CONFIG = {
 }
 PROMPTS = ["Describe the ocean.", "List some fruits.", "What is a star?", "Tell me about trains.",
            "Why is the sky blue?", "Name a famous painter.", "How do birds fly?", "What is rain?"]
-
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict, float]]:
-    out = []
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-            out.append((m["name"], labels, float(m["value"])))
-    return out
-
-
-def values(samples, name, **labels):
-    return [v for n, lab, v in samples if n == name and all(lab.get(k) == val for k, val in labels.items())]
-
 
 @pytest.fixture(scope="module")
 def service(cluster):
