@@ -79,10 +79,16 @@ class ServiceConfig(BaseModel):
         return self
 
     def uses_gpu(self) -> bool:
+        """Whether engine replicas (or their workers) get GPUs. For 'auto', whether the Ray cluster has any:
+        build_app may run on a head node without one (KubeRay) while the workers have them."""
         if self.device == "cpu":
             return False
         if self.device.startswith("cuda"):
             return True
+        import ray
+
+        if ray.is_initialized():
+            return ray.cluster_resources().get("GPU", 0) > 0
         import torch
 
         return torch.cuda.is_available()

@@ -151,9 +151,14 @@ class EngineReplica:
                 item = {"text": out.delta_text, "tokens": n - sent, "finish_reason": None,
                         "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n}
                 sent = n
+                if out.finished and out.finish_reason not in ("stop", "length"):
+                    # aborted by the replica itself (shutting down): the client gets a clear error, not a
+                    # truncated answer that looks complete
+                    yield _error(503, f"the engine replica stopped this request ({out.finish_reason}); retry",
+                                 "service_unavailable")
+                    return
                 if out.finished:
-                    reason = out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
-                    item["finish_reason"] = reason
+                    item["finish_reason"] = out.finish_reason
                     pages = (out.kv_usage or {}).get("pages_used")
                     self.meter.finished(pages, ttft, found_free_slot)
                     departed = True
