@@ -229,6 +229,21 @@ class _Stream:
         self.ingress._publish_admission_gauges()
 
 
+class _SSEResponse(StreamingResponse):
+    """An SSE response that closes its request however the response ends, even if the client left before
+    the body started (then the body's own `finally` never runs)."""
+
+    def __init__(self, stream: _Stream, body: AsyncIterator[str]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.close()
+
+
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -316,15 +331,18 @@ class OpenAIIngress:
         """Shared by both endpoints. render(kind, ...) builds the endpoint's response objects."""
         t0 = time.monotonic()
         req = await self._prepare(body, endpoint)
-        stream = _Stream(self, req, endpoint, t0)
+        try:
+            stream = _Stream(self, req, endpoint, t0)
+        except BaseException:
+            self.admission.release()
+            raise
         try:
             first = await stream.first()
         except BaseException:
             await stream.close()
             raise
         if body.stream:
-            return StreamingResponse(stream.sse(first, render, body.include_usage()), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _SSEResponse(stream, stream.sse(first, render, body.include_usage()))
         try:
             text, last = first["text"], first
             async for item in stream.rest():

@@ -157,8 +157,10 @@ def test_poisson_burst_at_several_times_capacity(service):
         used = values(s, PROMETHEUS_PREFIX + "diffkv_kv_pages_used", replica=rid)
         total = values(s, PROMETHEUS_PREFIX + "diffkv_kv_pages_total", replica=rid)
         running = values(s, PROMETHEUS_PREFIX + "diffkv_requests_running", replica=rid)
-        return used and total and sum(used) == 0 and sum(total) > 0 and sum(running) == 0
-    wait_for(pages_free, 30, what="diffkv_kv_pages_used == 0 in the metrics")
+        in_flight = values(s, PROMETHEUS_PREFIX + "diffkv_requests_in_flight")  # admission released them all
+        return (used and total and sum(used) == 0 and sum(total) > 0 and sum(running) == 0
+                and in_flight and sum(in_flight) == 0)
+    wait_for(pages_free, 30, what="diffkv_kv_pages_used == 0 and no request in flight, in the metrics")
     st = service["engine"].stats.remote().result()
     assert st["pages_used"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
 
