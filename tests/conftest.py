@@ -6,7 +6,7 @@ if not os.environ.get("DIFFKV_TEST_DEVICE", "cpu").startswith("cuda"):
 
 import pytest  # noqa: E402
 
-TEST_DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
+from engine_helpers import TEST_DEVICE, assert_all_pages_free  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -15,13 +15,6 @@ def smollm():
     from engine.loader import load_checkpoint
 
     return load_checkpoint(None)
-
-
-def assert_all_pages_free(engine) -> None:
-    """Invariant every test ends with: each page is on the free list exactly once and no slot is held."""
-    assert not engine.has_unfinished_requests(), "requests still queued or running"
-    engine.mm.check_invariants(live_slots=[])
-    assert engine.mm.free_pages() == engine.mm.num_pages
 
 
 @pytest.fixture
@@ -42,15 +35,3 @@ def make_engine(smollm):
     yield make
     for eng in engines:
         assert_all_pages_free(eng)
-
-
-def run_all(engine, prompts, sampling, **kw):
-    """Add every prompt (ids "0", "1", ...), step until all finish, return their final outputs in order."""
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, sampling, **kw)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]

@@ -10,7 +10,7 @@ import pytest
 from engine import InvalidRequestError, SamplingParams
 from engine.async_engine import AsyncLLMEngine
 
-from conftest import run_all
+from engine_helpers import run_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # never meant to finish

@@ -9,7 +9,7 @@ from engine import EngineConfig, InvalidRequestError, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 
-from conftest import TEST_DEVICE, assert_all_pages_free, run_all
+from engine_helpers import TEST_DEVICE, assert_all_pages_free, run_all
 
 PROMPTS = [
     "The history of the printing press begins",

@@ -4,7 +4,7 @@ import torch
 
 from engine import InvalidRequestError, SamplingParams
 
-from conftest import run_all
+from engine_helpers import run_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -174,7 +174,7 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
 
 
 def test_cuda_graph_decode_equals_eager(make_engine):
-    from conftest import TEST_DEVICE
+    from engine_helpers import TEST_DEVICE
 
     if not TEST_DEVICE.startswith("cuda"):
         pytest.skip("CUDA graphs exist on CUDA only")

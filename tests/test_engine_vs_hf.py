@@ -81,7 +81,7 @@ def test_last_position_logits_match(make_engine, prompt_ids, hf_greedy):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_logits_close(make_engine, prompt_ids, hf_greedy, dtype):
-    from conftest import TEST_DEVICE
+    from engine_helpers import TEST_DEVICE
 
     if not TEST_DEVICE.startswith("cuda"):
         pytest.skip("half-precision engine runs on CUDA")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import run_all
+from engine_helpers import run_all
 from engine import EngineConfig, SamplingParams
 from engine.model_settings import apply_model_settings, load_model_settings, settings_path
 from evals.calibrate import _pick

@@ -15,7 +15,7 @@ from engine import EngineConfig, SamplingParams
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 
-from conftest import assert_all_pages_free, run_all
+from engine_helpers import assert_all_pages_free, run_all
 
 ray = pytest.importorskip("ray")
 

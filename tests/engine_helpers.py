@@ -1,0 +1,24 @@
+"""Helpers shared by the engine tests (imported by name: `from engine_helpers import run_all`; a conftest cannot be
+imported reliably once several test folders have one)."""
+import os
+
+TEST_DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
+
+
+def assert_all_pages_free(engine) -> None:
+    """Invariant every test ends with: each page is on the free list exactly once and no slot is held."""
+    assert not engine.has_unfinished_requests(), "requests still queued or running"
+    engine.mm.check_invariants(live_slots=[])
+    assert engine.mm.free_pages() == engine.mm.num_pages
+
+
+def run_all(engine, prompts, sampling, **kw):
+    """Add every prompt (ids "0", "1", ...), step until all finish, return their final outputs in order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sampling, **kw)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
