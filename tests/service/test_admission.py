@@ -277,3 +277,20 @@ def test_engine_deployment_options():
     with pytest.raises(ValueError):
         ServiceConfig(kv_mode="int3")
     assert ServiceConfig(kv_mode="diffkv").cache.kv_mode == "diffkv"
+
+
+def test_serve_builds_the_app_from_typed_args():
+    """What `serve run service.app:build_app kv_mode=diffkv` and a Serve config YAML do with `args`."""
+    import pydantic
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from service.app import build_app
+
+    app = call_user_app_builder_with_args_if_necessary(build_app, {"kv_mode": "diffkv", "num_replicas": 2,
+                                                                   "admission": {"ttft_target_s": 2.0}})
+    assert isinstance(app, Application)
+    with pytest.raises(pydantic.ValidationError, match="ttft_target_s"):
+        call_user_app_builder_with_args_if_necessary(build_app, {"admission": {"ttft_target_s": -1}})
+    with pytest.raises(pydantic.ValidationError, match="num_replica"):
+        call_user_app_builder_with_args_if_necessary(build_app, {"num_replica": 2})  # a typo is an error
