@@ -1,5 +1,6 @@
-"""Admission control and routing, without Ray: the queueing formulas, the estimators, the controller in a
-simulated M/M/c system under Poisson overload, and the KV-headroom ranking."""
+"""The service's pieces without a Ray cluster: the queueing formulas, the estimators, the admission
+controller in a simulated M/M/c system under Poisson overload, the KV-headroom ranking and Serve router,
+the engine deployment's options, and build_app's typed arguments."""
 import math
 import random
 
