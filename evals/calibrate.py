@@ -87,3 +87,23 @@ def write_settings(result: dict, directory: Path = SETTINGS_DIR) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Install a recorded calibration (e.g. a study's calibration.json from a GPU run) as the model's settings."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write engine/model_settings/<model id>.json from a calibration.json")
+    ap.add_argument("calibration", type=Path, help="calibration.json written by evals.study")
+    ap.add_argument("--settings-dir", type=Path, default=SETTINGS_DIR)
+    args = ap.parse_args(argv)
+    result = json.loads(args.calibration.read_text())
+    for k in ("model", "alpha_high", "alpha_low"):
+        if k not in result:
+            raise SystemExit(f"{args.calibration}: not a calibration result (no {k!r})")
+    print(f"wrote {write_settings(result, args.settings_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

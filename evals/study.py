@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-calibrate", action="store_true", help="use the model's settings file instead")
     ap.add_argument("--write-settings", action="store_true", help="write the calibrated alphas to engine/model_settings")
     ap.add_argument("--configs", nargs="+", default=None, help="only these configurations (fp16 always runs)")
+    ap.add_argument("--task-configs", nargs="+", default=None,
+                    help="configurations that also run task accuracy (default: all; fp16 always does)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -176,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume and path.is_file():
             results[kvc.name] = json.loads(path.read_text())
         elif wanted is None or kvc.name in wanted or kvc.name == "fp16":
-            results[kvc.name] = evaluate_config(model, kvc, problems, fid, refs["fidelity"], max_tokens)
+            with_tasks = args.task_configs is None or kvc.name in args.task_configs or kvc.name == "fp16"
+            results[kvc.name] = evaluate_config(model, kvc, problems if with_tasks else (), fid, refs["fidelity"],
+                                                max_tokens)
             _dump(path, results[kvc.name])
             f = results[kvc.name].get("fidelity")
             if f:
