@@ -2,12 +2,14 @@
 evaluation: sweep alpha_high over 0..5 with alpha_low = 0, fix the chosen alpha_high, then sweep alpha_low
 over 0..0.1, and write the result where the engine finds it (engine/model_settings/<model id>.json).
 
-The paper picks the value with the best calibration accuracy. With the few hundred calibration problems a
-small model affords, accuracy cannot separate neighbouring values, so each stage scores a value by its
-teacher-forced top-1 agreement with the fp16 cache over long generations (and records task accuracy when
-problems are given), and picks the most compressive value whose agreement is within `tolerance` of the
-stage's best (larger alphas keep fewer tokens high / low). A stage's points run as one batch of one engine,
-each request with its own thresholds (the engine's per-request kv_compression).
+As in the paper, alpha_high is chosen among 1..5 (alpha_high = 0 keeps every token high: it is measured as
+the uncompressed reference of the sweep, not a candidate) and alpha_low among 0..0.1. The paper picks the
+value with the best calibration accuracy; with the few hundred calibration problems a small model affords,
+accuracy cannot separate neighbouring values, so each value is scored by its teacher-forced top-1 agreement
+with the fp16 cache over long generations (task accuracy is recorded when problems are given), and the
+most compressive value within `tolerance` of the best candidate wins (larger alphas keep fewer tokens high /
+low). A stage's points run as one batch of one engine, each request with its own thresholds (the engine's
+per-request kv_compression); points already measured (`measured`, e.g. from an interrupted run) are reused.
 """
 from __future__ import annotations
 
@@ -54,27 +56,39 @@ def _pick(points: list[dict], key: str, tolerance: float) -> dict:
     return max(ok, key=lambda p: p[key])
 
 
+def measured_points(calibration: dict) -> dict:
+    """(alpha_high, alpha_low) -> point of a recorded calibration result (to resume without re-measuring)."""
+    c = calibration.get("calibration", {})
+    return {(p["alpha_high"], p["alpha_low"]): p for p in c.get("sweep_alpha_high", []) + c.get("sweep_alpha_low", [])}
+
+
 def calibrate(model, prompts, refs, problems=(), max_tokens=None, tolerance: float = 0.01,
-              alpha_high_grid=ALPHA_HIGH_GRID, alpha_low_grid=ALPHA_LOW_GRID) -> dict:
+              alpha_high_grid=ALPHA_HIGH_GRID, alpha_low_grid=ALPHA_LOW_GRID, measured: dict | None = None) -> dict:
     if not refs:
         raise ValueError("calibrate: needs fp16 reference generations of the calibration prompts")
+    if not any(a > 0 for a in alpha_high_grid):
+        raise ValueError("calibrate: alpha_high_grid needs a candidate > 0")
     t0 = time.perf_counter()
     prompts, refs, problems = list(prompts), list(refs), list(problems)
+    measured = dict(measured or {})
+
+    def sweep(eng, points, desc):
+        todo = [pt for pt in points if pt not in measured]
+        if todo:
+            measured.update(zip(todo, _sweep(model, eng, todo, prompts, refs, problems, max_tokens, desc)))
+        return [measured[pt] for pt in points]
+
     with model.engine({"kv_mode": "diffkv"}) as eng:  # K8V4 / K4V2; thresholds per request
-        stage1 = _sweep(model, eng, [(ah, 0.0) for ah in alpha_high_grid], prompts, refs, problems, max_tokens,
-                        "calibrate alpha_high")
-        ah = _pick(stage1, "alpha_high", tolerance)["alpha_high"]
-        lows = [al for al in alpha_low_grid if 0 < al <= ah]
-        stage2 = [next(p for p in stage1 if p["alpha_high"] == ah)]  # alpha_low = 0 was measured in stage 1
-        if lows:
-            stage2 += _sweep(model, eng, [(ah, al) for al in lows], prompts, refs, problems, max_tokens,
-                             "calibrate alpha_low")
+        stage1 = sweep(eng, [(ah, 0.0) for ah in alpha_high_grid], "calibrate alpha_high")
+        ah = _pick([p for p in stage1 if p["alpha_high"] > 0], "alpha_high", tolerance)["alpha_high"]
+        stage2 = sweep(eng, [(ah, al) for al in alpha_low_grid if al <= ah], "calibrate alpha_low")
     chosen = _pick(stage2, "alpha_low", tolerance)
     return {
         "model": model.name, "alpha_high": chosen["alpha_high"], "alpha_low": chosen["alpha_low"],
         "calibration": {
-            "split": "calib", "criterion": f"most compressive value within {tolerance} top-1 agreement of the "
-                                           "stage's best (teacher forcing vs the fp16 cache)",
+            "split": "calib", "criterion": f"alpha_high in 1..5, then alpha_low in 0..0.1: the most compressive "
+                                           f"value within {tolerance} top-1 agreement of the stage's best candidate "
+                                           "(teacher forcing vs the fp16 cache)",
             "tolerance": tolerance, "generations": len(refs), "gen_tokens": len(refs[0]),
             "problems": len(problems), "chosen": chosen, "sweep_alpha_high": stage1, "sweep_alpha_low": stage2,
             "seconds": time.perf_counter() - t0,

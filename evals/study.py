@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from evals.calibrate import calibrate, write_settings
+from evals.calibrate import calibrate, measured_points, write_settings
 from evals.configs import baseline_configs, diffkv_config, prune_config
 from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
 from evals.harness import DEFAULT_MAX_TOKENS, evaluate_config
@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                  "calibration": {"from_settings_file": True, **settings.get("calibration", {})}}
     else:
         cal_path = out / "calibration.json"
-        if args.resume and cal_path.is_file():
-            calib = json.loads(cal_path.read_text())
-        else:
-            calib = calibrate(model, cal, refs["calib"], calib_problems, max_tokens, tolerance=args.tolerance)
-            _dump(cal_path, calib)
+        # --resume re-picks from the recorded sweep points and measures only the missing ones.
+        previous = measured_points(json.loads(cal_path.read_text())) if args.resume and cal_path.is_file() else None
+        calib = calibrate(model, cal, refs["calib"], calib_problems, max_tokens, tolerance=args.tolerance,
+                          measured=previous)
+        _dump(cal_path, calib)
         if args.write_settings:
             print(f"wrote {write_settings(calib)}")
 
