@@ -102,20 +102,11 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args) -> dict:
 
 def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
     """transformers generate, greedy, left-padded static batches, on the checkpoint's weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from engine.loader.hf_reference import hf_llama
 
-    a = ckpt.arch
-    cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                      num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
-                      num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
-                      rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
-                      tie_word_embeddings=a.tie_word_embeddings)
     dev = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    model = LlamaForCausalLM(cfg).eval()
-    model.load_state_dict({k: v.float() for k, v in ckpt.weights.items()}, strict=False)
-    model.tie_weights()
-    model = model.to(dev, dtype)
+    model = hf_llama(ckpt, dtype).to(dev)
     subset = prompts[: args.hf_prompts]
     generated, t0 = 0, time.perf_counter()
     with torch.no_grad():

@@ -22,19 +22,9 @@ LOGIT_ATOL = {torch.float32: 2e-3, torch.float16: 0.15, torch.bfloat16: 0.5}
 
 
 def hf_model(ckpt):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from engine.loader.hf_reference import hf_llama
 
-    a = ckpt.arch
-    cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                      num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
-                      num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
-                      rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
-                      tie_word_embeddings=a.tie_word_embeddings)
-    model = LlamaForCausalLM(cfg).float().eval()
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in ckpt.weights.items()}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model
+    return hf_llama(ckpt)
 
 
 @pytest.fixture(scope="module")
