@@ -112,19 +112,41 @@ def claims_text(claims: dict) -> list[str]:
     return out
 
 
+def study_command(s: dict) -> str:
+    """The evals.study command line that a summary's recorded settings correspond to."""
+    parts = ["python3 -m evals.study"]
+    for key, value in s.items():
+        flag = "--" + key.replace("_", "-")
+        if value in (None, False, [], {}) or key in ("smoke",):
+            continue
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list):
+            parts.append(f"{flag} {' '.join(map(str, value))}")
+        elif isinstance(value, dict):
+            parts.append(f"{flag} '{json.dumps(value)}'")
+        else:
+            parts.append(f"{flag} {value}")
+    return " \\\n    ".join(parts)
+
+
 def model_section(summary: dict) -> list[str]:
     s, rows = summary["settings"], summary["configs"]
     calib = summary["calibration"]
     out = [f"## {summary['model']}", "",
            f"Device: {summary.get('gpu') or summary['device']}; torch {summary['torch']}; study took "
-           f"{summary['seconds'] / 60:.1f} min. Command: `python3 -m evals.study --model {s['model'] or 'embedded'} "
-           f"--device {s['device']} ...` (settings recorded in the summary JSON).", "",
+           f"{summary['seconds'] / 60:.1f} min (of the last command, with --resume). Command:", "",
+           "```bash", study_command(s), "```", "",
            f"DiffKV thresholds: alpha_high = {calib['alpha_high']:g}, alpha_low = {calib['alpha_low']:g}.", "",
            f"### Fidelity vs the fp16 cache ({s['fidelity_n']} generations x {s['gen_len']} tokens, teacher forced)", ""]
     out += fidelity_table(rows) + [""]
     tasks = sorted({t for r in rows.values() for t in r.get("tasks", {})})
     for task in tasks:
         out += [f"### Task accuracy: {task} (greedy, chat template)", ""] + task_table(rows, task) + [""]
+        floor = rows.get("fp16", {}).get("tasks", {}).get(task, {}).get("accuracy", 1.0)
+        if floor < 0.10:
+            out += [f"fp16 itself solves {_pct(floor)} of these problems: at this floor task accuracy cannot "
+                    "separate the configurations; fidelity above is the measure for this model.", ""]
     out += ["### Claims, as measured", ""] + claims_text(summary["claims"]) + [""]
     out += ["### Calibration", ""] + calibration_table(calib) + [""]
     return out
