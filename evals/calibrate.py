@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from engine.model_settings import SETTINGS_DIR, settings_path
@@ -72,16 +73,20 @@ def calibrate(model, prompts, refs, problems=(), max_tokens=None, tolerance: flo
     prompts, refs, problems = list(prompts), list(refs), list(problems)
     measured = dict(measured or {})
 
-    def sweep(eng, points, desc):
-        todo = [pt for pt in points if pt not in measured]
-        if todo:
-            measured.update(zip(todo, _sweep(model, eng, todo, prompts, refs, problems, max_tokens, desc)))
-        return [measured[pt] for pt in points]
+    with ExitStack() as stack:
+        engine = []  # built on first use: a resumed calibration may have nothing left to measure
 
-    with model.engine({"kv_mode": "diffkv"}) as eng:  # K8V4 / K4V2; thresholds per request
-        stage1 = sweep(eng, [(ah, 0.0) for ah in alpha_high_grid], "calibrate alpha_high")
+        def sweep(points, desc):
+            todo = [pt for pt in points if pt not in measured]
+            if todo:
+                if not engine:  # K8V4 / K4V2; thresholds per request
+                    engine.append(stack.enter_context(model.engine({"kv_mode": "diffkv"})))
+                measured.update(zip(todo, _sweep(model, engine[0], todo, prompts, refs, problems, max_tokens, desc)))
+            return [measured[pt] for pt in points]
+
+        stage1 = sweep([(ah, 0.0) for ah in alpha_high_grid], "calibrate alpha_high")
         ah = _pick([p for p in stage1 if p["alpha_high"] > 0], "alpha_high", tolerance)["alpha_high"]
-        stage2 = sweep(eng, [(ah, al) for al in alpha_low_grid if al <= ah], "calibrate alpha_low")
+        stage2 = sweep([(ah, al) for al in alpha_low_grid if al <= ah], "calibrate alpha_low")
     chosen = _pick(stage2, "alpha_low", tolerance)
     return {
         "model": model.name, "alpha_high": chosen["alpha_high"], "alpha_low": chosen["alpha_low"],

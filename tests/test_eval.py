@@ -182,3 +182,23 @@ def test_diffkv_eval_rejects_bad_arguments(capsys):
 
     assert main(["eval", "--device", "cpu", "--limit", "0"]) == 2
     assert "--limit" in capsys.readouterr().err
+
+
+def test_resumed_calibration_reuses_recorded_points(monkeypatch):
+    """Every sweep point already measured: no engine is built and the choice is re-made from the record."""
+    from evals import calibrate as cal
+
+    class NoEngine:
+        name = "M"
+
+        def engine(self, cache):
+            raise AssertionError("nothing left to measure: no engine needed")
+
+    pts = {(float(a), 0.0): {"alpha_high": float(a), "alpha_low": 0.0, "top1_agreement": agr}
+           for a, agr in zip(range(6), (.99, .95, .96, .955, .94, .90))}
+    pts.update({(3.0, al): {"alpha_high": 3.0, "alpha_low": al, "top1_agreement": agr}
+                for al, agr in ((0.02, .953), (0.04, .951), (0.06, .93), (0.08, .92), (0.1, .91))})
+    r = cal.calibrate(NoEngine(), [[1]], [[2]], measured=pts)
+    # alpha_high 0 is only the reference; among 1..5 the best is 0.96, within 0.01: 1, 2, 3 -> 3.
+    assert (r["alpha_high"], r["alpha_low"]) == (3.0, 0.04)
+    assert cal.measured_points(r) == pts
