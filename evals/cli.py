@@ -84,10 +84,11 @@ def cmd_eval(args) -> int:
         prompts = fidelity_prompts(model, load_problems(split="fidelity", limit=args.fidelity))
         with model.engine(fp16.cache) as eng:
             refs = reference_generations(eng, prompts, args.gen_len)
-    if refs or args.compare_fp16:  # fp16's own NLL along its tokens is the base of the NLL increase
-        base = evaluate_config(model, fp16, problems if args.compare_fp16 else (), prompts, refs, max_tokens)
-    result = evaluate_config(model, kvc, problems, prompts, refs, max_tokens) if kvc.name != "fp16" or base is None \
-        else base
+    is_fp16 = kvc.cache == fp16.cache
+    if refs or args.compare_fp16 or is_fp16:  # fp16's own NLL along its tokens is the base of the NLL increase
+        base = evaluate_config(model, fp16, problems if args.compare_fp16 or is_fp16 else (), prompts, refs,
+                               max_tokens)
+    result = base if is_fp16 else evaluate_config(model, kvc, problems, prompts, refs, max_tokens)
     report = {"model": model.name, "device": args.device, "seed": args.seed, "config": result["cache"],
               "config_name": kvc.name, "seconds": result["seconds"]}
     if "tasks" in result:

@@ -202,3 +202,16 @@ def test_resumed_calibration_reuses_recorded_points(monkeypatch):
     # alpha_high 0 is only the reference; among 1..5 the best is 0.96, within 0.01: 1, 2, 3 -> 3.
     assert (r["alpha_high"], r["alpha_low"]) == (3.0, 0.04)
     assert cal.measured_points(r) == pts
+
+
+def test_diffkv_eval_of_fp16_itself(tmp_path):
+    """fp16 against itself: full agreement, no NLL increase, and its task results are reported."""
+    from service.cli import main
+
+    out = tmp_path / "fp16.json"
+    assert main(["eval", "--device", "cpu", "--kv-mode", "fp16", "--tasks", "chain_sum", "--limit", "2",
+                 "--max-tokens", "4", "--fidelity", "1", "--gen-len", "6", "--kv-cache-memory-gb", "0.25",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tasks"]["chain_sum"]["n"] == 2 and r["fidelity"]["top1_agreement"] == 1.0
+    assert r["fidelity"]["nll_increase"] == 0.0 and r["fidelity"]["memory_fraction"] > 1.0  # score + position rows
