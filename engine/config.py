@@ -84,9 +84,9 @@ class EngineConfig(BaseModel):
         if self.distributed_executor == "local" and self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs distributed_executor 'ray' "
                              "or 'auto'; the 'local' executor runs a single rank")
-        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device!r} names one GPU but tensor_parallel_size="
-                             f"{self.tensor_parallel_size}: use 'cuda' or 'auto' (each rank gets its own GPU)")
+        if self.executor_kind == "ray" and self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} names one GPU, but with distributed_executor 'ray' (or "
+                             f"tensor_parallel_size > 1) Ray assigns each rank its GPU: use 'cuda' or 'auto'")
         return self
 
     @property

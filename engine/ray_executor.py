@@ -131,13 +131,14 @@ class RayExecutor(Executor):
 
     # ---- calls to every rank -----------------------------------------------------------------------
     def _gather(self, refs: list, what: str, timeout: Optional[float] = None) -> list[Any]:
-        """Results of one call per rank. The first rank to fail (or a timeout) kills every rank and raises
-        EngineDeadError naming it; results are fetched with one ray.get once all are in."""
+        """Results of one call per rank, taken as each rank finishes. The first rank to fail (or a timeout)
+        kills every rank and raises EngineDeadError naming it, without waiting for ranks blocked on it."""
         import ray
 
         if self._closed:
             raise EngineDeadError("the tensor-parallel workers were released")
         rank_of = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
         pending = list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -148,8 +149,8 @@ class RayExecutor(Executor):
                     late = sorted(rank_of[r] for r in pending)
                     raise EngineDeadError(f"tensor-parallel rank(s) {late} did not answer within {timeout:.0f}s "
                                           f"while {what}")
-                ray.get(ready)  # raises now if this rank died or its call raised
-            return ray.get(list(refs))
+                results[rank_of[ready[0]]] = ray.get(ready[0])  # raises now if this rank died or raised
+            return results
         except ray.exceptions.RayError as e:
             failed = next((rank_of[r] for r in refs if _failed(r)), None)
             kind = "died" if isinstance(e, ray.exceptions.RayActorError) else "failed"
