@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from engine.memory import worst_case_growth, worst_case_pages
 
 
 class DistributedPages:
@@ -53,13 +51,11 @@ class DistributedPages:
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """MemoryManager.pages_for_tokens on the rank with the most heads."""
-        return self._heads * (_cdiv(num_tokens, self._tokens_high) + self._extra)
+        return worst_case_pages(self._heads, self._tokens_high, self._extra, num_tokens)
 
     def pages_to_grow(self, old_len: int, new_len: int) -> int:
         """MemoryManager.pages_to_grow on the rank with the most heads."""
-        if self._two_sided:
-            return self._heads * (new_len - old_len)
-        return self.pages_for_tokens(new_len) - self.pages_for_tokens(old_len)
+        return worst_case_growth(self._heads, self._tokens_high, self._extra, self._two_sided, old_len, new_len)
 
     def pages_held(self, slot: int) -> int:
         return min(h[slot] for h in self._held)

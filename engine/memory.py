@@ -42,6 +42,21 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+def worst_case_pages(heads: int, tokens_high: int, extra_prompt_pages: int, num_tokens: int) -> int:
+    """All-high pages of one sequence of num_tokens tokens over `heads` (layer, KV head) pairs: the page rule
+    the scheduler admits against, on one device or on the busiest tensor-parallel rank."""
+    return heads * (_cdiv(num_tokens, tokens_high) + extra_prompt_pages)
+
+
+def worst_case_growth(heads: int, tokens_high: int, extra_prompt_pages: int, two_sided: bool, old_len: int,
+                      new_len: int) -> int:
+    """Worst-case new pages to grow a sequence from old_len to new_len cached tokens."""
+    if two_sided:
+        return heads * (new_len - old_len)  # any head may fill a page on either side
+    return (worst_case_pages(heads, tokens_high, extra_prompt_pages, new_len)
+            - worst_case_pages(heads, tokens_high, extra_prompt_pages, old_len))
+
+
 class MemoryManager:
     def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device,
                  high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None):
@@ -100,13 +115,12 @@ class MemoryManager:
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Worst case (all high precision) pages of one sequence of num_tokens tokens, all heads."""
-        return self.heads_per_seq * (_cdiv(num_tokens, self.fmt_high.tokens) + self.extra_prompt_pages)
+        return worst_case_pages(self.heads_per_seq, self.fmt_high.tokens, self.extra_prompt_pages, num_tokens)
 
     def pages_to_grow(self, old_len: int, new_len: int) -> int:
         """Worst-case new pages a sequence needs to grow from old_len to new_len cached tokens."""
-        if self.fmt_low is not None:
-            return self.heads_per_seq * (new_len - old_len)  # any head may fill a page on either side
-        return self.pages_for_tokens(new_len) - self.pages_for_tokens(old_len)
+        return worst_case_growth(self.heads_per_seq, self.fmt_high.tokens, self.extra_prompt_pages,
+                                 self.fmt_low is not None, old_len, new_len)
 
     def free_pages(self) -> int:
         """Free pages on the device (one host sync; the scheduler calls it once per step)."""
