@@ -4,6 +4,16 @@ import os
 
 TEST_DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 
+# Short prompts of different lengths (one longer than a page) for batched engine tests.
+PROMPTS = [
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at",
+    "A list of colors: red, green,",
+    "import numpy as np\nx = np.",
+    "Once upon a time in a land far, far away, there lived a king who had three daughters. The youngest",
+]
+
 
 def assert_all_pages_free(engine) -> None:
     """Invariant every test ends with: each page is on the free list exactly once and no slot is held."""

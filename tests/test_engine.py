@@ -4,19 +4,9 @@ import torch
 
 from engine import InvalidRequestError, SamplingParams
 
-from engine_helpers import run_all
+from engine_helpers import PROMPTS, run_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-PROMPTS = [
-    "The quick brown fox",
-    "In 1492, Columbus",
-    "Water boils at",
-    "A list of colors: red, green,",
-    "import numpy as np\nx = np.",
-    "Once upon a time in a land far, far away, there lived a king who had three daughters. The youngest",
-]
 
 
 def test_batch_equals_each_prompt_alone(make_engine):

@@ -15,19 +15,11 @@ from engine import EngineConfig, SamplingParams
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 
-from engine_helpers import assert_all_pages_free, run_all
+from engine_helpers import PROMPTS, assert_all_pages_free, run_all
 
 ray = pytest.importorskip("ray")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-PROMPTS = [
-    "The quick brown fox",
-    "In 1492, Columbus",
-    "Water boils at",
-    "A list of colors: red, green,",
-    "import numpy as np\nx = np.",
-    "Once upon a time in a land far, far away, there lived a king who had three daughters. The youngest",
-]
 # Longer than the DiffKV window (64), so prompt tokens are kept high, low or pruned per head.
 LONG_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
                "combined movable metal type, oil-based inks and a wooden press adapted from wine making. "
