@@ -13,6 +13,9 @@ With mean significance s(t) = score(t) / count(t) and thresholds th_h = alpha_hi
 No-op (0) when c < 0, when c < prompt_len - window (prefill already classified that token) or when no high
 token has position c. Only the plan is produced here; moving rows and pages is the caller's job.
 
+Per-layer budgets (optional `layer_scale`, f32 [L]): layer l compares against alpha * layer_scale[l] / N
+(the product rounded to f32 first, then divided), so each layer keeps its own share of tokens.
+
 Budget policy (baseline, H2O/SnapKV-style static sparsity; `budget` given): every head keeps at most
 B(N) = max(ceil(budget * N), window) tokens, all in the high section, whatever their significance. Each step
 with c >= 0, once the new token would make the head hold more than B(N), the least significant token older
@@ -48,12 +51,12 @@ def _mean(score, pos, n0, N, num_queries):
 
 @triton.jit
 def _plan_kernel(
-    pool_f, pool_i, pt_ptr, lh_ptr, ll_ptr, slots_ptr, n0_ptr, seq_ptr, ah_ptr, al_ptr, out_ptr,
+    pool_f, pool_i, pt_ptr, lh_ptr, ll_ptr, slots_ptr, n0_ptr, seq_ptr, ah_ptr, al_ptr, ls_ptr, out_ptr,
     stride_pts, stride_ptl, stride_pth, stride_hs, stride_hl, stride_hh, stride_ls, stride_ll, stride_lh,
     B, L, H, P, window, num_queries, page_words,
     hi_score, hi_pos, lo_score, lo_pos,  # segment offsets in 4-byte words
     budget,  # budget policy: fraction of tokens a head keeps
-    T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr, BUDGET: tl.constexpr,
+    T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr, BUDGET: tl.constexpr, SCALED: tl.constexpr,
 ):
     b, l, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -61,8 +64,14 @@ def _plan_kernel(
     N = tl.load(seq_ptr + b)
     lh = tl.load(lh_ptr + slot * stride_hs + l * stride_hl + h * stride_hh)
     ll = tl.load(ll_ptr + slot * stride_ls + l * stride_ll + h * stride_lh)
-    th_h = tl.div_rn(tl.load(ah_ptr + b), N.to(tl.float32))
-    th_l = tl.div_rn(tl.load(al_ptr + b), N.to(tl.float32))
+    ah = tl.load(ah_ptr + b)
+    al = tl.load(al_ptr + b)
+    if SCALED:  # per-layer budgets: this layer's multiple of the sequence's alphas
+        s = tl.load(ls_ptr + l)
+        ah = ah * s
+        al = al * s
+    th_h = tl.div_rn(ah, N.to(tl.float32))
+    th_l = tl.div_rn(al, N.to(tl.float32))
     pt_row = pt_ptr + slot * stride_pts + l * stride_ptl + h * stride_pth
     c = N - 1 - window
     if BUDGET:
@@ -154,7 +163,7 @@ def _argmin(vals: torch.Tensor):
 
 
 def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
-                         alpha_high, alpha_low, window, num_queries=64, budget=None):
+                         alpha_high, alpha_low, window, num_queries=64, budget=None, layer_scale=None):
     """Vectorized torch: gather both sections -> [B, L, H, maxlen], then the same decision table."""
     sl = slots.long()
     P = page_table.shape[-1] - 1  # last column is the trash cell
@@ -162,8 +171,11 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     lh, ll = len_high[sl].long(), len_low[sl].long()
     n0 = prompt_len.long().view(-1, 1, 1, 1)
     N = seq_len.long().view(-1, 1, 1, 1)
-    th_h = (alpha_high.float() / seq_len.float()).view(-1, 1, 1)
-    th_l = (alpha_low.float() / seq_len.float()).view(-1, 1, 1)
+    ah, al = alpha_high.float().view(-1, 1), alpha_low.float().view(-1, 1)
+    if layer_scale is not None:
+        ah, al = ah * layer_scale.float().view(1, -1), al * layer_scale.float().view(1, -1)
+    th_h = (ah / seq_len.float().view(-1, 1)).unsqueeze(-1)  # [B, 1 or L, 1]
+    th_l = (al / seq_len.float().view(-1, 1)).unsqueeze(-1)
     c = N - 1 - window
     active = ((c >= 0) & (c >= n0 - window if budget is None else c >= 0)).view(-1, 1, 1)
     dev = page_table.device
@@ -206,7 +218,8 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
 
 
 def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
-                            alpha_high, alpha_low, window, num_queries=64, block=None, budget=None):
+                            alpha_high, alpha_low, window, num_queries=64, block=None, budget=None,
+                            layer_scale=None):
     assert pool.dtype == torch.uint8 and pool.is_contiguous() and fmt_high.page_bytes == fmt_low.page_bytes
     assert page_table.stride(3) == 1
     B = slots.numel()
@@ -216,19 +229,21 @@ def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_l
         block = block or max(16, min(256, next_pow2(P1 * max(fmt_high.tokens, fmt_low.tokens))))
         _plan_kernel[(B, L, H)](
             pool.view(torch.float32), pool.view(torch.int32), page_table, len_high, len_low,
-            slots, prompt_len, seq_len, alpha_high.float().contiguous(), alpha_low.float().contiguous(), out,
+            slots, prompt_len, seq_len, alpha_high.float().contiguous(), alpha_low.float().contiguous(),
+            layer_scale.float().contiguous() if layer_scale is not None else out, out,
             *page_table.stride()[:3], *len_high.stride(), *len_low.stride(),
             B, L, H, P1 - 1, window, num_queries, fmt_high.page_bytes // 4,
             fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low.score_off // 4, fmt_low.pos_off // 4,
             float(budget or 0.0),
-            T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, BUDGET=budget is not None, num_warps=4,
+            T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, BUDGET=budget is not None,
+            SCALED=layer_scale is not None, num_warps=4,
         )
     return dict(zip(FIELDS, out.unbind(0)))
 
 
 def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table, len_high, len_low, slots,
                      prompt_len, seq_len, alpha_high, alpha_low, window: int, num_queries: int = 64,
-                     impl: str = "auto", budget: float | None = None) -> dict[str, torch.Tensor]:
+                     impl: str = "auto", budget: float | None = None, layer_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Algorithm 1 for every (batch entry, layer, KV head); see the module docstring for the outputs.
 
     pool uint8 [num_pages, page_bytes]; page_table int32 [S, L, H, P+1] (high section from column 0 up,
@@ -236,10 +251,15 @@ def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table
     seq_len (N: tokens whose queries were processed) int32 [B]; alpha_high/alpha_low f32 [B].
     Scores in the pages are significance SUMS; they are compared as sum / significance_count.
     budget: None for DiffKV's thresholds; a fraction in (0, 1] for the equal-budget pruning baseline.
+    layer_scale: None, or f32 [L] per-layer multipliers of both alphas (per-layer budgets).
     """
+    if layer_scale is not None and layer_scale.shape != (page_table.shape[1],):
+        raise ValueError(f"layer_scale has shape {tuple(layer_scale.shape)}; expected ({page_table.shape[1]},), "
+                         "one multiplier per layer")
     if use_triton(impl, pool, page_table, len_high, len_low, slots):
         return compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots,
                                        prompt_len, seq_len, alpha_high, alpha_low, window, num_queries,
-                                       budget=budget)
+                                       budget=budget, layer_scale=layer_scale)
     return compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len,
-                                seq_len, alpha_high, alpha_low, window, num_queries, budget=budget)
+                                seq_len, alpha_high, alpha_low, window, num_queries, budget=budget,
+                                layer_scale=layer_scale)

@@ -93,13 +93,16 @@ def _naive(hi, lo, n0, N, ah, al, window, Q):
     return res
 
 
-def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None):
+def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None, layer_scale=None):
     """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu)."""
     i32, f32 = torch.int32, torch.float32
     args = [t.to(DEVICE) for t in (pool, pt, len_hi, len_lo)] + [
         torch.tensor(x, dtype=dt, device=DEVICE) for x, dt in ((slots, i32), (n0, i32), (N, i32), (ah, f32), (al, f32))]
-    ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref")
-    tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block)
+    ls = None if layer_scale is None else torch.tensor(layer_scale, dtype=f32, device=DEVICE)
+    ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref",
+                           layer_scale=ls)
+    tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block,
+                                  layer_scale=ls)
     for f in FIELDS:
         assert ref[f].dtype == torch.int32 and ref[f].shape == tri[f].shape == (len(slots), *pt.shape[1:3]), f
         torch.testing.assert_close(tri[f].cpu(), ref[f].cpu(), atol=TOL["plan"], rtol=0, msg=f)
@@ -213,7 +216,12 @@ def test_victim_by_mean_not_sum():
 
 
 # ---- random sections: Triton == ref == naive ----------------------------------------------------------------
-def _random_case(seed):
+def _f32_product(a, b):
+    """a * b rounded like the kernels (both operands f32, one f32 multiply)."""
+    return float(torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32))
+
+
+def _random_case(seed, layer_scale=None):
     rng = random.Random(seed)
     S, L, H, P = 7, 2, 3, 20
     seqs = [(12, 12), (30, 25), (9, 40), (3, 5), (50, 80), (20, 21)]  # (n0, N): incl. inactive ones
@@ -243,7 +251,8 @@ def _random_case(seed):
                 hi = [(p, sc(p)) for p in hi_pos]
                 lo = [(p, sc(p)) for p in lo_pos]
                 heads[(s, l, h)] = (hi, lo)
-                naive[(b, l, h)] = _naive(hi, lo, n0, N, ah, al, WINDOW, 64)
+                sl = 1.0 if layer_scale is None else layer_scale[l]
+                naive[(b, l, h)] = _naive(hi, lo, n0, N, _f32_product(ah, sl), _f32_product(al, sl), WINDOW, 64)
     pool, pt, lh, ll = _build(heads, S, L, H, P, seed=seed)
     args = (pool, pt, lh, ll, slots, [n for n, _ in seqs], [n for _, n in seqs],
             [a for a, _ in alphas], [a * b for a, b in alphas])
@@ -260,6 +269,26 @@ def test_random_matches_naive(seed, block):
         assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
         actions.add(want["action"])
     assert {0, 1, 2, 3, 4, 5, 7} <= actions  # every reachable branch exercised
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_layer_scale_matches_naive(seed):
+    # Per-layer budgets: layer l decides with alpha * layer_scale[l] (one f32 product), ref == Triton == naive.
+    rng = random.Random(100 + seed)
+    scale = [rng.uniform(0.25, 4.0), rng.uniform(0.25, 4.0)]
+    args, naive = _random_case(seed, scale)
+    got = _run_both(*args, layer_scale=scale)
+    for (b, l, h), want in naive.items():
+        assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
+    unscaled = _run_both(*args)
+    assert any(not torch.equal(got[f], unscaled[f]) for f in FIELDS)  # the scale changed decisions
+
+
+def test_layer_scale_shape_checked():
+    pool, pt, lh, ll = _build({}, S=2, L=3, H=1, P=4)
+    with pytest.raises(ValueError, match="layer_scale"):
+        compression_plan(pool, FMT_HI, FMT_LO, pt, lh, ll, *(torch.zeros(1, dtype=torch.int32) for _ in range(3)),
+                         torch.ones(1), torch.ones(1), WINDOW, layer_scale=torch.ones(2))
 
 
 def test_empty_batch():
