@@ -1,4 +1,10 @@
-"""Causal attention over packed variable-length sequences (prefill), with grouped-query heads."""
+"""Causal attention over packed variable-length sequences (prefill), with grouped-query heads.
+
+Queries and keys may differ in length per sequence (cu_seqlens_k): a prefill whose prompt prefix came from
+the prefix cache computes only its suffix queries, which attend over [cached prefix ; suffix] keys. Queries
+are aligned to the end of their keys: query i of a sequence with q_len queries and k_len keys sits at
+position k_len - q_len + i and sees keys 0..that position.
+"""
 from __future__ import annotations
 
 import math
@@ -14,7 +20,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, cu_k_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     qk_scale, D,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -25,6 +31,9 @@ def _prefill_kernel(
     hk = hq // GROUP
     start = tl.load(cu_ptr + b)
     seqlen = tl.load(cu_ptr + b + 1) - start
+    k_start = tl.load(cu_k_ptr + b)
+    k_len = tl.load(cu_k_ptr + b + 1) - k_start
+    q_off = k_len - seqlen  # position of this sequence's first query (0 unless a cached prefix precedes it)
     m0 = pid_m * BLOCK_M
     if m0 < seqlen:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -34,16 +43,17 @@ def _prefill_kernel(
         qmask = (offs_m[:, None] < seqlen) & dmask
         q = tl.load(q_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_qn + hq * stride_qh + d[None, :],
                     mask=qmask, other=0.0)
+        qpos = q_off + offs_m
         q = q.to(tl.float32) if DOT_FP32 else q.to(k_ptr.dtype.element_ty)
 
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: padded rows never produce NaN
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = tl.minimum(seqlen, m0 + BLOCK_M)
+        hi = tl.minimum(k_len, q_off + m0 + BLOCK_M)
         for n0 in range(0, hi, BLOCK_N):
             kn = n0 + offs_n
-            kvmask = (kn[:, None] < seqlen) & dmask
-            rows = (start + kn)[:, None].to(tl.int64)
+            kvmask = (kn[:, None] < k_len) & dmask
+            rows = (k_start + kn)[:, None].to(tl.int64)
             k = tl.load(k_ptr + rows * stride_kn + hk * stride_kh + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_ptr + rows * stride_vn + hk * stride_vh + d[None, :], mask=kvmask, other=0.0)
             if DOT_FP32:
@@ -51,7 +61,7 @@ def _prefill_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * qk_scale  # scale * log2(e): the softmax then uses exp2
-            causal = (kn[None, :] <= offs_m[:, None]) & (kn[None, :] < seqlen)
+            causal = (kn[None, :] <= qpos[:, None]) & (kn[None, :] < k_len)
             s = tl.where(causal, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
@@ -68,27 +78,29 @@ def _prefill_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=qmask)
 
 
-def prefill_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale):
-    """Per-sequence fp32 attention with a causal mask (materializes L x L; for CPU and tests)."""
+def prefill_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, cu_seqlens_k=None):
+    """Per-sequence fp32 attention with a causal mask (materializes Lq x Lk; for CPU and tests)."""
     N, Hq, D = q.shape
     group = Hq // k.shape[1]
     out = torch.empty_like(q)
     cu = cu_seqlens.tolist()
-    for s, e in zip(cu[:-1], cu[1:]):
+    cuk = cu if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    for s, e, ks_, ke in zip(cu[:-1], cu[1:], cuk[:-1], cuk[1:]):
         if e == s:
             continue
-        qs = q[s:e].float().transpose(0, 1)  # [Hq, L, D]
-        ks = k[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        vs = v[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        qs = q[s:e].float().transpose(0, 1)  # [Hq, Lq, D]
+        ks = k[ks_:ke].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Lk, D]
+        vs = v[ks_:ke].float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (qs @ ks.transpose(1, 2)) * scale
-        L = e - s
-        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        Lq, Lk = e - s, ke - ks_
+        causal = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(Lk - Lq)  # queries end-aligned
         scores = scores.masked_fill(~causal, float("-inf"))
         out[s:e] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
     return out
 
 
-def prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, block_m=None, block_n=None, out=None):
+def prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, block_m=None, block_n=None, out=None,
+                             cu_seqlens_k=None):
     N, Hq, D = q.shape
     Hkv = k.shape[1]
     assert Hq % Hkv == 0 and k.shape == v.shape and k.shape[2] == D
@@ -103,7 +115,7 @@ def prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, block_m=Non
     block_n = block_n or 64
     grid = (triton.cdiv(max_seqlen, block_m), B, Hq)
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens,
+        q, k, v, out, cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         scale * LOG2E, D,
@@ -115,15 +127,17 @@ def prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, block_m=Non
 
 
 def prefill_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None = None, impl: str = "auto",
-                      out: torch.Tensor | None = None):
-    """Causal attention within each packed sequence; q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D] (q's dtype).
+                      out: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None):
+    """Causal attention within each packed sequence; q [N, Hq, D], k/v [Nk, Hkv, D] -> [N, Hq, D] (q's dtype).
 
-    cu_seqlens int32 [B+1] delimits the sequences; query head j reads KV head j // (Hq // Hkv).
-    max_seqlen: host-side max sequence length (sizes the grid). out: optional preallocated result.
+    cu_seqlens int32 [B+1] delimits the sequences' queries; query head j reads KV head j // (Hq // Hkv).
+    cu_seqlens_k: the keys' delimiters when they differ (a cached prefix precedes the queries; each
+    sequence needs at least as many keys as queries); default: the same as the queries'.
+    max_seqlen: host-side max query count of a sequence (sizes the grid). out: optional preallocated result.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(impl, q, k, v, cu_seqlens):
-        return prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, out=out)
-    res = prefill_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale)
+        return prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, out=out, cu_seqlens_k=cu_seqlens_k)
+    res = prefill_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, cu_seqlens_k=cu_seqlens_k)
     return res if out is None else out.copy_(res)

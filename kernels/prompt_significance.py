@@ -8,6 +8,9 @@ the generation-phase attention to the same sums.
 The Triton path never builds an n x n matrix: pass 1 gets each counted query row's log-sum-exp (Q x n work,
 skipped when the caller passes `lse`), pass 2 runs one program per (key block, sequence, KV head) and loops
 over the counted queries, so work per sequence is O(Q * n * group * D).
+
+With a cached prompt prefix only the suffix's queries exist (cu_seqlens_q): queries are aligned to the end
+of their sequence's keys, and the counted ones (the last Q) must all be among them.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def prompt_significance_count(cu_seqlens: torch.Tensor, num_queries: int = 64) -
 
 @triton.jit
 def _lse_kernel(
-    q_ptr, k_ptr, cu_ptr, lse_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_ln,
+    q_ptr, k_ptr, cu_ptr, cu_q_ptr, lse_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_ln,
     qk_scale, D, num_queries,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -54,6 +57,8 @@ def _lse_kernel(
     pid_m, b, hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
+    q_start = tl.load(cu_q_ptr + b)
+    q_base = q_start - (n - (tl.load(cu_q_ptr + b + 1) - q_start))  # packed row of position p: q_base + p
     first = n - tl.minimum(n, num_queries)  # position of the first counted query
     m0 = first + pid_m * BLOCK_M
     if m0 < n:
@@ -61,7 +66,7 @@ def _lse_kernel(
         d = tl.arange(0, BLOCK_D)
         dmask = d[None, :] < D
         rmask = rows < n
-        q = tl.load(q_ptr + (start + rows)[:, None].to(tl.int64) * stride_qn + hq * stride_qh + d[None, :],
+        q = tl.load(q_ptr + (q_base + rows)[:, None].to(tl.int64) * stride_qn + hq * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask, other=0.0)
         q = q.to(tl.float32) if DOT_FP32 else q.to(k_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -79,12 +84,12 @@ def _lse_kernel(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
             m_i = m_new
-        tl.store(lse_ptr + (start + rows).to(tl.int64) * stride_ln + hq, m_i + tl.log2(l_i), mask=rmask)
+        tl.store(lse_ptr + (q_base + rows).to(tl.int64) * stride_ln + hq, m_i + tl.log2(l_i), mask=rmask)
 
 
 @triton.jit
 def _sig_kernel(
-    q_ptr, k_ptr, cu_ptr, lse_ptr, out_ptr,
+    q_ptr, k_ptr, cu_ptr, cu_q_ptr, lse_ptr, out_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_ln, stride_on,
     qk_scale, lse_mult, D, num_queries,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -95,6 +100,8 @@ def _sig_kernel(
     pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
+    q_start = tl.load(cu_q_ptr + b)
+    q_base = q_start - (n - (tl.load(cu_q_ptr + b + 1) - q_start))  # packed row of query position p: q_base + p
     n0 = pid_n * BLOCK_N
     if n0 < n:
         kn = n0 + tl.arange(0, BLOCK_N)
@@ -110,7 +117,7 @@ def _sig_kernel(
         for m0 in range(q_lo, n, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             rmask = rows < n
-            qrow = (start + rows).to(tl.int64)
+            qrow = (q_base + rows).to(tl.int64)
             seen = (kn[None, :] <= rows[:, None]) & kmask[None, :] & rmask[:, None]
             pmax = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for g in range(GROUP):
@@ -128,19 +135,20 @@ def _sig_kernel(
         tl.store(out_ptr + (start + kn).to(tl.int64) * stride_on + hk, acc, mask=kmask)
 
 
-def prompt_significance_ref(q, k, cu_seqlens, scale, num_queries=64, lse=None):
+def prompt_significance_ref(q, k, cu_seqlens, scale, num_queries=64, lse=None, cu_seqlens_q=None):
     """Per-sequence fp32 torch: materializes only the [Hq, Q, n] probabilities of the counted queries."""
-    N, Hq, D = q.shape
+    Hq = q.shape[1]
     Hkv = k.shape[1]
     group = Hq // Hkv
-    out = torch.zeros(N, Hkv, dtype=torch.float32, device=q.device)
+    out = torch.zeros(k.shape[0], Hkv, dtype=torch.float32, device=q.device)
     cu = cu_seqlens.tolist()
-    for s, e in zip(cu[:-1], cu[1:]):
+    q_ends = (cu if cu_seqlens_q is None else cu_seqlens_q.tolist())[1:]
+    for s, e, qe in zip(cu[:-1], cu[1:], q_ends):
         n = e - s
         if n == 0:
             continue
         nq = min(num_queries, n)
-        qs = q[e - nq:e].float().transpose(0, 1)  # [Hq, Q, D]
+        qs = q[qe - nq:qe].float().transpose(0, 1)  # [Hq, Q, D]
         ks = k[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
         logits = (qs @ ks.transpose(1, 2)) * scale
         qpos = torch.arange(n - nq, n, device=q.device)
@@ -149,15 +157,16 @@ def prompt_significance_ref(q, k, cu_seqlens, scale, num_queries=64, lse=None):
         if lse is None:
             probs = logits.softmax(-1)
         else:
-            probs = torch.exp(logits - lse[e - nq:e].float().transpose(0, 1)[..., None])
+            probs = torch.exp(logits - lse[qe - nq:qe].float().transpose(0, 1)[..., None])
         out[s:e] = probs.view(Hkv, group, nq, n).amax(1).sum(1).transpose(0, 1)
     return out
 
 
 def prompt_significance_triton(q, k, cu_seqlens, scale, num_queries=64, lse=None, max_seqlen=None,
-                               block_m=None, block_n=None, out=None):
-    N, Hq, D = q.shape
-    Hkv = k.shape[1]
+                               block_m=None, block_n=None, out=None, cu_seqlens_q=None):
+    Nq, Hq, D = q.shape
+    N, Hkv = k.shape[0], k.shape[1]
+    cu_q = cu_seqlens if cu_seqlens_q is None else cu_seqlens_q
     assert Hq % Hkv == 0 and k.shape[2] == D and q.stride(2) == 1 and k.stride(2) == 1
     out = torch.empty(N, Hkv, dtype=torch.float32, device=q.device) if out is None else out
     assert out.shape == (N, Hkv) and out.dtype == torch.float32 and out.stride(1) == 1
@@ -173,36 +182,38 @@ def prompt_significance_triton(q, k, cu_seqlens, scale, num_queries=64, lse=None
     dot32 = dot_in_fp32(q, k) or q.dtype == torch.float32
     common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, DOT_FP32=dot32, GROUP=Hq // Hkv)
     if lse is None:  # pass 1: log2-domain row lse of the counted queries (other rows stay unwritten)
-        lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
+        lse = torch.empty(Nq, Hq, dtype=torch.float32, device=q.device)
         _lse_kernel[(triton.cdiv(max_q, block_m), B, Hq)](
-            q, k, cu_seqlens, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            q, k, cu_seqlens, cu_q, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
             scale * LOG2E, D, num_queries, **common, num_warps=4)
         lse_mult = 1.0
     else:  # caller's lse is natural-log (as attention kernels report it)
-        assert lse.shape == (N, Hq) and lse.stride(1) == 1
+        assert lse.shape == (Nq, Hq) and lse.stride(1) == 1
         lse_mult = LOG2E
     _sig_kernel[(triton.cdiv(max_seqlen, block_n), B, Hkv)](
-        q, k, cu_seqlens, lse, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+        q, k, cu_seqlens, cu_q, lse, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
         out.stride(0), scale * LOG2E, lse_mult, D, num_queries, **common, num_warps=4)
     return out
 
 
 def prompt_significance(q, k, cu_seqlens, scale: float | None = None, num_queries: int = 64, impl: str = "auto",
                         lse: torch.Tensor | None = None, max_seqlen: int | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
     """Significance SUMS f32 [N, Hkv] of packed causal sequences; divide by `prompt_significance_count`.
 
     q [N, Hq, D], k [N, Hkv, D]; cu_seqlens int32 [B+1]; query head j uses KV head j // (Hq // Hkv).
     lse: optional natural-log log-sum-exp [N, Hq] of the scaled causal logits (only the rows of each
     sequence's last num_queries queries are read); without it a first pass computes them.
     max_seqlen: optional host-side max sequence length (avoids a device sync).
+    cu_seqlens_q: when q holds only each sequence's last queries (a cached prefix precedes them): their
+    delimiters, q [Nq, Hq, D]; each sequence needs at least min(num_queries, n) of them. lse is then [Nq, Hq].
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(impl, q, k, cu_seqlens):
         return prompt_significance_triton(q, k, cu_seqlens, scale, num_queries, lse=lse, max_seqlen=max_seqlen,
-                                          out=out)
-    res = prompt_significance_ref(q, k, cu_seqlens, scale, num_queries, lse=lse)
+                                          out=out, cu_seqlens_q=cu_seqlens_q)
+    res = prompt_significance_ref(q, k, cu_seqlens, scale, num_queries, lse=lse, cu_seqlens_q=cu_seqlens_q)
     return res if out is None else out.copy_(res)
 
 

@@ -74,3 +74,23 @@ def test_prefill_small_blocks_and_odd_head_dim(D):
     assert not out.isnan().any()
     _check(out, _naive(q, k, v, cu, scale), dtype)
     _check(prefill_attention(q, k, v, cu, 40, scale, impl="ref"), out, dtype)
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_prefill_suffix_queries_over_cached_prefix(impl):
+    """Only each sequence's last queries (a cached prefix precedes them, cu_seqlens_k): their rows equal the
+    rows of the whole-sequence attention; small tiles put the query offset inside and across key blocks."""
+    dtype = DTYPES[-1]
+    seqlens, suffix = [40, 17, 5, 33], [3, 17, 1, 20]  # second: no prefix at all
+    q, k, v, cu = _inputs(seqlens, 6, 2, 64, dtype, seed=7)
+    full = prefill_attention(q, k, v, cu, max(seqlens), 0.2, impl="ref")
+    rows = torch.cat([torch.arange(e - n, e) for e, n in zip(cu[1:].tolist(), suffix)]).to(DEVICE)
+    cu_q = torch.tensor([0] + suffix).cumsum(0).to(torch.int32).to(DEVICE)
+    out = torch.full_like(q[rows], float("nan"))
+    if impl == "triton":
+        prefill_attention_triton(q[rows], k, v, cu_q, max(suffix), 0.2, block_m=16, block_n=16, out=out,
+                                 cu_seqlens_k=cu)
+    else:
+        prefill_attention(q[rows], k, v, cu_q, max(suffix), 0.2, impl="ref", out=out, cu_seqlens_k=cu)
+    assert not out.isnan().any()
+    _check(out, full[rows], dtype)

@@ -104,3 +104,19 @@ def test_empty_sequence():
     q, k, cu = _inputs([3, 0, 4], 2, 1, 64, torch.float32, seed=5)
     got = prompt_significance(q, k, cu, num_queries=64, impl="triton")
     _check(got, _naive(q, k, cu, 1 / 8, 64), torch.float32)
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_significance_with_only_suffix_queries(impl):
+    """q holds only each sequence's last queries (cu_seqlens_q; a cached prefix precedes them): the sums
+    equal those computed from the whole sequence's queries."""
+    dtype = DTYPES[-1]
+    seqlens, suffix, Q = [70, 9, 130], [8, 9, 20], 8
+    q, k, cu = _inputs(seqlens, 6, 2, 64, dtype, seed=3)
+    whole = prompt_significance(q, k, cu, 0.15, num_queries=Q, impl="ref")
+    rows = torch.cat([torch.arange(e - n, e) for e, n in zip(cu[1:].tolist(), suffix)]).to(DEVICE)
+    cu_q = torch.tensor([0] + suffix).cumsum(0).to(torch.int32).to(DEVICE)
+    got = prompt_significance(q[rows].contiguous(), k, cu, 0.15, num_queries=Q, impl=impl, max_seqlen=max(seqlens),
+                              cu_seqlens_q=cu_q)
+    _check(got, whole, dtype)
+    _check(whole, _naive(q, k, cu, 0.15, Q), dtype)
