@@ -37,6 +37,11 @@ class CacheConfig(BaseModel):
     # significant) at precision `high` and prunes the rest (H2O/SnapKV-style equal per-head budget).
     policy: Literal["thresholds", "budget"] = Field("thresholds", description="diffkv: alpha thresholds or budget")
     budget: float = Field(0.5, gt=0, le=1, description="policy=budget: fraction of tokens each KV head keeps")
+    # Per-layer budgets (XKV-style; `diffkv calibrate --per-layer` measures them): layer l classifies with
+    # alpha_high * s[l] and alpha_low * s[l], per-request alphas included. Unset: the model's settings file;
+    # None: one global pair of thresholds.
+    layer_alpha_scale: Optional[list[float]] = Field(
+        None, description="policy=thresholds: per-layer multipliers of both alphas (one per layer, > 0)")
 
     @model_validator(mode="after")
     def _check(self) -> "CacheConfig":
@@ -44,7 +49,16 @@ class CacheConfig(BaseModel):
         parse_precision(self.low, "low")
         if self.alpha_low > self.alpha_high:
             raise ValueError(f"alpha_low={self.alpha_low} must not exceed alpha_high={self.alpha_high}")
+        for i, s in enumerate(self.layer_alpha_scale or ()):
+            if not 0 < s < float("inf"):
+                raise ValueError(f"layer_alpha_scale[{i}]={s}: per-layer multipliers must be finite and > 0")
         return self
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """layer_alpha_scale, when given, has one multiplier per layer of the model."""
+        n = len(self.layer_alpha_scale) if self.layer_alpha_scale is not None else num_layers
+        if n != num_layers:
+            raise ValueError(f"layer_alpha_scale has {n} multipliers; the model has {num_layers} layers")
 
     def precisions(self) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
         """(high, low) page precisions of this mode; low is None for single-precision modes."""

@@ -51,6 +51,11 @@ class KVCache:
         high, low = config.precisions()
         self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low)
         self.diffkv = low is not None
+        config.check_num_layers(shape.num_layers)
+        # Per-layer budgets: [L] multipliers of the alphas (None: one global pair of thresholds).
+        scale = config.layer_alpha_scale if self.diffkv and config.policy == "thresholds" else None
+        self.layer_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=device)
+        self.significance_probe = None  # evals/layer_profile.py: called with each layer's prompt significance
         self.num_query_heads = num_query_heads
         self.last_mm_seconds = 0.0
         self._mm_events: Optional[tuple] = None
@@ -70,14 +75,19 @@ class KVCache:
         pos = positions.long().unsqueeze(1)
         count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)
         mean = sig / count
+        if self.significance_probe is not None:
+            self.significance_probe(layer, mean, positions, info)
         i1 = (pos + 1).float()
         if cfg.policy == "budget":  # equal-budget pruning baseline: one precision, top tokens per head
             is_high = budget_keep_mask(mean, positions, info.seq_len_of_token, info.seq_of_token, info.cu_seqlens,
                                        cfg.budget, cfg.window)
             is_low = torch.zeros_like(is_high)
         else:
-            is_high = (pos >= n - cfg.window) | (mean >= info.alpha_high.unsqueeze(1) / i1)
-            is_low = ~is_high & (mean >= info.alpha_low.unsqueeze(1) / i1)
+            ah, al = info.alpha_high.unsqueeze(1), info.alpha_low.unsqueeze(1)
+            if self.layer_scale is not None:
+                ah, al = ah * self.layer_scale[layer], al * self.layer_scale[layer]
+            is_high = (pos >= n - cfg.window) | (mean >= ah / i1)
+            is_low = ~is_high & (mean >= al / i1)
         idx_high, n_high = _segment_index(is_high, info)
         idx_low, n_low = _segment_index(is_low, info)
         mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
@@ -111,7 +121,8 @@ class KVCache:
             plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
                                     slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
                                     num_queries=self.config.significance_queries,
-                                    budget=self.config.budget if self.config.policy == "budget" else None)
+                                    budget=self.config.budget if self.config.policy == "budget" else None,
+                                    layer_scale=self.layer_scale)
             new_high, new_low = plan["new_len_high"], plan["new_len_low"]
             need_low = (new_low > mm.held_low[slots] * mm.fmt_low.tokens).to(torch.int32)
             need_high = (new_high + active > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)

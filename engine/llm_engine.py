@@ -34,6 +34,7 @@ class LLMEngine:
         ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model, with_weights=local)
         check_tensor_parallel(ckpt.arch, config.tensor_parallel_size)
         self.config = config = apply_model_settings(config, ckpt.name)  # calibrated alphas unless set
+        config.cache.check_num_layers(ckpt.arch.num_layers)
         self.arch = ckpt.arch
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name

@@ -2,7 +2,8 @@
 package): the engine uses a model's calibrated alpha_high / alpha_low whenever the user did not set them.
 
 A file `<model id>.json` holds {"model": <checkpoint name>, "alpha_high": .., "alpha_low": .., "calibration":
-{how they were chosen}}; the model id is the loaded checkpoint's name, lower-cased.
+{how they were chosen}}; the model id is the loaded checkpoint's name, lower-cased. `diffkv calibrate
+--per-layer` adds "layer_alpha_scale" (one multiplier of both alphas per layer) and "layer_budget" (how).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine.config import CacheConfig, EngineConfig
 
 SETTINGS_DIR = Path(__file__).parent
 THRESHOLDS = ("alpha_high", "alpha_low")
+LAYER_SCALE = "layer_alpha_scale"
 
 
 def model_id(model_name: str) -> str:
@@ -34,21 +36,29 @@ def load_model_settings(model_name: str, directory: Path = SETTINGS_DIR) -> Opti
         for k in THRESHOLDS:
             if not isinstance(settings[k], (int, float)) or settings[k] < 0:
                 raise ValueError(f"{k} must be a number >= 0")
+        scale = settings.get(LAYER_SCALE)
+        if scale is not None and (not isinstance(scale, list) or not scale or
+                                  not all(isinstance(x, (int, float)) and x > 0 for x in scale)):
+            raise ValueError(f"{LAYER_SCALE} must be a list of numbers > 0")
     except (ValueError, KeyError) as e:
         raise ValueError(f"{path}: damaged model settings ({e}); rerun `diffkv calibrate` or delete it") from e
     return settings
 
 
 def apply_model_settings(config: EngineConfig, model_name: str, directory: Path = SETTINGS_DIR) -> EngineConfig:
-    """The config with the model's calibrated thresholds in place of the defaults the user left unset."""
+    """The config with the model's calibrated thresholds (and per-layer multipliers, if calibrated) in place of
+    the defaults the user left unset."""
     cache = config.cache
     if cache.kv_mode != "diffkv" or cache.policy != "thresholds":
         return config
     unset = [k for k in THRESHOLDS if k not in cache.model_fields_set]
-    settings = load_model_settings(model_name, directory) if unset else None
+    scale_unset = LAYER_SCALE not in cache.model_fields_set
+    settings = load_model_settings(model_name, directory) if unset or scale_unset else None
     if not settings:
         return config
     values = {**cache.model_dump(include=cache.model_fields_set), **{k: float(settings[k]) for k in unset}}
+    if scale_unset and settings.get(LAYER_SCALE) is not None:
+        values[LAYER_SCALE] = [float(x) for x in settings[LAYER_SCALE]]
     try:
         new_cache = CacheConfig(**values)
     except ValueError as e:
