@@ -122,6 +122,9 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=50, help="calibration problems per task")
     p.add_argument("--settings-dir", type=Path, default=None, help="default: the engine's model_settings package")
     p.add_argument("--dry-run", action="store_true", help="print the result, write no settings file")
+    p.add_argument("--per-layer", action="store_true",
+                   help="per-layer budgets (XKV): profile the calibration sequences and add per-layer multipliers "
+                        "of the alphas to the settings file (the alphas are calibrated first if it has none)")
 
 
 def cmd_calibrate(args) -> int:
@@ -139,10 +142,23 @@ def cmd_calibrate(args) -> int:
     with model.engine({"kv_mode": "fp16"}) as eng:
         refs = reference_generations(eng, prompts, args.gen_len)
     problems = load_problems(split="calib", tasks=tuple(args.tasks), limit=args.limit) if args.tasks else []
-    result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
-    print(json.dumps({k: result[k] for k in ("model", "alpha_high", "alpha_low")}))
-    if not args.dry_run:
-        from engine.model_settings import SETTINGS_DIR
+    from engine.model_settings import SETTINGS_DIR, load_model_settings
 
-        print(f"wrote {write_settings(result, args.settings_dir or SETTINGS_DIR)}", file=sys.stderr)
+    settings_dir = args.settings_dir or SETTINGS_DIR
+    result = load_model_settings(model.name, settings_dir) if args.per_layer else None
+    if result is None:
+        result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
+    if args.per_layer:
+        from evals.layer_budget import plan_layer_budgets
+        from evals.layer_profile import profile_significance
+
+        # The sample is what generation attends to: each calibration prompt with its fp16 continuation.
+        prof = profile_significance(model, [p + r for p, r in zip(prompts, refs)])
+        budget = plan_layer_budgets(prof.importance, prof.values, result["alpha_high"])
+        result = {**result, "layer_alpha_scale": budget.scale,
+                  "layer_budget": {**budget.summary(), "split": "calib", "sequences": len(prompts),
+                                   "gen_tokens": args.gen_len, "tokens_outside_window": prof.tokens}}
+    print(json.dumps({k: result[k] for k in ("model", "alpha_high", "alpha_low", "layer_alpha_scale") if k in result}))
+    if not args.dry_run:
+        print(f"wrote {write_settings(result, settings_dir)}", file=sys.stderr)
     return 0
