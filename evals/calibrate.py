@@ -101,6 +101,19 @@ def calibrate(model, prompts, refs, problems=(), max_tokens=None, tolerance: flo
     }
 
 
+def calibrate_layers(model, prompts, refs, alpha_high: float) -> dict:
+    """Per-layer budgets (XKV): multipliers of the alphas from the significance profile of the calibration
+    sequences, each prompt with its fp16 continuation (what generation attends to). Settings-file fields."""
+    from evals.layer_budget import plan_layer_budgets
+    from evals.layer_profile import profile_significance
+
+    prof = profile_significance(model, [list(p) + list(r) for p, r in zip(prompts, refs)])
+    budget = plan_layer_budgets(prof.importance, prof.values, alpha_high)
+    return {"layer_alpha_scale": budget.scale,
+            "layer_budget": {**budget.summary(), "split": "calib", "sequences": len(prompts),
+                             "gen_tokens": len(refs[0]) if refs else 0, "tokens_outside_window": prof.tokens}}
+
+
 def write_settings(result: dict, directory: Path = SETTINGS_DIR) -> Path:
     path = settings_path(result["model"], directory)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -149,15 +149,9 @@ def cmd_calibrate(args) -> int:
     if result is None:
         result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
     if args.per_layer:
-        from evals.layer_budget import plan_layer_budgets
-        from evals.layer_profile import profile_significance
+        from evals.calibrate import calibrate_layers
 
-        # The sample is what generation attends to: each calibration prompt with its fp16 continuation.
-        prof = profile_significance(model, [p + r for p, r in zip(prompts, refs)])
-        budget = plan_layer_budgets(prof.importance, prof.values, result["alpha_high"])
-        result = {**result, "layer_alpha_scale": budget.scale,
-                  "layer_budget": {**budget.summary(), "split": "calib", "sequences": len(prompts),
-                                   "gen_tokens": args.gen_len, "tokens_outside_window": prof.tokens}}
+        result = {**result, **calibrate_layers(model, prompts, refs, result["alpha_high"])}
     print(json.dumps({k: result[k] for k in ("model", "alpha_high", "alpha_low", "layer_alpha_scale") if k in result}))
     if not args.dry_run:
         print(f"wrote {write_settings(result, settings_dir)}", file=sys.stderr)

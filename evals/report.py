@@ -113,9 +113,9 @@ def claims_text(claims: dict) -> list[str]:
     return out
 
 
-def study_command(s: dict) -> str:
-    """The evals.study command line that a summary's recorded settings correspond to."""
-    parts = ["python3 -m evals.study"]
+def study_command(s: dict, module: str = "evals.study") -> str:
+    """The command line (evals.study, or `module`) that a result's recorded settings correspond to."""
+    parts = [f"python3 -m {module}"]
     for key, value in s.items():
         flag = "--" + key.replace("_", "-")
         if value in (None, False, [], {}) or key in ("smoke",):
@@ -131,7 +131,50 @@ def study_command(s: dict) -> str:
     return " \\\n    ".join(parts)
 
 
-def model_section(summary: dict) -> list[str]:
+def _verdict(lo: float, hi: float, better_if_positive: bool) -> str:
+    if lo <= 0 <= hi:
+        return "no significant difference"
+    return "per-layer better" if (lo > 0) == better_if_positive else "per-layer worse"
+
+
+def per_layer_section(r: dict) -> list[str]:
+    """Per-layer budgets (XKV multipliers) vs one global alpha at the same KV memory (evals/layer_study.py)."""
+    s, pl, eq, d = r["settings"], r["per_layer"], r["global_equal_memory"], r["per_layer_minus_global"]
+    b = r["layer_budget"]
+    out = [f"### Per-layer budgets (XKV) vs one global alpha at equal KV memory (alpha_high = {r['alpha_high']:g})", "",
+           f"Multipliers of alpha_high / alpha_low per layer from the prompt-significance profile of {b['sequences']} "
+           f"calibration sequences (`calib`, each prompt plus {b['gen_tokens']} fp16 tokens; "
+           f"{b['tokens_outside_window']} tokens outside the window): the global top-N of the per-head normalized "
+           f"significance (N = what alpha_high = {r['alpha_high']:g} keeps on that sample, "
+           f"{_pct(b['kept_fraction_global_alpha'])} of the (token, layer, head) entries outside the window) gives "
+           "each layer its share, and its threshold on the layer's significance becomes the multiplier. The "
+           "baseline is one global alpha_high whose measured memory on the fidelity set equals the per-layer run's "
+           "(log-interpolated between the grid below, then measured). Command:", "",
+           "```bash", study_command(s, "evals.layer_study"), "```", "",
+           "| configuration | KV memory | top-1 agreement | change vs fp16 [95% CI] | NLL | NLL increase [95% CI] "
+           "| high / low / pruned |", "|---|---|---|---|---|---|---|"]
+    rows = [(f"per-layer, alpha_high = {pl['alpha_high']:g} x multipliers", pl),
+            (f"global alpha_high = {eq['alpha_high']:g} (equal memory)", eq)]
+    rows += [(f"global alpha_high = {g['alpha_high']:g}", g) for g in r["global_grid"]]
+    for label, f in rows:
+        out.append(f"| {label} | {_pct(f['memory_fraction'])} | {f['top1_agreement']:.4f} | "
+                   f"{100 * f['agreement_change']:+.2f} pts {_ci(*f['agreement_change_ci'], 100, '{:+.2f}')} | "
+                   f"{f['nll']:.4f} | {f['nll_increase']:+.4f} {_ci(*f['nll_increase_ci'])} | "
+                   f"{_fractions(f['token_fractions'])} |")
+    n = pl["n_generations"]
+    out += ["", f"Per-layer minus global at equal memory (paired over {n} generations x {pl['gen_tokens']} tokens; "
+            f"memory differs by {100 * d['memory']:+.2f} pts): top-1 agreement {100 * d['agreement']:+.2f} pts "
+            f"{_ci(*d['agreement_ci'], 100, '{:+.2f}')} ({_verdict(*d['agreement_ci'], True)}), NLL "
+            f"{d['nll']:+.4f} {_ci(*d['nll_ci'], 1, '{:+.4f}')} ({_verdict(*d['nll_ci'], False)}).", "",
+            "| layer | " + " | ".join(str(i) for i in range(len(r["layer_alpha_scale"]))) + " |",
+            "|---|" + "---|" * len(r["layer_alpha_scale"]),
+            "| multiplier | " + " | ".join(f"{x:.2f}" for x in r["layer_alpha_scale"]) + " |",
+            "| kept, global alpha | " + " | ".join(str(x) for x in b["kept_global_alpha"]) + " |",
+            "| kept, allocated | " + " | ".join(str(x) for x in b["kept_allocated"]) + " |", ""]
+    return out
+
+
+def model_section(summary: dict, per_layer: list[dict] = ()) -> list[str]:
     s, rows = summary["settings"], summary["configs"]
     calib = summary["calibration"]
     out = [f"## {summary['model']}", "",
@@ -150,6 +193,8 @@ def model_section(summary: dict) -> list[str]:
                     "separate the configurations; fidelity above is the measure for this model.", ""]
     out += ["### Claims, as measured", ""] + claims_text(summary["claims"]) + [""]
     out += ["### Calibration", ""] + calibration_table(calib) + [""]
+    for r in per_layer:  # evals/layer_study.py results, the calibrated operating point first
+        out += per_layer_section(r)
     return out
 
 
@@ -196,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DOC)
     ap.add_argument("--plot", type=Path, default=PLOT)
     args = ap.parse_args(argv)
-    summaries = [json.loads(p.read_text()) for p in sorted(args.results.glob("*/summary.json"))]
+    paths = sorted(args.results.glob("*/summary.json"))
+    summaries = [json.loads(p.read_text()) for p in paths]
+    per_layer = [[json.loads(q.read_text()) for q in sorted(p.parent.glob("per_layer*.json"))] for p in paths]
     lines = ["# Accuracy of the DiffKV cache", "",
              "Generated by `python3 -m evals.report` from the study summaries in `evals/results/` (each made by "
              "`python3 -m evals.study`); do not edit by hand.", "",
@@ -220,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
              "the pruning budget never goes below that window.", ""]
     if PLOT.exists() or summaries:
         lines += [f"![accuracy vs memory]({args.plot.name})", ""]
-    for s in summaries:
-        lines += model_section(s)
+    for s, pl in zip(summaries, per_layer):
+        lines += model_section(s, pl)
     done = {s["model"] for s in summaries}
     for name, cmd in PENDING.items():
         if name not in done:

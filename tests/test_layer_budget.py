@@ -151,3 +151,33 @@ def test_engine_uniform_scale_equals_scaled_alphas(make_engine):
         outs.append([(o.token_ids, o.kv_usage) for o in run_all(eng, prompts, sp)])
     assert outs[0] == outs[1]
     assert [u for _, u in outs[2]] != [u for _, u in outs[1]]
+
+
+def _fid(ah, mem, agree, nll):
+    return {"alpha_high": ah, "alpha_low": 0.0, "n_generations": 2, "gen_tokens": 8, "top1_agreement": agree,
+            "nll": nll, "memory_fraction": mem, "token_fractions": {"high": 0.4, "low": 0.6, "pruned": 0.0},
+            "agreement_change": agree - 1, "agreement_change_ci": [agree - 1.1, agree - 0.9],
+            "nll_increase": nll - 0.4, "nll_increase_ci": [nll - 0.5, nll - 0.3]}
+
+
+def test_equal_memory_alpha_and_report_section():
+    from evals.layer_study import _alpha_at_memory
+    from evals.report import per_layer_section
+
+    grid = [_fid(2.0, 0.34, 0.9, 0.6), _fid(4.0, 0.32, 0.88, 0.62), _fid(8.0, 0.31, 0.86, 0.64)]
+    assert _alpha_at_memory(grid, 0.32) == pytest.approx(4.0)
+    assert 2.0 < _alpha_at_memory(grid, 0.33) < 4.0
+    with pytest.raises(ValueError, match="grid"):
+        _alpha_at_memory(grid, 0.30)
+    r = {"settings": {"device": "cpu", "fidelity_n": 2}, "alpha_high": 4.0, "layer_alpha_scale": [0.5, 2.0],
+         "layer_budget": {"sequences": 2, "gen_tokens": 8, "tokens_outside_window": 100,
+                          "kept_fraction_global_alpha": 0.01, "kept_global_alpha": [3, 1], "kept_allocated": [1, 3]},
+         "per_layer": _fid(4.0, 0.32, 0.9, 0.55), "global_equal_memory": _fid(3.5, 0.32, 0.88, 0.62),
+         "global_grid": grid, "per_layer_minus_global": {"agreement": 0.02, "agreement_ci": [0.01, 0.03],
+                                                         "nll": -0.07, "nll_ci": [-0.1, -0.04], "memory": 0.0}}
+    text = "\n".join(per_layer_section(r))
+    assert "python3 -m evals.layer_study" in text and "--fidelity-n 2" in text
+    assert "| per-layer, alpha_high = 4 x multipliers | 32.0% | 0.9000 |" in text
+    assert "top-1 agreement +2.00 pts [+1.00, +3.00] (per-layer better)" in text
+    assert "NLL -0.0700 [-0.1000, -0.0400] (per-layer better)" in text
+    assert "| multiplier | 0.50 | 2.00 |" in text and "| kept, allocated | 1 | 3 |" in text
