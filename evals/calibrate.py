@@ -18,6 +18,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from engine.config import CacheConfig
 from engine.model_settings import SETTINGS_DIR, settings_path
 from evals.fidelity import score_fidelity, teacher_forced_requests
 from evals.harness import DEFAULT_MAX_TOKENS
@@ -26,6 +27,7 @@ from evals.tasks import score_tasks, task_requests
 
 ALPHA_HIGH_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
 ALPHA_LOW_GRID = (0.0, 0.02, 0.04, 0.06, 0.08, 0.1)
+LOW_OFF_MARGIN = 0.05  # top-1 agreement lost by every alpha_high candidate that turns low precision off
 
 
 def _sweep(model, eng, points: list[tuple[float, float]], prompts, refs, problems, max_tokens, desc) -> list[dict]:
@@ -58,9 +60,14 @@ def _pick(points: list[dict], key: str, tolerance: float) -> dict:
 
 
 def measured_points(calibration: dict) -> dict:
-    """(alpha_high, alpha_low) -> point of a recorded calibration result (to resume without re-measuring)."""
+    """(alpha_high, alpha_low[, low precision if not the default]) -> point of a recorded calibration result (to
+    resume without re-measuring)."""
     c = calibration.get("calibration", {})
-    return {(p["alpha_high"], p["alpha_low"]): p for p in c.get("sweep_alpha_high", []) + c.get("sweep_alpha_low", [])}
+    off = calibration.get("low") if c.get("low_precision_off") else None
+    points = {(p["alpha_high"], p["alpha_low"]): p for p in c.get("sweep_alpha_high", [])}
+    for p in c.get("sweep_alpha_low", []):
+        points[(p["alpha_high"], p["alpha_low"]) + ((off,) if off else ())] = p
+    return points
 
 
 def calibrate(model, prompts, refs, problems=(), max_tokens=None, tolerance: float = 0.01,
@@ -73,32 +80,55 @@ def calibrate(model, prompts, refs, problems=(), max_tokens=None, tolerance: flo
     prompts, refs, problems = list(prompts), list(refs), list(problems)
     measured = dict(measured or {})
 
+    high, default_low = CacheConfig().high, CacheConfig().low
+    low = default_low
     with ExitStack() as stack:
-        engine = []  # built on first use: a resumed calibration may have nothing left to measure
+        engines = {}  # per low precision, built on first use: a resumed calibration may have nothing to measure
 
-        def sweep(points, desc):
-            todo = [pt for pt in points if pt not in measured]
+        def sweep(points, desc, low_precision=default_low):
+            key = (lambda pt: pt) if low_precision == default_low else (lambda pt: (*pt, low_precision))
+            todo = [pt for pt in points if key(pt) not in measured]
             if todo:
-                if not engine:  # K8V4 / K4V2; thresholds per request
-                    engine.append(stack.enter_context(model.engine({"kv_mode": "diffkv"})))
-                measured.update(zip(todo, _sweep(model, engine[0], todo, prompts, refs, problems, max_tokens, desc)))
-            return [measured[pt] for pt in points]
+                if low_precision not in engines:  # thresholds per request, precisions per engine
+                    engines[low_precision] = stack.enter_context(
+                        model.engine({"kv_mode": "diffkv", "high": high, "low": low_precision}))
+                points_done = _sweep(model, engines[low_precision], todo, prompts, refs, problems, max_tokens, desc)
+                measured.update(zip(map(key, todo), points_done))
+            return [measured[key(pt)] for pt in points]
 
         stage1 = sweep([(ah, 0.0) for ah in alpha_high_grid], "calibrate alpha_high")
-        ah = _pick([p for p in stage1 if p["alpha_high"] > 0], "alpha_high", tolerance)["alpha_high"]
-        stage2 = sweep([(ah, al) for al in alpha_low_grid if al <= ah], "calibrate alpha_low")
-    chosen = _pick(stage2, "alpha_low", tolerance)
-    return {
+        candidates = [p for p in stage1 if p["alpha_high"] > 0]
+        all_high = [p for p in stage1 if p["alpha_high"] == 0]
+        low_off = bool(all_high) and (max(p["top1_agreement"] for p in candidates)
+                                      < all_high[0]["top1_agreement"] - LOW_OFF_MARGIN)
+        if low_off:
+            # Every threshold loses far more than the tolerance against keeping all tokens high: the low
+            # precision itself breaks this model (the paper's Qwen2.5-7B, 4-bit keys, §7.2). Turn it off (low =
+            # high: tokens are kept high or pruned) and calibrate the pruning threshold alone; alpha_low = 0
+            # (nothing pruned) is the stage's uncompressed reference, not a candidate, as alpha_high = 0 above.
+            low = high
+            stage2 = sweep([(al, al) for al in alpha_low_grid], "calibrate alpha_low (low precision off)", low)
+            chosen = _pick([p for p in stage2 if p["alpha_low"] > 0], "alpha_low", tolerance)
+        else:
+            ah = _pick(candidates, "alpha_high", tolerance)["alpha_high"]
+            stage2 = sweep([(ah, al) for al in alpha_low_grid if al <= ah], "calibrate alpha_low")
+            chosen = _pick(stage2, "alpha_low", tolerance)
+    result = {
         "model": model.name, "alpha_high": chosen["alpha_high"], "alpha_low": chosen["alpha_low"],
         "calibration": {
             "split": "calib", "criterion": f"alpha_high in 1..5, then alpha_low in 0..0.1: the most compressive "
                                            f"value within {tolerance} top-1 agreement of the stage's best candidate "
-                                           "(teacher forcing vs the fp16 cache)",
+                                           "(teacher forcing vs the fp16 cache); if every alpha_high candidate is "
+                                           f"more than {LOW_OFF_MARGIN} below keeping all tokens high, low "
+                                           "precision is turned off and alpha_low (= alpha_high) only prunes",
             "tolerance": tolerance, "generations": len(refs), "gen_tokens": len(refs[0]),
             "problems": len(problems), "chosen": chosen, "sweep_alpha_high": stage1, "sweep_alpha_low": stage2,
-            "seconds": time.perf_counter() - t0,
+            "low_precision_off": low_off, "seconds": time.perf_counter() - t0,
         },
     }
+    if low_off:
+        result["low"] = low
+    return result
 
 
 def calibrate_layers(model, prompts, refs, alpha_high: float) -> dict:

@@ -35,14 +35,20 @@ def _uniform(name: str, precision: str, family: str = "uniform") -> KVConfig:
                     {"kv_mode": "diffkv", "high": precision, "low": precision, "alpha_high": 0.0, "alpha_low": 0.0})
 
 
-def diffkv_config(alpha_high: float | None, alpha_low: float | None, name: str = "diffkv") -> KVConfig:
-    """DiffKV K8V4/K4V2; None alphas leave the engine's per-model settings in charge."""
+def diffkv_config(alpha_high: float | None, alpha_low: float | None, name: str = "diffkv",
+                  low: str | None = None) -> KVConfig:
+    """DiffKV K8V4/K4V2 (or the calibrated `low` precision); None alphas leave the engine's per-model settings
+    in charge."""
     cache = {"kv_mode": "diffkv"}
+    if low is not None:
+        cache["low"] = low
     if alpha_high is not None:
         cache["alpha_high"] = alpha_high
     if alpha_low is not None:
         cache["alpha_low"] = alpha_low
     label = "DiffKV" if alpha_high is None else f"DiffKV a_h={alpha_high:g} a_l={alpha_low:g}"
+    if low is not None and low != CacheConfig().low:
+        label += f" low={low}"
     return KVConfig(name, label, "diffkv", cache)
 
 

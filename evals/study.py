@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings is None:
             raise SystemExit(f"--no-calibrate: {model.name} has no settings file; run without it to calibrate")
         calib = {"model": model.name, "alpha_high": settings["alpha_high"], "alpha_low": settings["alpha_low"],
+                 "low": settings.get("low"),
                  "calibration": {"from_settings_file": True, **settings.get("calibration", {})}}
     else:
         cal_path = out / "calibration.json"
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"memory {100 * f['memory_fraction']:.1f}% of fp16")
 
     run(baseline_configs()[0])
-    run(diffkv_config(calib["alpha_high"], calib["alpha_low"]))
+    run(diffkv_config(calib["alpha_high"], calib["alpha_low"], low=calib.get("low")))
     for kvc in baseline_configs()[1:]:
         run(kvc)
     if "diffkv" in results:

@@ -204,6 +204,41 @@ def test_resumed_calibration_reuses_recorded_points(monkeypatch):
     assert cal.measured_points(r) == pts
 
 
+def test_calibration_turns_low_precision_off_when_it_breaks_the_model():
+    """Every alpha_high candidate far below all-high (Qwen2.5 with 4-bit keys): low = high, alpha_low prunes."""
+    from evals import calibrate as cal
+
+    class NoEngine:
+        name = "M"
+
+        def engine(self, cache):
+            raise AssertionError("nothing left to measure: no engine needed")
+
+    pts = {(float(a), 0.0): {"alpha_high": float(a), "alpha_low": 0.0, "top1_agreement": agr}
+           for a, agr in zip(range(6), (.99, .75, .76, .77, .78, .77))}
+    pts.update({(al, al, "K8V4"): {"alpha_high": al, "alpha_low": al, "top1_agreement": agr}
+                for al, agr in ((0.0, .99), (0.02, .97), (0.04, .965), (0.06, .95), (0.08, .94), (0.1, .93))})
+    r = cal.calibrate(NoEngine(), [[1]], [[2]], measured=pts)
+    # alpha_low 0 prunes nothing (the reference); best candidate 0.97, within 0.01: 0.02, 0.04 -> 0.04.
+    assert (r["alpha_high"], r["alpha_low"], r["low"]) == (0.04, 0.04, "K8V4")
+    assert r["calibration"]["low_precision_off"] is True
+    assert cal.measured_points(r) == pts
+
+
+def test_settings_file_low_precision_applies_unless_set(tmp_path):
+    from engine.config import EngineConfig
+    from engine.model_settings import apply_model_settings
+
+    (tmp_path / "m.json").write_text(json.dumps({"model": "M", "alpha_high": 0.04, "alpha_low": 0.04, "low": "K8V4"}))
+    c = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), "M", tmp_path).cache
+    assert (c.low, c.alpha_high, c.alpha_low) == ("K8V4", 0.04, 0.04)
+    c = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv", "low": "K4V2"}), "M", tmp_path).cache
+    assert c.low == "K4V2"
+    (tmp_path / "m.json").write_text(json.dumps({"model": "M", "alpha_high": 1, "alpha_low": 0, "low": "K3V2"}))
+    with pytest.raises(ValueError, match="damaged model settings"):
+        apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), "M", tmp_path)
+
+
 def test_diffkv_eval_of_fp16_itself(tmp_path):
     """fp16 against itself: full agreement, no NLL increase, and its task results are reported."""
     from service.cli import main

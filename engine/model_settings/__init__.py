@@ -2,7 +2,9 @@
 package): the engine uses a model's calibrated alpha_high / alpha_low whenever the user did not set them.
 
 A file `<model id>.json` holds {"model": <checkpoint name>, "alpha_high": .., "alpha_low": .., "calibration":
-{how they were chosen}}; the model id is the loaded checkpoint's name, lower-cased. `diffkv calibrate
+{how they were chosen}} and, when calibration had to change it, "low" (the low precision, e.g. "K8V4" =
+the high one: low precision off, tokens are kept high or pruned, for models that 4-bit keys break); the
+model id is the loaded checkpoint's name, lower-cased. `diffkv calibrate
 --per-layer` adds "layer_alpha_scale" (one multiplier of both alphas per layer) and "layer_budget" (how).
 """
 from __future__ import annotations
@@ -11,10 +13,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, parse_precision
 
 SETTINGS_DIR = Path(__file__).parent
 THRESHOLDS = ("alpha_high", "alpha_low")
+PRECISIONS = ("high", "low")  # optional in a settings file; applied with the thresholds they were calibrated for
 LAYER_SCALE = "layer_alpha_scale"
 
 
@@ -36,6 +39,9 @@ def load_model_settings(model_name: str, directory: Path = SETTINGS_DIR) -> Opti
         for k in THRESHOLDS:
             if not isinstance(settings[k], (int, float)) or settings[k] < 0:
                 raise ValueError(f"{k} must be a number >= 0")
+        for k in PRECISIONS:
+            if k in settings:
+                parse_precision(settings[k], k)
         scale = settings.get(LAYER_SCALE)
         if scale is not None and (not isinstance(scale, list) or not scale or
                                   not all(isinstance(x, (int, float)) and x > 0 for x in scale)):
@@ -46,17 +52,19 @@ def load_model_settings(model_name: str, directory: Path = SETTINGS_DIR) -> Opti
 
 
 def apply_model_settings(config: EngineConfig, model_name: str, directory: Path = SETTINGS_DIR) -> EngineConfig:
-    """The config with the model's calibrated thresholds (and per-layer multipliers, if calibrated) in place of
-    the defaults the user left unset."""
+    """The config with the model's calibrated thresholds (and per-layer multipliers and precisions, if the file
+    has them) in place of the defaults the user left unset."""
     cache = config.cache
     if cache.kv_mode != "diffkv" or cache.policy != "thresholds":
         return config
     unset = [k for k in THRESHOLDS if k not in cache.model_fields_set]
     scale_unset = LAYER_SCALE not in cache.model_fields_set
-    settings = load_model_settings(model_name, directory) if unset or scale_unset else None
+    precisions_unset = [k for k in PRECISIONS if k not in cache.model_fields_set]
+    settings = load_model_settings(model_name, directory) if unset or scale_unset or precisions_unset else None
     if not settings:
         return config
     values = {**cache.model_dump(include=cache.model_fields_set), **{k: float(settings[k]) for k in unset}}
+    values.update({k: settings[k] for k in precisions_unset if k in settings})
     if scale_unset and settings.get(LAYER_SCALE) is not None:
         values[LAYER_SCALE] = [float(x) for x in settings[LAYER_SCALE]]
     try:
