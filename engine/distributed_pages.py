@@ -7,6 +7,7 @@ the ranks reported them after the last step, and plans conservatively:
   free_pages()        minimum over ranks
   pages_for_tokens()  the worst case of the rank with the most (layer, KV head) pairs
   pages_held(slot)    minimum over ranks (what preempting it frees on every rank, at least)
+  step_view(slots)    the free pages above and, per slot, the largest rank's bound on its next decode step
 
 Frees are booked here at once (the slot's pages go back to each rank's count) and reach the ranks with
 the next step, before anything else happens there. Slots are handed out here, last freed first reused,
@@ -40,6 +41,7 @@ class DistributedPages:
         self._held = [[0] * S for _ in infos]
         self._high = [[0] * S for _ in infos]
         self._low = [[0] * S for _ in infos]
+        self._growth = [[0] * S for _ in infos]  # MemoryManager.decode_growth per slot, as last reported
         self.mm_seconds = [0.0] * self.world_size
         self._free_slots = list(range(S - 1, -1, -1))  # MemoryManager's order: pop from the end
         self._pending: list[int] = []
@@ -59,6 +61,10 @@ class DistributedPages:
 
     def pages_held(self, slot: int) -> int:
         return min(h[slot] for h in self._held)
+
+    def step_view(self, slots: list[int]) -> tuple[int, list[int]]:
+        """MemoryManager.step_view from the ranks' last reports (no call to them)."""
+        return self.free_pages(), [max(g[slot] for g in self._growth) for slot in slots]
 
     def alloc_slot(self) -> int:
         if not self._free_slots:
@@ -88,12 +94,15 @@ class DistributedPages:
         self._free_slots.append(slot)
 
     def update(self, rank: int, slots: list[int], free_pages: int, held: list[int], high: list[int],
-               low: list[int], mm_seconds: Optional[float] = None) -> None:
-        """A rank's report after it ran a request: its free pages and, per slot of the step, what it holds."""
+               low: list[int], mm_seconds: Optional[float] = None, growth: Optional[list[int]] = None) -> None:
+        """A rank's report after it ran a request: its free pages and, per slot of the step, what it holds
+        (and the bound on its next decode step)."""
         self._free[rank] = free_pages
         h, hi, lo = self._held[rank], self._high[rank], self._low[rank]
         for slot, a, b, c in zip(slots, held, high, low):
             h[slot], hi[slot], lo[slot] = a, b, c
+        for slot, g in zip(slots, growth or ()):
+            self._growth[rank][slot] = g
         if mm_seconds is not None:
             self.mm_seconds[rank] = mm_seconds
 

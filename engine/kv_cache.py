@@ -7,7 +7,9 @@ token lives (DiffKV paper §4-§5). Every mode uses the same pages and kernels:
 Prompt: each layer scores its tokens (attention from the last queries), classifies them (recent window
 and score >= alpha_high / i: high; >= alpha_low / i: low; else pruned) and writes them quantized into the
 all-high reservation (high pages from its left, low pages from its right); after the forward the unused
-pages are recycled in one batched operation. Generation: before each step the token leaving the window
+pages are recycled in one batched operation. With learned admission (SchedulerConfig.admission) nothing is
+reserved: each layer takes exactly its plan's pages, and flags a sequence they do not fit for (the scheduler
+retries it). Generation: before each step the token leaving the window
 is placed by Algorithm 1 (compression_plan), tokens move with move_tokens, each head gets at most one
 new page, and the new token is appended to the high section; the decode kernel returns each token's
 attention, which is added to its score. All of it is batched over (sequence, layer, head) on the device.
@@ -42,6 +44,10 @@ class PrefillInfo:
     alpha_low: torch.Tensor  # f32 [N]
     n_high: torch.Tensor  # int32 [B, L, H], filled layer by layer
     n_low: torch.Tensor
+    # Learned admission: no all-high reservation; each layer takes its pages, and a sequence they do not
+    # fit for is flagged here (bool [B]) instead (MemoryManager.alloc_prompt_layer). None: reserved.
+    overflow: Optional[torch.Tensor] = None
+    max_new_pages: int = 0  # host bound on one head's pages in a layer (alloc_prompt_layer)
 
 
 class KVCache:
@@ -90,17 +96,25 @@ class KVCache:
             is_low = ~is_high & (mean >= al / i1)
         idx_high, n_high = _segment_index(is_high, info)
         idx_low, n_low = _segment_index(is_low, info)
-        mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
-        reserved = mm.held_high[info.token_slots, layer]  # [N, H]: low pages sit at its right end
-        ph, rh = mm.high_targets(info.token_slots, idx_high, layer)
-        pl, rl = mm.low_targets(info.token_slots, idx_low, layer, right_of=reserved)
+        if info.overflow is not None:
+            mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
+            dropped = info.overflow[info.seq_of_token].unsqueeze(1)  # an overflowed sequence's writes go nowhere
+            ph, rh = mm.high_targets(info.token_slots, idx_high.masked_fill(dropped, -1), layer)
+            pl, rl = mm.low_targets(info.token_slots, idx_low.masked_fill(dropped, -1), layer)
+        else:
+            mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
+            reserved = mm.held_high[info.token_slots, layer]  # [N, H]: low pages sit at its right end
+            ph, rh = mm.high_targets(info.token_slots, idx_high, layer)
+            pl, rl = mm.low_targets(info.token_slots, idx_low, layer, right_of=reserved)
         write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, ph, rh, positions, scores=sig)
         write_kv(mm.pool, mm.fmt_low, mm.cache_dtype, k, v, pl, rl, positions, scores=sig)
         info.n_high[:, layer] = n_high
         info.n_low[:, layer] = n_low
 
     def finish_prefill(self, info: Optional[PrefillInfo]) -> None:
-        if self.diffkv:
+        if self.diffkv and info.overflow is not None:
+            self.mm.set_prompt_lengths(info.slots, info.n_high, info.n_low, info.overflow)
+        elif self.diffkv:
             self.mm.finish_prompt(info.slots, info.n_high, info.n_low)
 
     # ---- generation ----------------------------------------------------------------------------------

@@ -144,8 +144,11 @@ class LLMEngine:
         except EngineDeadError as e:
             self._die(str(e))
             raise
+        redo = self.scheduler.settle_prefill(batch) if batch.is_prefill else set()
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(batch.seqs, tokens)):
+            if i in redo:  # its prompt did not fit the pool: queued again, no token from this step
+                continue
             seq.output_token_ids.append(tok)
             if logprobs is not None and seq.params.logprobs:
                 seq.output_logprobs.append(logprobs[i])
@@ -187,6 +190,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.slot is not None:
             seq.kv_usage = self.kv_usage(seq)
+            self.scheduler.observe_finish(seq, seq.kv_usage["pages_used"])
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.monotonic()
         self.scheduler.remove(seq)
         self.requests.pop(seq.request_id, None)
@@ -246,6 +250,7 @@ class LLMEngine:
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "admission": self._admission_stats(),
             "num_generated_tokens": self._num_generated,
             "pages_total": sum(r["pages_total"] for r in ranks),
             "pages_used": used,
@@ -260,6 +265,14 @@ class LLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "ranks": ranks,
         }
+
+    def _admission_stats(self) -> dict[str, Any]:
+        """The admission rule, prefills redone because their pages did not fit, and the learned estimates."""
+        sch = self.scheduler
+        out = {"mode": self.config.scheduler.admission, "overflows": sch.num_overflows}
+        if sch.footprint is not None:
+            out.update(sch.footprint.summary())
+        return out
 
     # ---- health and lifecycle ----------------------------------------------------------------------------
     def is_healthy(self) -> bool:

@@ -127,6 +127,21 @@ class MemoryManager:
         start, end = self.counters.tolist()
         return end - start
 
+    def decode_growth(self, slots: torch.Tensor) -> torch.Tensor:
+        """Most pages each sequence's next decode step can take (int64 [B], on the device): a head needs a
+        page only on a side whose section is full, and at most one (the new token goes high; only a token
+        leaving high can go low)."""
+        full = self.len_high[slots] >= self.held_high[slots] * self.fmt_high.tokens
+        if self.fmt_low is not None:
+            full |= self.len_low[slots] >= self.held_low[slots] * self.fmt_low.tokens
+        return full.sum((1, 2), dtype=torch.int64)
+
+    def step_view(self, slots: list[int]) -> tuple[int, list[int]]:
+        """Free pages and decode_growth of these slots, in one host sync (the scheduler's per-step read)."""
+        s = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        flat = torch.cat([self.decode_growth(s), self.counters[1:] - self.counters[:1]]).tolist()
+        return flat[-1], flat[:-1]
+
     def pages_held(self, slot: int) -> int:
         """Pages one sequence holds on both sides of all its heads (one device read)."""
         return int((self.held_high[slot] + self.held_low[slot]).sum())
@@ -142,15 +157,18 @@ class MemoryManager:
         return len(self._free_slots)
 
     # ---- batched allocation ------------------------------------------------------------------------
-    def grow(self, slots: torch.Tensor, need_high: torch.Tensor, need_low: torch.Tensor, max_new_pages: int) -> None:
+    def grow(self, slots: torch.Tensor, need_high: torch.Tensor, need_low: torch.Tensor, max_new_pages: int,
+             layer: Optional[int] = None) -> None:
         """Give every (slot, layer, head) need_high more pages on its left and need_low on its right.
 
-        slots int [B]; need_* int [B, L, H] >= 0; max_new_pages: host bound on need_high + need_low of any head.
+        slots int [B]; need_* int [B, L, H] >= 0 ([B, H] for one `layer`); max_new_pages: host bound on
+        need_high + need_low of any head.
         """
         if max_new_pages <= 0:
             return
         P = self.max_pages
-        hh, hl = self.held_high[slots], self.held_low[slots]
+        at = slots if layer is None else (slots, layer)
+        hh, hl = self.held_high[at], self.held_low[at]
         need = (need_high + need_low).flatten()
         offsets = torch.cumsum(need, 0) - need  # exclusive prefix sum: each head's range in the list
         j = torch.arange(max_new_pages, device=self.device, dtype=torch.int64)
@@ -161,11 +179,11 @@ class MemoryManager:
         right = P - 1 - hl.flatten().unsqueeze(1).to(torch.int64) - (j - nh)
         cols = torch.where(j < nh, left, right)
         cols = torch.where(valid, cols, torch.full_like(cols, P))  # invalid lanes -> trash column
-        rows = self.page_table[slots].view(-1, P + 1)
+        rows = self.page_table[at].view(-1, P + 1)
         rows.scatter_(1, cols, pages)
-        self.page_table[slots] = rows.view(self.page_table[slots].shape)
-        self.held_high[slots] = hh + need_high.to(torch.int32)
-        self.held_low[slots] = hl + need_low.to(torch.int32)
+        self.page_table[at] = rows.view(*hh.shape, P + 1)
+        self.held_high[at] = hh + need_high.to(torch.int32)
+        self.held_low[at] = hl + need_low.to(torch.int32)
         self.counters[0] += need.sum()
 
     def reserve(self, slots: torch.Tensor, new_lens: torch.Tensor, max_new_pages: int) -> None:
@@ -182,6 +200,32 @@ class MemoryManager:
         extra = torch.zeros_like(self.held_high[slots])
         extra[:, layer] = (h + lo > self.held_high[slots, layer]).to(torch.int32)
         self.grow(slots, extra, torch.zeros_like(extra), 1)
+
+    def alloc_prompt_layer(self, slots: torch.Tensor, layer: int, n_high: torch.Tensor, n_low: torch.Tensor,
+                           overflow: torch.Tensor, max_new_pages: int) -> None:
+        """Learned admission (no all-high reservation): grow each head of this layer to its plan, n_high
+        tokens on the left and n_low on the right ([B, H]), in batch order while the free list lasts.
+
+        A sequence whose pages do not fit (or that overflowed in an earlier layer) gets none and is flagged
+        in overflow (bool [B], updated in place): the device never hands out a page that is not free, and
+        the host learns of it after the forward, in the sync it makes anyway (no per-layer round trip).
+        """
+        at = (slots, layer)
+        need_h = (_cdiv(n_high, self.fmt_high.tokens) - self.held_high[at]).clamp_min(0)
+        need_l = (_cdiv(n_low, self.fmt_low.tokens) - self.held_low[at]).clamp_min(0)
+        per_seq = (need_h + need_l).sum(1, dtype=torch.int64) * (~overflow)
+        fits = ~overflow & (torch.cumsum(per_seq, 0) <= self.counters[1] - self.counters[0])
+        overflow |= ~fits
+        keep = fits.to(torch.int32).unsqueeze(1)
+        self.grow(slots, (need_h * keep).to(torch.int32), (need_l * keep).to(torch.int32), max_new_pages, layer)
+
+    def set_prompt_lengths(self, slots: torch.Tensor, n_high: torch.Tensor, n_low: torch.Tensor,
+                           overflow: torch.Tensor) -> None:
+        """After an alloc_prompt_layer prefill: section lengths of the sequences that fit (an overflowed
+        one keeps length 0 until the scheduler frees it)."""
+        ok = (~overflow).view(-1, 1, 1)
+        self.len_high[slots] = torch.where(ok, n_high.to(torch.int32), self.len_high[slots])
+        self.len_low[slots] = torch.where(ok, n_low.to(torch.int32), self.len_low[slots])
 
     def set_lengths(self, slots: torch.Tensor, lens: torch.Tensor) -> None:
         self.len_high[slots] = lens.view(-1, 1, 1).to(torch.int32).expand(-1, *self.len_high.shape[1:])

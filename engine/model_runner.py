@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -39,6 +40,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Batch:
     is_prefill: bool
     seqs: list[Sequence]
+    # Set by a learned-admission prefill (engine.footprint): indices of sequences whose pages did not fit
+    # (their tokens are placeholders; their pages stay held until the scheduler frees them), and the pages
+    # each sequence kept: on the busiest rank (admission) and summed over ranks (growth stats).
+    overflowed: list[int] = field(default_factory=list)
+    pages_kept: Optional[list[int]] = None
+    pages_total: Optional[list[int]] = None
 
 
 class ModelRunner:
@@ -67,6 +74,8 @@ class ModelRunner:
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
                           pc.num_heads(arch))
         self.mm = self.kv.mm
+        # DiffKV under learned admission: prompts take their pages layer by layer, nothing reserved.
+        self.learned = self.kv.diffkv and config.scheduler.admission == "learned"
         self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
         self.max_model_len = max_model_len
         self.graphs = None
@@ -115,6 +124,28 @@ class ModelRunner:
         seqs = batch.seqs
         logits = self._prefill(seqs) if batch.is_prefill else self._decode(seqs)
         self.last_logits = logits if keep_logits else None
+        if batch.is_prefill and self.learned:
+            self._settle_prefill(batch)
+        if batch.overflowed:  # sample the others only: a seeded generator draws nothing for a prompt redone later
+            lost = set(batch.overflowed)
+            keep = [i for i in range(len(seqs)) if i not in lost]
+            tokens, logprobs = ([], None) if not keep else self._sample(
+                Batch(True, [seqs[i] for i in keep]), logits[keep], sample_tokens)
+            return _scatter(tokens, keep, len(seqs), -1), _scatter(logprobs, keep, len(seqs), 0.0)
+        return self._sample(batch, logits, sample_tokens)
+
+    def _settle_prefill(self, batch: Batch) -> None:
+        """Which prompts overflowed the pool and the pages each kept, in one device read."""
+        info, mm = self.attn.meta.prefill, self.mm
+        held = (mm.held_high[info.slots] + mm.held_low[info.slots]).sum((1, 2), dtype=torch.int64)
+        flat = torch.cat([info.overflow.to(torch.int64), held]).tolist()
+        n = len(batch.seqs)
+        batch.overflowed = [i for i in range(n) if flat[i]]
+        batch.pages_kept = batch.pages_total = flat[n:]
+
+    def _sample(self, batch: Batch, logits: torch.Tensor,
+                sample_tokens: bool) -> tuple[list[int], list[float] | None]:
+        seqs = batch.seqs
         if not sample_tokens:
             for s in seqs:
                 s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
@@ -156,13 +187,18 @@ class ModelRunner:
         input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t = self._to_device(
             [ids, pos, [s.slot for s in seqs], lens, token_slots, cu, seq_of_token, len_of_token])
         positions, slots, lens_t, cu_t = positions.int(), slots.int(), lens_t.int(), cu_t.int()
-        mm.reserve(slots, lens_t, max(-(-n // mm.fmt_high.tokens) for n in lens))
+        max_pages = max(-(-n // mm.fmt_high.tokens) for n in lens)
+        if not self.learned:
+            mm.reserve(slots, lens_t, max_pages)
         info = None
         if self.kv.diffkv:
             B, L, H = len(seqs), mm.shape.num_layers, mm.shape.num_kv_heads
             ah, al = self._alphas(seqs)
             zeros = lambda: torch.zeros(B, L, H, dtype=torch.int32, device=self.device)  # noqa: E731
             info = PrefillInfo(slots, token_slots_t, seq_t, len_t.int(), cu_t, ah[seq_t], al[seq_t], zeros(), zeros())
+            if self.learned:
+                info.overflow = torch.zeros(B, dtype=torch.bool, device=self.device)
+                info.max_new_pages = max_pages + 1  # both sections rounded up: one page over all-high at most
             dst_page = dst_row = None  # each layer's policy decides where its tokens go
         else:
             mm.set_lengths(slots, lens_t)
@@ -191,6 +227,16 @@ class ModelRunner:
         dst_page, dst_row = self.kv.prepare_decode(slots_t, seq_len.int(), prompt_len.int(), ah, al)
         self.attn.meta = StepMetadata(False, positions, dst_page, dst_row, slots_t, max(new_lens))
         return self.model.logits(self.model(input_ids, positions.long(), self.attn))
+
+
+def _scatter(values: Optional[list], at: list[int], n: int, fill) -> Optional[list]:
+    """values[j] placed at index at[j] of a list of n entries, `fill` elsewhere."""
+    if values is None:
+        return None
+    out = [fill] * n
+    for j, i in enumerate(at):
+        out[i] = values[j]
+    return out
 
 
 def _teacher_token(seq: Sequence):

@@ -86,6 +86,7 @@ class RayExecutor(Executor):
         self.devices = [info["gpu"] if info["gpu"] != "cpu" else info["device"] for info in infos]
         self.dtype = infos[0]["dtype"]
         self.mm = DistributedPages(infos, self._check_ranks)
+        self.learned = infos[0]["two_sided"] and config.scheduler.admission == "learned"  # ModelRunner.learned
         log.info("%d tensor-parallel rank(s) on %s; pages per rank %s", n, self.devices, self.mm.pages_total)
 
     # ---- placement ---------------------------------------------------------------------------------
@@ -180,13 +181,21 @@ class RayExecutor(Executor):
         slots = [s.slot for s in seqs]
         for rep in reports:
             self.mm.update(rep.rank, slots, rep.free_pages, rep.held, rep.tokens_high, rep.tokens_low,
-                           rep.mm_seconds)
+                           rep.mm_seconds, rep.growth)
+        if batch.is_prefill and self.learned:
+            # A prompt whose pages did not fit on any rank is redone on all (the scheduler frees its slot).
+            # Rank 0 sampled it if it fit there: a seeded request's generator then drew once for nothing.
+            batch.overflowed = sorted({i for rep in reports for i in rep.overflowed})
+            batch.pages_kept = [max(per) for per in zip(*(rep.held for rep in reports))]
+            batch.pages_total = [sum(per) for per in zip(*(rep.held for rep in reports))]
+        lost = set(batch.overflowed)
         first = reports[0]
-        for seq, agree in zip(seqs, first.teacher_agree):
-            if agree is not None:
+        for i, (seq, agree) in enumerate(zip(seqs, first.teacher_agree)):
+            if agree is not None and i not in lost:
                 seq.teacher_agree.append(agree)
-        for s in seqs:
-            s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
+        for i, s in enumerate(seqs):
+            if i not in lost:
+                s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
         return first.tokens, first.logprobs
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:

@@ -6,6 +6,12 @@ A step is either a prefill batch (newly admitted prompts, prioritized like vLLM)
 page count once per step and plans against each sequence's worst-case growth. With tensor parallelism
 the page pool is a view of every rank's memory manager: free pages are the minimum over ranks, page
 demands the largest rank's, and frees reach every rank (engine.distributed_pages).
+
+Learned admission (SchedulerConfig.admission = "learned", engine.footprint): a prompt is admitted against a
+quantile of what prompts of its length kept so far, and decode steps are planned against each sequence's
+exact bound (a head needs a page only on a side whose section is full), read with the free count. A prefill
+whose pages did not fit is detected on the device; its sequences go back to the head of the queue, the
+first of them marked for the worst-case rule, so it is admitted next, and fits.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from collections import deque
 from typing import Optional, Protocol
 
 from engine.config import SchedulerConfig
+from engine.footprint import FootprintEstimator
 from engine.model_runner import Batch
 from engine.sequence import Sequence, Status
 
@@ -33,6 +40,7 @@ class PagePool(Protocol):
     def pages_for_tokens(self, num_tokens: int) -> int: ...
     def pages_to_grow(self, old_len: int, new_len: int) -> int: ...
     def pages_held(self, slot: int) -> int: ...
+    def step_view(self, slots: list[int]) -> tuple[int, list[int]]: ...
 
 
 class Scheduler:
@@ -42,6 +50,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_overflows = 0  # learned admission: prefills redone because their pages did not fit
+        self.footprint = FootprintEstimator(config) if config.admission == "learned" else None
+        self._growth: Optional[dict[int, int]] = None  # learned: slot -> pages its next decode step may take
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,16 +75,23 @@ class Scheduler:
         seq.num_cached = 0
 
     def _decode_demand(self) -> int:
+        if self._growth is not None:
+            return sum(self._growth[s.slot] for s in self.running)
         return sum(self.mm.pages_to_grow(s.num_cached, s.num_cached + 1) for s in self.running)
 
     def schedule(self) -> tuple[Optional[Batch], list[Sequence]]:
         """The next batch (or None when idle), and sequences that must finish because they cannot grow."""
-        free = self.mm.free_pages()
+        if self.footprint is not None:
+            slots = [s.slot for s in self.running]
+            free, growth = self.mm.step_view(slots)
+            self._growth = dict(zip(slots, growth))
+        else:
+            free = self.mm.free_pages()
         prefill = self._admit(free)
         if prefill:
             return Batch(True, prefill), []
         if not self.running:
-            if self.waiting and self.mm.pages_for_tokens(self.waiting[0].num_tokens + 1) > self.mm.num_pages:
+            if self.waiting and self._prompt_pages(self.waiting[0]) > self.mm.num_pages:
                 return None, [self.waiting.popleft()]  # could never fit, even in an empty pool
             return None, []
         stuck: list[Sequence] = []
@@ -114,7 +132,7 @@ class Scheduler:
             # A prompt longer than the token budget still runs, alone.
             if n > budget and admitted:
                 break
-            need = mm.pages_for_tokens(n + 1)
+            need = self._prompt_pages(seq)
             if need > free:
                 break
             self.waiting.popleft()
@@ -127,3 +145,42 @@ class Scheduler:
                 break
         self.running.extend(admitted)
         return admitted
+
+    def _prompt_pages(self, seq: Sequence) -> int:
+        """Pages to admit a prompt against: its all-high worst case, or the learned estimate plus one
+        decode step's worst case."""
+        n, mm = seq.num_tokens, self.mm
+        worst = mm.pages_for_tokens(n + 1)
+        if self.footprint is None or seq.worst_case_admission:
+            return worst
+        return min(worst, self.footprint.prompt_pages(n, mm.pages_for_tokens(n)) + mm.pages_to_grow(n, n + 1))
+
+    def settle_prefill(self, batch: Batch) -> set[int]:
+        """After a prefill: learn what its prompts kept, and put the ones whose pages did not fit back at the
+        head of the queue (their pages freed, in order); returns their indices in the batch."""
+        lost = set(batch.overflowed)
+        for i, seq in enumerate(batch.seqs):
+            if i in lost or batch.pages_kept is None:
+                continue
+            seq.prefill_pages, seq.prefill_tokens = batch.pages_total[i], seq.num_tokens
+            if self.footprint is not None:
+                self.footprint.observe_prompt(seq.num_tokens, batch.pages_kept[i],
+                                              self.mm.pages_for_tokens(seq.num_tokens))
+        for i in sorted(lost, reverse=True):
+            seq = batch.seqs[i]
+            self.running.remove(seq)
+            self._release(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+            self.num_overflows += 1
+            log.debug("%s overflowed the page pool in its prefill (redone)", seq.request_id)
+        if lost:
+            # Only the first one surely took more than estimated (the others may have lost to its pages):
+            # the worst case makes it fit next time, and it is first in line.
+            batch.seqs[min(lost)].worst_case_admission = True
+        return lost
+
+    def observe_finish(self, seq: Sequence, pages_now: int) -> None:
+        """A sequence finishes holding pages_now pages (summed over ranks): learn its generation growth."""
+        if self.footprint is not None and seq.prefill_pages is not None:
+            self.footprint.observe_growth(seq.num_cached - seq.prefill_tokens, pages_now - seq.prefill_pages)

@@ -41,6 +41,10 @@ class Sequence:
     teacher_agree: list[bool] = field(default_factory=list)  # teacher forcing: greedy choice == forced token
     alpha_high: Optional[float] = None  # per-request DiffKV thresholds (None: the engine's)
     alpha_low: Optional[float] = None
+    # Learned admission (engine.footprint): after its prompt overflowed the pool once, admit it all-high.
+    worst_case_admission: bool = False
+    prefill_pages: Optional[int] = None  # pages its last prefill kept, summed over ranks (growth stats)
+    prefill_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -73,6 +73,8 @@ class StepReport:
     tokens_high: list[int]
     tokens_low: list[int]
     mm_seconds: float
+    growth: list[int] = field(default_factory=list)  # per sequence: pages its next decode step may take here
+    overflowed: list[int] = field(default_factory=list)  # learned-admission prefill: indices that did not fit
     tokens: Optional[list[int]] = None  # rank 0 only
     logprobs: Optional[list[float]] = None
     teacher_agree: Optional[list[Optional[bool]]] = None  # rank 0: per sequence, None if not teacher-forced
@@ -148,8 +150,10 @@ class Worker:
                 seqs.append(s)
         sampler = self.rank == 0
         agree_before = [len(s.teacher_agree) for s in seqs]
-        tokens, logprobs = self.runner.execute(Batch(req.is_prefill, seqs), sample_tokens=sampler)
+        batch = Batch(req.is_prefill, seqs)
+        tokens, logprobs = self.runner.execute(batch, sample_tokens=sampler)
         report = self._report([s.slot for s in seqs])
+        report.overflowed = batch.overflowed
         if sampler:
             report.tokens, report.logprobs = tokens, logprobs
             report.teacher_agree = [s.teacher_agree[-1] if len(s.teacher_agree) > n else None
@@ -219,6 +223,7 @@ class Worker:
         held = (mm.held_high[s] + mm.held_low[s]).sum((1, 2), dtype=torch.int64)
         free = (mm.counters[1:] - mm.counters[:1]).to(torch.int64)  # same as mm.free_pages(), in the same read
         flat = torch.cat([held, mm.len_high[s].sum((1, 2), dtype=torch.int64),
-                          mm.len_low[s].sum((1, 2), dtype=torch.int64), free]).tolist()  # one device read
-        n = len(slots)
-        return StepReport(self.rank, flat[-1], flat[:n], flat[n:2 * n], flat[2 * n:3 * n], self.runner.kv.mm_seconds())
+                          mm.len_low[s].sum((1, 2), dtype=torch.int64), mm.decode_growth(s), free]).tolist()
+        n = len(slots)  # one device read
+        return StepReport(self.rank, flat[-1], flat[:n], flat[n:2 * n], flat[2 * n:3 * n], self.runner.kv.mm_seconds(),
+                          growth=flat[3 * n:4 * n])
