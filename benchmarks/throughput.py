@@ -6,9 +6,11 @@ every `--modes` entry in one run, each with the same `--kv-memory-gb` page pool,
 fewer bytes keeps more sequences running. Reported per mode: generated tokens/s, mean and max running batch,
 compression ratio (fp16 bytes / bytes held, averaged over steps), preemptions, steps; beside them Hugging Face
 transformers' `generate` on the same weights and prompts (static batches of --hf-batch, what a user without a
-server would run), unless --no-hf.
+server would run), unless --no-hf. `--admission worst_case learned` runs diffkv once per prompt admission rule
+(SchedulerConfig.admission), same prompts and pool, and adds the prefills redone after an estimate was too small.
 
 Usage (GPU):  python benchmarks/throughput.py --num-prompts 96 --max-tokens 4096 --kv-memory-gb 2
+Admission:    python benchmarks/throughput.py --modes diffkv --admission worst_case learned --no-hf
 Smoke (CPU):  python benchmarks/throughput.py --smoke
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.config import SchedulerConfig  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
@@ -53,15 +56,19 @@ def load_prompts(ckpt, n: int, source: str, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def run_mode(ckpt, mode: str, prompts: list[list[int]], args) -> dict:
+def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) -> dict:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                        cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb},
                        scheduler={"max_num_seqs": args.max_num_seqs,
-                                  "max_num_batched_tokens": args.max_num_batched_tokens})
+                                  "max_num_batched_tokens": args.max_num_batched_tokens, "admission": admission})
     engine = LLMEngine(cfg, checkpoint=ckpt)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.natural_stop)
-    # Warm-up (kernels compiled, graphs captured) outside the timed region.
-    engine.add_request("warmup", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # Warm-up outside the timed region: one batch of the prompts, two tokens each, so Triton compiles its
+    # variants for these shapes here (not inside the first mode's timing) and learned admission starts with
+    # samples, as in a running server.
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i, ids in enumerate(prompts[: args.max_num_seqs]):
+        engine.add_request(f"warmup{i}", ids, warm)
     while engine.has_unfinished_requests():
         engine.step()
     for i, ids in enumerate(prompts):
@@ -71,7 +78,7 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args) -> dict:
 
     total = len(prompts) * args.max_tokens
     t0 = time.perf_counter()
-    with tqdm(total=total, desc=f"{mode:>6}", unit="tok", disable=args.quiet) as bar:
+    with tqdm(total=total, desc=f"{_label(mode, admission, args):>6}", unit="tok", disable=args.quiet) as bar:
         while engine.has_unfinished_requests():
             outs = engine.step()
             steps += 1
@@ -87,7 +94,9 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args) -> dict:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     st = engine.stats()
-    res = {"mode": mode, "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
+    adm = st["admission"]
+    res = {"mode": _label(mode, admission, args), "kv_mode": mode, "admission": admission,
+           "overflows": adm["overflows"], "prompt_ratio": adm.get("prompt_ratio"), "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
            "mean_batch": statistics.mean(batches) if batches else None, "max_batch": max(batches, default=None),
            "compression_ratio": statistics.mean(ratios) if ratios else None,
            "preemptions": st["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
@@ -98,6 +107,16 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res
+
+
+def _label(mode: str, admission: str, args) -> str:
+    """A row's name: the KV mode, with the admission rule when several are compared."""
+    return f"{mode}/{admission}" if mode == "diffkv" and len(args.admission) > 1 else mode
+
+
+def _admissions(mode: str, args) -> list[str]:
+    """Admission rules to run a mode under: only diffkv's footprint is unknown before its prefill."""
+    return args.admission if mode == "diffkv" else args.admission[:1]
 
 
 def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
@@ -139,6 +158,8 @@ def parse_args(argv):
     ap.add_argument("--prompts", default="gsm_symbolic", choices=("gsm_symbolic", "synthetic"))
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--natural-stop", action="store_true", help="stop at EOS instead of ignore_eos")
+    ap.add_argument("--admission", nargs="+", choices=("worst_case", "learned"),
+                    default=[SchedulerConfig().admission], help="diffkv prompt admission rule(s), one row each")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="page pool size, the same for every mode")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -159,6 +180,7 @@ def parse_args(argv):
         args.device, args.prompts = "cpu", "synthetic"
         args.num_prompts, args.max_tokens, args.kv_memory_gb = 4, 16, 0.001
         args.modes = [m for m in args.modes if m in ("fp16", "diffkv")]
+        args.admission = ["worst_case", "learned"]
         args.hf_prompts, args.hf_batch, args.stats_every = 2, 2, 1
     return args
 
@@ -175,20 +197,20 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu")
     print(f"{gpu} | model {ckpt.name} | {len(prompts)} prompts (mean {statistics.mean(map(len, prompts)):.0f} "
           f"tokens) x {args.max_tokens} new | KV pool {args.kv_memory_gb} GiB")
-    rows = [run_mode(ckpt, m, prompts, args) for m in args.modes]
+    rows = [run_mode(ckpt, m, prompts, args, a) for m in args.modes for a in _admissions(m, args)]
     if not args.no_hf:
         rows.append(run_hf(ckpt, prompts, args))
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "fp16"), None)
     for r in rows:
         r["speedup_vs_fp16"] = r["tokens_per_s"] / base if base else None
-    print(f"\n{'mode':>16} {'tok/s':>9} {'vs fp16':>8} {'mean batch':>10} {'max batch':>9} {'compr.':>7} "
-          f"{'preempt':>7} {'seconds':>8}")
+    print(f"\n{'mode':>18} {'tok/s':>9} {'vs fp16':>8} {'mean batch':>10} {'max batch':>9} {'compr.':>7} "
+          f"{'preempt':>7} {'overflow':>8} {'seconds':>8}")
     for r in rows:
         def f(k, spec):
             return format(r[k], spec) if r.get(k) is not None else "-"
-        print(f"{r['mode']:>16} {r['tokens_per_s']:>9.0f} {f('speedup_vs_fp16', '.2f'):>8} "
+        print(f"{r['mode']:>18} {r['tokens_per_s']:>9.0f} {f('speedup_vs_fp16', '.2f'):>8} "
               f"{f('mean_batch', '.1f'):>10} {f('max_batch', 'd'):>9} {f('compression_ratio', '.2f'):>7} "
-              f"{f('preemptions', 'd'):>7} {r['seconds']:>8.1f}")
+              f"{f('preemptions', 'd'):>7} {f('overflows', 'd'):>8} {r['seconds']:>8.1f}")
     result = {"benchmark": "throughput", "device": gpu, "torch": torch.__version__, "model": ckpt.name,
               "command": "python benchmarks/throughput.py " + " ".join(argv),
               "config": {k: v for k, v in vars(args).items() if k not in ("quiet",)}, "rows": rows}

@@ -30,8 +30,9 @@ def test_throughput_smoke(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--smoke", "--quiet", "--out",
                     str(out)], check=True, cwd=ROOT, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["fp16", "diffkv"]
+    assert [r["mode"] for r in rows] == ["fp16", "diffkv/worst_case", "diffkv/learned"]
     for r in rows:
         assert r["tokens"] == 4 * 16 and r["tokens_per_s"] > 0 and r["steps"] > 0
         assert r["max_batch"] >= 1 and r["compression_ratio"] > 0 and r["preemptions"] >= 0
     assert rows[1]["compression_ratio"] > rows[0]["compression_ratio"]
+    assert rows[1]["overflows"] == 0 and rows[2]["overflows"] >= 0 and rows[2]["admission"] == "learned"
