@@ -171,6 +171,11 @@ def per_layer_section(r: dict) -> list[str]:
             "| multiplier | " + " | ".join(f"{x:.2f}" for x in r["layer_alpha_scale"]) + " |",
             "| kept, global alpha | " + " | ".join(str(x) for x in b["kept_global_alpha"]) + " |",
             "| kept, allocated | " + " | ".join(str(x) for x in b["kept_allocated"]) + " |", ""]
+    from engine.model_settings import load_model_settings, settings_path
+
+    shipped = (load_model_settings(r["model"]) or {}).get("layer_alpha_scale")
+    out += [f"The shipped settings file (`{settings_path(r['model']).relative_to(ROOT)}`) "
+            f"{'carries per-layer multipliers: the engine uses them by default' if shipped else 'has no per-layer multipliers: the engine uses one global alpha by default'}.", ""]
     return out
 
 

@@ -169,7 +169,7 @@ def test_equal_memory_alpha_and_report_section():
     assert 2.0 < _alpha_at_memory(grid, 0.33) < 4.0
     with pytest.raises(ValueError, match="grid"):
         _alpha_at_memory(grid, 0.30)
-    r = {"settings": {"device": "cpu", "fidelity_n": 2}, "alpha_high": 4.0, "layer_alpha_scale": [0.5, 2.0],
+    r = {"model": SMOLLM, "settings": {"device": "cpu", "fidelity_n": 2}, "alpha_high": 4.0, "layer_alpha_scale": [0.5, 2.0],
          "layer_budget": {"sequences": 2, "gen_tokens": 8, "tokens_outside_window": 100,
                           "kept_fraction_global_alpha": 0.01, "kept_global_alpha": [3, 1], "kept_allocated": [1, 3]},
          "per_layer": _fid(4.0, 0.32, 0.9, 0.55), "global_equal_memory": _fid(3.5, 0.32, 0.88, 0.62),
@@ -181,3 +181,4 @@ def test_equal_memory_alpha_and_report_section():
     assert "top-1 agreement +2.00 pts [+1.00, +3.00] (per-layer better)" in text
     assert "NLL -0.0700 [-0.1000, -0.0400] (per-layer better)" in text
     assert "| multiplier | 0.50 | 2.00 |" in text and "| kept, allocated | 1 | 3 |" in text
+    assert "The shipped settings file (`engine/model_settings/smollm2-135m-instruct-q4_1.json`)" in text
