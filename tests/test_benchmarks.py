@@ -36,3 +36,18 @@ def test_throughput_smoke(tmp_path):
         assert r["max_batch"] >= 1 and r["compression_ratio"] > 0 and r["preemptions"] >= 0
     assert rows[1]["compression_ratio"] > rows[0]["compression_ratio"]
     assert rows[1]["overflows"] == 0 and rows[2]["overflows"] >= 0 and rows[2]["admission"] == "learned"
+
+
+def test_recorded_results_docs_are_generated_not_typed():
+    """benchmarks/results/README.md and docs/PERFORMANCE.md are exactly what the recorded JSON files render."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("summarize_results", root / "benchmarks" / "summarize_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    readme, performance = mod.render()
+    assert (root / "benchmarks" / "results" / "README.md").read_text() == readme
+    assert (root / "docs" / "PERFORMANCE.md").read_text() == performance
+    assert "vs fp16" in performance and "Command: `python benchmarks/throughput.py" in performance
