@@ -131,6 +131,8 @@ class ModelRunner:
             keep = [i for i in range(len(seqs)) if i not in lost]
             tokens, logprobs = ([], None) if not keep else self._sample(
                 Batch(True, [seqs[i] for i in keep]), logits[keep], sample_tokens)
+            if not sample_tokens:
+                return [], None
             return _scatter(tokens, keep, len(seqs), -1), _scatter(logprobs, keep, len(seqs), 0.0)
         return self._sample(batch, logits, sample_tokens)
 

@@ -145,6 +145,30 @@ def test_ray_executor_with_one_rank_equals_local_bit_for_bit(engines):
     assert_all_pages_free(eng)
 
 
+def test_tp2_learned_admission_redoes_an_overflowed_prompt_on_every_rank(engines):
+    """Learned admission learns on compressible prompts, then meets prompts that keep every token: a prefill
+    that overflowed on any rank is redone on both (driver's flag union), with the tokens of worst-case
+    admission and every page back on every rank."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 500, (int(torch.randint(40, 64, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = {}
+    for admission in ("worst_case", "learned"):
+        # random:tiny, 2 layers x 1 KV head per rank; a 40-63 token prompt is 10 pages all-high on each rank.
+        eng = engines(f"tiny-tp2-{admission}", model="random:tiny", tensor_parallel_size=2, max_model_len=256,
+                      scheduler={"max_num_seqs": 8, "admission": admission, "footprint_min_samples": 2},
+                      cache={"kv_mode": "diffkv", "num_pages": 30, "block_size": 4, "window": 4,
+                             "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
+        squeeze = run_all(eng, prompts[:2], sp, kv_compression={"alpha_high": 50.0, "alpha_low": 20.0})
+        keep = run_all(eng, prompts[2:], sp, kv_compression={"alpha_high": 0.0, "alpha_low": 0.0})
+        outs[admission] = [o.token_ids for o in squeeze + keep]
+        assert_all_pages_free(eng)
+        if admission == "learned":
+            assert eng.stats()["admission"]["overflows"] > 0
+    assert outs["learned"] == outs["worst_case"]
+
+
 def test_tp2_hf_folder_with_biases_and_tied_embeddings_loaded_lazily(tmp_path):
     """Qwen2 shape (q/k/v biases, tied embeddings), 3 KV heads split 2 + 1; ranks read the folder lazily."""
     transformers = pytest.importorskip("transformers")
