@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from engine.kv_cache import KVCache, PrefillInfo
+from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
 from kernels.prefill_attention import prefill_attention
 
 
@@ -22,6 +22,7 @@ class StepMetadata:
     max_len: int  # longest sequence in the step (host value: no device sync in the kernels)
     cu_seqlens: Optional[torch.Tensor] = None  # int32 [B + 1], prefill only
     prefill: Optional[PrefillInfo] = None  # diffkv prefill only
+    cached_prefix: Optional[CachedPrefix] = None  # prefill reading (or, diffkv, writing) prefix-cache blocks
 
 
 class PagedAttention:
@@ -33,10 +34,11 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.meta
         if m.is_prefill:
-            self.kv.prefill_write(layer, q, k, v, m.positions, m.dst_page, m.dst_row, self.scale, m.prefill,
-                                  m.max_len)
-            # With recompute-preemption and no prefix sharing a prefill always starts from an empty cache,
-            # so it attends over the fresh (unquantized) K/V alone.
-            return prefill_attention(q, k, v, m.cu_seqlens, m.max_len, self.scale)
+            k, v = self.kv.prefill_write(layer, q, k, v, m.positions, m.dst_page, m.dst_row, self.scale, m.prefill,
+                                         m.max_len, m.cached_prefix)
+            # A prefill attends over the fresh (unquantized) K/V of its computed tokens, after the cached
+            # prefix blocks' K/V (read from their pages) when it has some.
+            cu_k = None if m.cached_prefix is None else m.cached_prefix.cu_seqlens_k
+            return prefill_attention(q, k, v, m.cu_seqlens, m.max_len, self.scale, cu_seqlens_k=cu_k)
         return self.kv.decode_attend(layer, q, k, v, m.positions, m.dst_page, m.dst_row, m.slots, self.scale,
                                      m.max_len)

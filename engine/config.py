@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -37,6 +37,10 @@ class CacheConfig(BaseModel):
     # significant) at precision `high` and prunes the rest (H2O/SnapKV-style equal per-head budget).
     policy: Literal["thresholds", "budget"] = Field("thresholds", description="diffkv: alpha thresholds or budget")
     budget: float = Field(0.5, gt=0, le=1, description="policy=budget: fraction of tokens each KV head keeps")
+    enable_prefix_caching: Union[bool, Literal["auto"]] = Field(
+        "auto", description="share the KV of prompt prefixes between requests (docs/PREFIX_CACHING.md); 'auto': "
+                            "on for fp16 / int8 / int4, off for diffkv (its uncompressed cached blocks cost extra "
+                            "writes and pages, measured slower when prompts share nothing)")
     # Per-layer budgets (XKV-style; `diffkv calibrate --per-layer` measures them): layer l classifies with
     # alpha_high * s[l] and alpha_low * s[l], per-request alphas included. Unset: the model's settings file;
     # None: one global pair of thresholds.
@@ -59,6 +63,12 @@ class CacheConfig(BaseModel):
         n = len(self.layer_alpha_scale) if self.layer_alpha_scale is not None else num_layers
         if n != num_layers:
             raise ValueError(f"layer_alpha_scale has {n} multipliers; the model has {num_layers} layers")
+
+    def prefix_caching(self) -> bool:
+        """Whether enable_prefix_caching (resolved for 'auto') turns the prefix cache on."""
+        if self.enable_prefix_caching == "auto":
+            return self.kv_mode != "diffkv"
+        return self.enable_prefix_caching
 
     def precisions(self) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
         """(high, low) page precisions of this mode; low is None for single-precision modes."""

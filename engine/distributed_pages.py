@@ -10,8 +10,10 @@ the ranks reported them after the last step, and plans conservatively:
   step_view(slots)    the free pages above and, per slot, the largest rank's bound on its next decode step
 
 Frees are booked here at once (the slot's pages go back to each rank's count) and reach the ranks with
-the next step, before anything else happens there. Slots are handed out here, last freed first reused,
-the same order every rank's MemoryManager follows.
+the next step, before anything else happens there; so do prefix-cache evictions (a block is one page per
+(layer, KV head) on every rank: it costs the most on the rank with the most heads, frees the least on the
+rank with the fewest). Slot holdings count a slot's own pages, not the cached blocks it reads.
+Slots are handed out here, last freed first reused, the same order every rank's MemoryManager follows.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from engine.memory import worst_case_growth, worst_case_pages
 
 
 class DistributedPages:
-    def __init__(self, infos: list[dict[str, Any]], check: Callable[[Optional[list[int]]], list[int]]):
-        """infos: what each rank's Worker.init returned; check(live_slots): each rank's invariants -> free pages."""
+    def __init__(self, infos: list[dict[str, Any]], check: Callable[..., list[int]]):
+        """infos: what each rank's Worker.init returned; check(live_slots, refcounts): each rank's invariants
+        -> free pages."""
         self.world_size = len(infos)
         first = infos[0]
         for key in ("page_bytes", "tokens_high", "extra_prompt_pages", "two_sided", "max_seqs"):
@@ -45,6 +48,11 @@ class DistributedPages:
         self.mm_seconds = [0.0] * self.world_size
         self._free_slots = list(range(S - 1, -1, -1))  # MemoryManager's order: pop from the end
         self._pending: list[int] = []
+        self._rank_heads = [i["heads_per_seq"] for i in infos]
+        self.prefix_block_tokens = first["prefix_block_tokens"]
+        self.copies_prefix = first["copies_prefix"]
+        self.max_prefix_blocks = min(i["max_prefix_blocks"] for i in infos)
+        self._evictions: list[int] = []
         self._check = check
 
     # ---- the scheduler's interface -----------------------------------------------------------------
@@ -65,6 +73,22 @@ class DistributedPages:
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]:
         """MemoryManager.step_view from the ranks' last reports (no call to them)."""
         return self.free_pages(), [max(g[slot] for g in self._growth) for slot in slots]
+
+    def prefix_block_cost(self, num_blocks: int) -> int:
+        return num_blocks * self._heads
+
+    def prefix_block_yield(self, num_blocks: int) -> int:
+        return num_blocks * min(self._rank_heads)
+
+    def evict_blocks(self, block_ids: list[int]) -> None:
+        """Book the blocks' pages back on every rank now; the ranks recycle them with the next request."""
+        for r, heads in enumerate(self._rank_heads):
+            self._free[r] += len(block_ids) * heads
+        self._evictions.extend(block_ids)
+
+    def take_evictions(self) -> list[int]:
+        out, self._evictions = self._evictions, []
+        return out
 
     def alloc_slot(self) -> int:
         if not self._free_slots:
@@ -120,10 +144,12 @@ class DistributedPages:
         return [{"rank": r, "pages_total": self.pages_total[r], "pages_used": self.pages_total[r] - self._free[r],
                  "last_mm_seconds": self.mm_seconds[r]} for r in range(self.world_size)]
 
-    def check_invariants(self, live_slots: Optional[list[int]] = None) -> None:
-        """Tests: every rank's MemoryManager invariants hold (after the pending frees reach it), and this
-        view's free counts equal the ranks' own."""
-        actual = self._check(live_slots)
+    def check_invariants(self, live_slots: Optional[list[int]] = None,
+                         refcounts: Optional[dict[int, int]] = None) -> None:
+        """Tests: every rank's MemoryManager invariants hold (after the pending frees reach it; given the
+        prefix cache's refcounts, every rank caches those blocks), and this view's free counts equal the
+        ranks' own."""
+        actual = self._check(live_slots, refcounts)
         assert actual == self._free, f"driver's free pages per rank {self._free} != ranks' {actual}"
         if live_slots is not None:
             busy = set(range(len(self._held[0]))) - set(self._free_slots)

@@ -88,7 +88,7 @@ class LocalExecutor(Executor):
         mm = self.mm
         pages, hi, lo = torch.stack([(mm.held_high[slot] + mm.held_low[slot]).sum(),
                                      mm.len_high[slot].sum(), mm.len_low[slot].sum()]).tolist()
-        return pages, hi, lo
+        return pages - mm.shared_cols[slot] * mm.heads_per_seq, hi, lo  # own pages: not cached blocks it reads
 
     def token_counts(self, slots: list[int], cached: int) -> dict[str, int]:
         return self.runner.kv.token_counts(slots, cached)

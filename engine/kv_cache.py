@@ -28,6 +28,7 @@ from kernels.decode_attention import paged_decode_attention
 from kernels.kv_move import move_tokens
 from kernels.kv_write import write_kv
 from kernels.prompt_significance import budget_keep_mask, prompt_significance
+from kernels.quant import read_rows_ref
 from kernels.score_update import accumulate_scores
 
 
@@ -50,6 +51,26 @@ class PrefillInfo:
     max_new_pages: int = 0  # host bound on one head's pages in a layer (alloc_prompt_layer)
 
 
+@dataclass
+class CachedPrefix:
+    """A prefill batch that reads cached prompt blocks or (diffkv) writes new ones (engine.prefix_cache).
+
+    Keys are every prompt token of the batch, packed per sequence (cached prefix, then the computed
+    suffix); queries only the computed ones. All on the device."""
+
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]: computed tokens per sequence
+    cu_seqlens_k: torch.Tensor  # int32 [B + 1]: all prompt tokens per sequence
+    max_len_k: int
+    key_positions: torch.Tensor  # int32 [Nk]
+    suffix_rows: torch.Tensor  # int64 [Nq]: each computed token's row among the keys
+    prefix_rows: torch.Tensor  # int64 [Np]: rows of the cached tokens
+    prefix_blocks: torch.Tensor  # int64 [Np]: block id of each cached token
+    prefix_offsets: torch.Tensor  # int64 [Np]: its row in the block's page
+    insert_rows: torch.Tensor  # int64 [Ni]: diffkv: rows of the tokens copied into new cached blocks
+    insert_blocks: torch.Tensor  # int64 [Ni]
+    insert_offsets: torch.Tensor  # int64 [Ni]
+
+
 class KVCache:
     def __init__(self, config: CacheConfig, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype,
                  device: torch.device, num_query_heads: int):
@@ -69,14 +90,21 @@ class KVCache:
     # ---- prompt ------------------------------------------------------------------------------------
     def prefill_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       dst_page: torch.Tensor, dst_row: torch.Tensor, scale: float,
-                      info: Optional[PrefillInfo], max_len: int) -> None:
+                      info: Optional[PrefillInfo], max_len: int,
+                      prefix: Optional[CachedPrefix] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's prompt K/V; returns the K/V its queries attend over (cached prefix included)."""
         mm = self.mm
         if not self.diffkv:
             write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, dst_page[layer], dst_row[layer], positions)
-            return
+            return (k, v) if prefix is None else self._with_prefix(layer, k, v, prefix)
         cfg = self.config
+        cu_q = None
+        if prefix is not None:  # the whole prompt is classified and written: cached prefix tokens too
+            k, v = self._with_prefix(layer, k, v, prefix)
+            self._write_new_blocks(layer, k, v, prefix)
+            positions, max_len, cu_q = prefix.key_positions, prefix.max_len_k, prefix.cu_seqlens_q
         sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
-                                  max_seqlen=max_len)  # [N, H] sums of attention received
+                                  max_seqlen=max_len, cu_seqlens_q=cu_q)  # [N, H] sums of attention received
         n = info.seq_len_of_token.unsqueeze(1)
         pos = positions.long().unsqueeze(1)
         count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)
@@ -110,6 +138,34 @@ class KVCache:
         write_kv(mm.pool, mm.fmt_low, mm.cache_dtype, k, v, pl, rl, positions, scores=sig)
         info.n_high[:, layer] = n_high
         info.n_low[:, layer] = n_low
+        return k, v
+
+    def _with_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     prefix: CachedPrefix) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of every prompt token: cached blocks' rows (read from their pages, exact in fp16 and
+        diffkv's K16V16 blocks) and the computed suffix, packed per sequence."""
+        mm = self.mm
+        nk = prefix.key_positions.numel()
+        k_all, v_all = k.new_empty(nk, *k.shape[1:]), v.new_empty(nk, *v.shape[1:])
+        k_all[prefix.suffix_rows], v_all[prefix.suffix_rows] = k, v
+        if prefix.prefix_rows.numel():
+            pages = mm.block_pages[prefix.prefix_blocks, layer].long()  # [Np, H]
+            rows = prefix.prefix_offsets.unsqueeze(1).expand_as(pages)
+            for side, dst in (("k", k_all), ("v", v_all)):
+                dst[prefix.prefix_rows] = read_rows_ref(mm.pool, mm.prefix_fmt, mm.cache_dtype, side, pages,
+                                                        rows).to(dst.dtype)
+        return k_all, v_all
+
+    def _write_new_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, prefix: CachedPrefix) -> None:
+        """diffkv: copy the prompt tokens of newly cached blocks, uncompressed, into the blocks' own pages."""
+        if not prefix.insert_rows.numel():
+            return
+        mm = self.mm
+        pages = mm.block_pages[prefix.insert_blocks, layer]  # [Ni, H] int32
+        rows = prefix.insert_offsets.to(torch.int32).unsqueeze(1).expand_as(pages).contiguous()
+        r = prefix.insert_rows
+        write_kv(mm.pool, mm.prefix_fmt, mm.cache_dtype, k[r], v[r], pages.contiguous(), rows,
+                 prefix.key_positions[r])
 
     def finish_prefill(self, info: Optional[PrefillInfo]) -> None:
         if self.diffkv and info.overflow is not None:

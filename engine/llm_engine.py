@@ -14,6 +14,7 @@ from engine.loader import LoadedCheckpoint, load_checkpoint
 from engine.model_settings import apply_model_settings
 from engine.parallel import check_tensor_parallel
 from engine.sampling_params import SamplingParams
+from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, Status
 from engine.tokenizer import IncrementalDetokenizer
@@ -43,7 +44,12 @@ class LLMEngine:
         self.executor: Executor = make_executor(config, ckpt, self.max_model_len)
         self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner (local executor)
         self.mm = self.executor.mm
-        self.scheduler = Scheduler(config.scheduler, self.mm)
+        prefix_cache = None
+        if config.cache.prefix_caching():
+            prefix_cache = PrefixCache(self.mm.prefix_block_tokens, self.mm.max_prefix_blocks)
+        # diffkv scores prompt tokens by the last significance_queries queries: a prefill computes them.
+        min_computed = config.cache.significance_queries if config.cache.kv_mode == "diffkv" else 1
+        self.scheduler = Scheduler(config.scheduler, self.mm, prefix_cache, min_computed)
         self.requests: dict[str, Sequence] = {}
         self._last_step_time = 0.0
         self._num_generated = 0
@@ -144,6 +150,8 @@ class LLMEngine:
         except EngineDeadError as e:
             self._die(str(e))
             raise
+        if batch.is_prefill:
+            self.scheduler.after_prefill(batch)  # before settle_prefill may release a sequence
         redo = self.scheduler.settle_prefill(batch) if batch.is_prefill else set()
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(batch.seqs, tokens)):
@@ -252,6 +260,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "admission": self._admission_stats(),
             "num_generated_tokens": self._num_generated,
+            **self._prefix_cache_stats(),
             "pages_total": sum(r["pages_total"] for r in ranks),
             "pages_used": used,
             "page_bytes": page_bytes,
@@ -265,6 +274,22 @@ class LLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "ranks": ranks,
         }
+
+    def _prefix_cache_stats(self) -> dict[str, Any]:
+        """Prompt tokens looked up in / found in the prefix cache (admitted prompts), and what it holds."""
+        pc = self.scheduler.prefix_cache
+        blocks = pc.num_cached if pc is not None else 0
+        return {"prefix_cache_enabled": pc is not None,
+                "prefix_cache_queries": pc.queries if pc is not None else 0,
+                "prefix_cache_hits": pc.hits if pc is not None else 0,
+                "prefill_tokens_computed": self.scheduler.num_prefill_computed,
+                "prefix_cache_blocks": blocks,
+                "prefix_cache_pages": blocks * self._heads_per_seq()}  # one page per layer and KV head, all ranks
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached prefix block no running request reads (their pages go back to the free list);
+        returns how many blocks went."""
+        return self.scheduler.reset_prefix_cache()
 
     def _admission_stats(self) -> dict[str, Any]:
         """The admission rule, prefills redone because their pages did not fit, and the learned estimates."""

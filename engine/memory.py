@@ -89,6 +89,7 @@ class MemoryManager:
         self.held_high, self.held_low, self.len_high, self.len_low = zeros(), zeros(), zeros(), zeros()
         self._free_slots = list(range(S - 1, -1, -1))
         self._cols = torch.arange(P, device=dev, dtype=torch.int32)
+        self._init_prefix_blocks()
 
     # Single-precision names used by the fp16 path and the kernels' first arguments.
     @property
@@ -143,8 +144,9 @@ class MemoryManager:
         return flat[-1], flat[:-1]
 
     def pages_held(self, slot: int) -> int:
-        """Pages one sequence holds on both sides of all its heads (one device read)."""
-        return int((self.held_high[slot] + self.held_low[slot]).sum())
+        """Pages one sequence holds on both sides of all its heads (one device read); prefix-cache pages it
+        reads are the cache's, not its own."""
+        return int((self.held_high[slot] + self.held_low[slot]).sum()) - self.shared_cols[slot] * self.heads_per_seq
 
     # ---- slots (host side, O(requests)) --------------------------------------------------------------
     def alloc_slot(self) -> int:
@@ -315,30 +317,143 @@ class MemoryManager:
         s = torch.tensor(slots, dtype=torch.int64, device=self.device)
         hh = self.held_high[s].flatten().unsqueeze(1)
         hl = self.held_low[s].flatten().unsqueeze(1)
-        mask = (self._cols.unsqueeze(0) < hh) | (self._cols.unsqueeze(0) >= P - hl)
+        # Columns [0, shared) point at prefix-cache pages: the cache recycles them when it evicts the block.
+        shared = torch.tensor([self.shared_cols[x] for x in slots], device=self.device)
+        shared = shared.repeat_interleave(self.heads_per_seq).unsqueeze(1)
+        cols = self._cols.unsqueeze(0)
+        mask = ((cols >= shared) & (cols < hh)) | (cols >= P - hl)
         self._recycle(self.page_table[s][..., :P].reshape(-1, P), mask)
+        for x in slots:
+            self.shared_cols[x] = 0
         self.page_table[s] = -1
         for t in (self.held_high, self.held_low, self.len_high, self.len_low):
             t[s] = 0
         self._free_slots.extend(slots)
 
+    # ---- prefix-cache blocks (engine.prefix_cache decides; every rank applies the same block ids) -------
+    def _init_prefix_blocks(self) -> None:
+        """Single-precision modes share pages: a cached block is one page per (layer, head) that the page
+        tables of its readers point at (columns [0, shared_cols[slot]) of a slot are such pages, read-only).
+        diffkv keeps blocks uncompressed (K16V16, block_size tokens) in pages of their own, which a prefill
+        reads and copies into the sequence's compressed pages; no page table ever points at them."""
+        L, H = self.shape.num_layers, self.shape.num_kv_heads
+        self.copies_prefix = self.fmt_low is not None
+        self.prefix_fmt = (PageFormat.make(16, 16, self.shape.head_dim, self.page_bytes, self.fmt_high.full_itemsize)
+                           if self.copies_prefix else self.fmt_high)
+        self.prefix_block_tokens = self.prefix_fmt.tokens
+        self.max_prefix_blocks = self.num_pages // self.heads_per_seq  # a block costs one page per head
+        self.block_pages = torch.full((max(1, self.max_prefix_blocks), L, H), -1, dtype=torch.int32, device=self.device)
+        self.cached_blocks: set[int] = set()
+        self.shared_cols = [0] * (self.shape.max_seqs + 1)
+
+    def attach_blocks(self, slot: int, block_ids: list[int]) -> None:
+        """Single precision: a new sequence reads these cached blocks as its first page-table columns."""
+        k = len(block_ids)
+        if k == 0:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.page_table[slot, :, :, :k] = self.block_pages[ids].permute(1, 2, 0)
+        self.held_high[slot] = k
+        self.shared_cols[slot] = k
+
+    def adopt_blocks(self, slot: int, first_col: int, block_ids: list[int]) -> None:
+        """Single precision: after its prefill, full page columns [first_col, first_col + k) of a sequence
+        become cached blocks (the cache owns the pages now; the sequence keeps reading them)."""
+        k = len(block_ids)
+        if k == 0:
+            return
+        if first_col != self.shared_cols[slot]:
+            raise RuntimeError(f"slot {slot}: adopting columns from {first_col}, but {self.shared_cols[slot]} "
+                               "are shared")
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.block_pages[ids] = self.page_table[slot, :, :, first_col:first_col + k].permute(2, 0, 1)
+        self.shared_cols[slot] = first_col + k
+        self._add_blocks(block_ids)
+
+    def alloc_blocks(self, block_ids: list[int]) -> None:
+        """diffkv: take one page per (layer, head) of each new block from the free list (written by the prefill)."""
+        k = len(block_ids)
+        if k == 0:
+            return
+        n = k * self.heads_per_seq
+        j = torch.arange(n, device=self.device, dtype=torch.int64)
+        pages = self.free_list[(self.counters[0] + j) % self.num_pages]
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.block_pages[ids] = pages.view(k, *self.block_pages.shape[1:])
+        self.counters[0] += n
+        self._add_blocks(block_ids)
+
+    def evict_blocks(self, block_ids: list[int]) -> None:
+        """Recycle the pages of these cached blocks (no sequence reads them any more) in one batched recycle."""
+        if not block_ids:
+            return
+        missing = set(block_ids) - self.cached_blocks
+        if missing:
+            raise RuntimeError(f"evicting prefix blocks {sorted(missing)} that are not cached")
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        pages = self.block_pages[ids].view(len(block_ids), -1)
+        self._recycle(pages, torch.ones_like(pages, dtype=torch.bool))
+        self.block_pages[ids] = -1
+        self.cached_blocks -= set(block_ids)
+
+    def _add_blocks(self, block_ids: list[int]) -> None:
+        dup = self.cached_blocks & set(block_ids)
+        if dup:
+            raise RuntimeError(f"prefix blocks {sorted(dup)} are cached already")
+        self.cached_blocks |= set(block_ids)
+
+    def prefix_block_cost(self, num_blocks: int) -> int:
+        """Pages num_blocks cached blocks take (one per layer and head)."""
+        return num_blocks * self.heads_per_seq
+
+    def prefix_block_yield(self, num_blocks: int) -> int:
+        """Pages evicting num_blocks cached blocks frees (the same here; tensor-parallel views differ)."""
+        return num_blocks * self.heads_per_seq
+
     # ---- invariant (tests) ---------------------------------------------------------------------------
     def held_page_ids(self) -> list[int]:
+        """Pages the sequences own (not the prefix-cache pages their first columns may point at)."""
         P = self.max_pages
         pt = self.page_table.cpu()[..., :P]
         cols = torch.arange(P).view(1, 1, 1, -1)
-        mask = (cols < self.held_high.cpu().unsqueeze(-1)) | (cols >= P - self.held_low.cpu().unsqueeze(-1))
+        shared = torch.tensor(self.shared_cols).view(-1, 1, 1, 1)
+        mask = ((cols >= shared) & (cols < self.held_high.cpu().unsqueeze(-1))) | (
+            cols >= P - self.held_low.cpu().unsqueeze(-1))
         return pt[mask].tolist()
 
-    def check_invariants(self, live_slots: list[int] | None = None) -> None:
-        """Every page is either free exactly once or held by exactly one (slot, layer, head, column), and
-        every section fits in the pages its side holds."""
+    def _check_prefix_blocks(self, refcounts: Optional[dict[int, int]]) -> list[int]:
+        """Cached blocks' pages (returned); shared columns point at whole cached blocks; given the driver's
+        refcounts (single precision), each block is read by exactly that many slots."""
+        ids = sorted(self.cached_blocks)
+        bp = self.block_pages.cpu()
+        pages = bp[ids].flatten().tolist() if ids else []
+        assert all(p >= 0 for p in pages), "a cached block lacks a page"
+        assert not self.copies_prefix or not any(self.shared_cols), "diffkv slots never share pages"
+        page_to_block = {int(bp[b, 0, 0]): b for b in ids}
+        readers = {b: 0 for b in ids}
+        pt = self.page_table.cpu()
+        for slot, k in enumerate(self.shared_cols):
+            for col in range(k):
+                b = page_to_block.get(int(pt[slot, 0, 0, col]))
+                assert b is not None, f"slot {slot} column {col} is shared but points at no cached block"
+                assert torch.equal(pt[slot, :, :, col], bp[b]), f"slot {slot} column {col}: not all of block {b}"
+                readers[b] += 1
+        if refcounts is not None:
+            assert set(refcounts) == set(ids), f"driver caches blocks {sorted(refcounts)}, rank {ids}"
+            if not self.copies_prefix:
+                assert readers == refcounts, f"slots reading each block {readers} != refcounts {refcounts}"
+        return pages
+
+    def check_invariants(self, live_slots: list[int] | None = None, refcounts: dict[int, int] | None = None) -> None:
+        """Every page is either free exactly once, owned by exactly one (slot, layer, head, column) or by
+        exactly one cached prefix block (which slots may also read: as often as refcounts says), and every
+        section fits in the pages its side holds."""
         start, end = self.counters.tolist()
         n = self.num_pages
         assert 0 <= end - start <= n, f"free count {end - start} outside [0, {n}]"
         fl = self.free_list[:n].cpu()
         free_ids = [int(fl[(start + i) % n]) for i in range(end - start)]
-        used_ids = self.held_page_ids()
+        used_ids = self.held_page_ids() + self._check_prefix_blocks(refcounts)
         assert all(0 <= p < n for p in used_ids), "page table points outside the pool"
         seen = free_ids + used_ids
         assert len(seen) == n and len(set(seen)) == n, (

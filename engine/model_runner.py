@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import PagedAttention, StepMetadata
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache, PrefillInfo
+from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
 from engine.memory import CacheShape, MemoryManager
 from engine.model import CausalLM
 from engine.model_config import ModelArch
@@ -78,6 +78,7 @@ class ModelRunner:
         self.learned = self.kv.diffkv and config.scheduler.admission == "learned"
         self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
         self.max_model_len = max_model_len
+        self.num_prefill_tokens = 0  # prompt tokens prefills computed (prefix-cache hits are read, not computed)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graph import DecodeGraphs
@@ -176,19 +177,38 @@ class ModelRunner:
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         mm = self.mm
-        ids, pos, cu, seq_of_token, len_of_token = [], [], [0], [], []
+        # Each prompt's first `hit` tokens come from prefix-cache blocks: only the rest is computed (queries),
+        # while keys (attention, diffkv's classification and writes) span the whole prompt.
+        hit = [len(s.prefix_hits) * mm.prefix_block_tokens for s in seqs]
+        ids, pos, cu, seq_of_token, len_of_token, cu_q = [], [], [0], [], [], [0]
         for i, s in enumerate(seqs):
             toks = s.all_token_ids  # recompute after preemption re-reads the outputs too
-            ids.extend(toks)
-            pos.extend(range(len(toks)))
+            ids.extend(toks[hit[i]:])
+            pos.extend(range(hit[i], len(toks)))
             cu.append(cu[-1] + len(toks))
+            cu_q.append(cu_q[-1] + len(toks) - hit[i])
             seq_of_token.extend([i] * len(toks))
             len_of_token.extend([len(toks)] * len(toks))
+        self.num_prefill_tokens += len(ids)
         lens = [s.num_tokens for s in seqs]
         token_slots = [s.slot for s in seqs for _ in range(s.num_tokens)]
-        input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t = self._to_device(
-            [ids, pos, [s.slot for s in seqs], lens, token_slots, cu, seq_of_token, len_of_token])
-        positions, slots, lens_t, cu_t = positions.int(), slots.int(), lens_t.int(), cu_t.int()
+        q_slots = [s.slot for i, s in enumerate(seqs) for _ in range(s.num_tokens - hit[i])]
+        with_prefix = any(hit) or (mm.copies_prefix and any(s.prefix_inserts for s in seqs))
+        prefix_lists = (_cached_prefix_lists(seqs, hit, cu, mm.prefix_block_tokens, mm.copies_prefix)
+                        if with_prefix else [])
+        (input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t, q_slots_t, cu_q_t,
+         *prefix_t) = self._to_device([ids, pos, [s.slot for s in seqs], lens, token_slots, cu, seq_of_token,
+                                       len_of_token, q_slots, cu_q, *prefix_lists])
+        positions, slots, lens_t, cu_t, cu_q_t = positions.int(), slots.int(), lens_t.int(), cu_t.int(), cu_q_t.int()
+        cached_prefix = None
+        if with_prefix:
+            key_pos, *rows = prefix_t
+            cached_prefix = CachedPrefix(cu_q_t, cu_t, max(lens), key_pos.int(), *rows)
+        if mm.copies_prefix:  # diffkv: new cached blocks get their own pages, written layer by layer
+            mm.alloc_blocks([b for s in seqs for b in s.prefix_inserts])
+        else:  # single precision: cached blocks become the first page-table columns
+            for s in seqs:
+                mm.attach_blocks(s.slot, s.prefix_hits)
         max_pages = max(-(-n // mm.fmt_high.tokens) for n in lens)
         if not self.learned:
             mm.reserve(slots, lens_t, max_pages)
@@ -204,11 +224,16 @@ class ModelRunner:
             dst_page = dst_row = None  # each layer's policy decides where its tokens go
         else:
             mm.set_lengths(slots, lens_t)
-            dst_page, dst_row = mm.write_targets(token_slots_t, positions)
-        self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max(lens), cu_t, info)
+            dst_page, dst_row = mm.write_targets(q_slots_t, positions)
+        max_q = max(n - h for n, h in zip(lens, hit))
+        self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max_q, cu_q_t, info,
+                                      cached_prefix=cached_prefix)
         hidden = self.model(input_ids, positions.long(), self.attn)
         self.kv.finish_prefill(info)
-        return self.model.logits(hidden[cu_t[1:].long() - 1])
+        if not mm.copies_prefix:  # the prompt's new full blocks: their pages now belong to the prefix cache
+            for s in seqs:
+                mm.adopt_blocks(s.slot, len(s.prefix_hits), s.prefix_inserts)
+        return self.model.logits(hidden[cu_q_t[1:].long() - 1])
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         ids = [s.all_token_ids[-1] for s in seqs]
@@ -239,6 +264,26 @@ def _scatter(values: Optional[list], at: list[int], n: int, fill) -> Optional[li
     for j, i in enumerate(at):
         out[i] = values[j]
     return out
+
+
+def _cached_prefix_lists(seqs: list[Sequence], hit: list[int], cu: list[int], block_tokens: int,
+                         copies: bool) -> list[list[int]]:
+    """Host lists of a CachedPrefix (after cu_seqlens): key positions, suffix rows, cached rows with their
+    block and row in it, and (diffkv, which copies) the rows of the tokens each new block takes."""
+    key_pos, suffix, p_rows, p_blocks, p_offs, i_rows, i_blocks, i_offs = [], [], [], [], [], [], [], []
+    for i, s in enumerate(seqs):
+        n, h, start = cu[i + 1] - cu[i], hit[i], cu[i]
+        key_pos.extend(range(n))
+        suffix.extend(range(start + h, start + n))
+        p_rows.extend(range(start, start + h))
+        p_blocks.extend(b for b in s.prefix_hits for _ in range(block_tokens))
+        p_offs.extend(t % block_tokens for t in range(h))
+        if copies:
+            m = len(s.prefix_inserts) * block_tokens
+            i_rows.extend(range(start + h, start + h + m))
+            i_blocks.extend(b for b in s.prefix_inserts for _ in range(block_tokens))
+            i_offs.extend(t % block_tokens for t in range(m))
+    return [key_pos, suffix, p_rows, p_blocks, p_offs, i_rows, i_blocks, i_offs]
 
 
 def _teacher_token(seq: Sequence):

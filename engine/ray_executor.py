@@ -169,7 +169,7 @@ class RayExecutor(Executor):
         frees, forget = self.mm.take_pending(), self._take_forget()
         if batch.is_prefill:
             new = [NewSequence(s.request_id, s.slot, s.prompt_token_ids, list(s.output_token_ids), s.params,
-                               s.alpha_high, s.alpha_low) for s in seqs]
+                               s.alpha_high, s.alpha_low, s.prefix_hits, s.prefix_inserts) for s in seqs]
             self._seeded.update(s.request_id for s in seqs if s.params.seed is not None)
             req = StepRequest(frees, forget, True, new=new)
         else:
@@ -177,6 +177,7 @@ class RayExecutor(Executor):
                               tokens=[s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1]
                                       for s in seqs],
                               num_cached=[s.num_cached for s in seqs])
+        req.evict = self.mm.take_evictions()
         reports = self._gather([w.step.remote(req) for w in self.workers], "running a step")
         slots = [s.slot for s in seqs]
         for rep in reports:
@@ -201,7 +202,8 @@ class RayExecutor(Executor):
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         slot = self.mm.alloc_slot()
         frees, forget = self.mm.take_pending(), self._take_forget()
-        out = self._gather([w.prompt_logits.remote(frees, forget, slot, list(prompt_token_ids))
+        evict = self.mm.take_evictions()
+        out = self._gather([w.prompt_logits.remote(frees, forget, slot, list(prompt_token_ids), evict)
                             for w in self.workers], "computing prompt logits")
         self.mm.release_unsent(slot)  # every rank freed it already
         return out[0]
@@ -252,12 +254,14 @@ class RayExecutor(Executor):
         out, self._forget = self._forget, []
         return out
 
-    def _check_ranks(self, live_slots: Optional[list[int]]) -> list[int]:
-        """Tests: pending frees reach the ranks, then each checks its memory manager; returns free pages."""
-        frees, forget = self.mm.take_pending(), self._take_forget()
-        for rep in self._gather([w.sync.remote(frees, forget) for w in self.workers], "applying frees"):
+    def _check_ranks(self, live_slots: Optional[list[int]], refcounts: Optional[dict[int, int]] = None) -> list[int]:
+        """Tests: pending frees (and evictions) reach the ranks, then each checks its memory manager; returns
+        free pages."""
+        frees, forget, evict = self.mm.take_pending(), self._take_forget(), self.mm.take_evictions()
+        for rep in self._gather([w.sync.remote(frees, forget, evict) for w in self.workers], "applying frees"):
             self.mm.update(rep.rank, [], rep.free_pages, [], [], [])
-        return self._gather([w.check_invariants.remote(live_slots) for w in self.workers], "checking invariants")
+        return self._gather([w.check_invariants.remote(live_slots, refcounts) for w in self.workers],
+                            "checking invariants")
 
 
 def _failed(ref) -> bool:

@@ -12,6 +12,11 @@ quantile of what prompts of its length kept so far, and decode steps are planned
 exact bound (a head needs a page only on a side whose section is full), read with the free count. A prefill
 whose pages did not fit is detected on the device; its sequences go back to the head of the queue, the
 first of them marked for the worst-case rule, so it is admitted next, and fits.
+
+Prefix caching (engine.prefix_cache): admission looks each prompt up, counts only the uncached part's
+pages (single precision: the cached blocks are shared; diffkv copies them, but may cache new blocks), and
+admits against free plus evictable pages: unreferenced cached blocks are evicted, least recently used
+first, before anything is refused or preempted.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Optional, Protocol
 from engine.config import SchedulerConfig
 from engine.footprint import FootprintEstimator
 from engine.model_runner import Batch
+from engine.prefix_cache import CachedBlock, PrefixCache
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -41,12 +47,22 @@ class PagePool(Protocol):
     def pages_to_grow(self, old_len: int, new_len: int) -> int: ...
     def pages_held(self, slot: int) -> int: ...
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]: ...
+    # prefix cache: block geometry, what blocks cost (busiest rank) and free when evicted (at least, every rank)
+    prefix_block_tokens: int
+    copies_prefix: bool
+    def prefix_block_cost(self, num_blocks: int) -> int: ...
+    def prefix_block_yield(self, num_blocks: int) -> int: ...
+    def evict_blocks(self, block_ids: list[int]) -> None: ...
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, mm: PagePool):
+    def __init__(self, config: SchedulerConfig, mm: PagePool, prefix_cache: Optional[PrefixCache] = None,
+                 min_computed: int = 1):
         self.config = config
         self.mm = mm
+        self.prefix_cache = prefix_cache
+        self.min_computed = min_computed  # prompt tokens a prefill computes even if cached (diffkv: its queries)
+        self.num_prefill_computed = 0  # prompt tokens admitted prefills compute (cached blocks are read instead)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -73,6 +89,7 @@ class Scheduler:
             self.mm.free([seq.slot])
             seq.slot = None
         seq.num_cached = 0
+        self._drop_prefix_refs(seq)
 
     def _decode_demand(self) -> int:
         if self._growth is not None:
@@ -96,6 +113,9 @@ class Scheduler:
             return None, []
         stuck: list[Sequence] = []
         while self._decode_demand() > free:
+            if self.prefix_cache is not None and self.prefix_cache.num_evictable:
+                free += self._evict(self._decode_demand() - free)
+                continue
             if len(self.running) == 1:
                 # Alone and still out of pages: the pool cannot hold this sequence any longer.
                 stuck.append(self.running.pop())
@@ -129,18 +149,31 @@ class Scheduler:
             n = seq.num_tokens
             if len(self.running) + len(admitted) >= cfg.max_num_seqs or mm.num_free_slots == 0:
                 break
+            hits, new, reclaim = self._prefix_plan(seq)
+            computed = n - len(hits) * (mm.prefix_block_tokens if hits else 0)
             # A prompt longer than the token budget still runs, alone.
-            if n > budget and admitted:
+            if computed > budget and admitted:
                 break
             need = self._prompt_pages(seq)
-            if need > free:
-                break
+            if hits and not mm.copies_prefix:
+                need -= mm.prefix_block_cost(len(hits))  # its first columns are the cached blocks' pages
+            insert_cost = mm.prefix_block_cost(len(new)) if mm.copies_prefix else 0
+            if need + insert_cost > free + reclaim:
+                if insert_cost and need <= free + reclaim:
+                    new, insert_cost = [], 0  # room to run it, not to cache its blocks as well
+                else:
+                    break
             self.waiting.popleft()
             seq.slot = mm.alloc_slot()
             seq.status = Status.RUNNING
             admitted.append(seq)
-            budget -= n
-            free -= need
+            if self.prefix_cache is not None:
+                self._take_prefix(seq, hits, new)
+            if need + insert_cost > free:  # unreferenced cached blocks make room (the hits are referenced now)
+                free += self._evict(need + insert_cost - free)
+            budget -= computed
+            self.num_prefill_computed += computed
+            free -= need + insert_cost
             if budget <= 0:
                 break
         self.running.extend(admitted)
@@ -184,3 +217,66 @@ class Scheduler:
         """A sequence finishes holding pages_now pages (summed over ranks): learn its generation growth."""
         if self.footprint is not None and seq.prefill_pages is not None:
             self.footprint.observe_growth(seq.num_cached - seq.prefill_tokens, pages_now - seq.prefill_pages)
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    def _prefix_plan(self, seq: Sequence) -> tuple[list[CachedBlock], list[tuple], int]:
+        """Cached blocks a prompt can read, chain keys of the full blocks it may cache after them, and the
+        pages evicting unreferenced blocks (other than its hits) would free."""
+        pc = self.prefix_cache
+        if pc is None:
+            return [], [], 0
+        toks = seq.all_token_ids
+        n = len(toks)
+        hits, candidates = pc.match(toks, n - max(1, min(n, self.min_computed)))
+        new = []
+        for key in candidates:  # a contiguous run after the hits, up to the first block cached already
+            if pc.contains(key[0]):
+                break
+            new.append(key)
+        return hits, new, self.mm.prefix_block_yield(pc.evictable_excluding(hits))
+
+    def _take_prefix(self, seq: Sequence, hits: list[CachedBlock], new: list[tuple]) -> None:
+        """Reference the hits, insert the new blocks (as many as block ids allow); the ranks get both by id."""
+        pc = self.prefix_cache
+        pc.acquire(hits)
+        inserted = []
+        for key, toks, parent in new:
+            blk = pc.insert(key, toks, parent)
+            if blk is None:
+                break
+            inserted.append(blk)
+        pc.record_query(seq.num_tokens, len(hits) * pc.block_tokens)
+        seq.prefix_hits = [b.block_id for b in hits]
+        seq.prefix_inserts = [b.block_id for b in inserted]
+        seq.prefix_refs = hits + inserted
+
+    def _evict(self, pages: int) -> int:
+        """Evict least recently used unreferenced blocks until `pages` pages are free; returns pages freed."""
+        ids = self.prefix_cache.evict(-(-pages // self.mm.prefix_block_yield(1)))
+        self.mm.evict_blocks(ids)
+        return self.mm.prefix_block_yield(len(ids))
+
+    def after_prefill(self, batch: Batch) -> None:
+        """A prefill ran: its new blocks become matchable, and diffkv sequences, which copied what they
+        read into their own pages, let go of every block. Call it before anything releases the batch's
+        sequences (settle_prefill), or their new blocks would never be committed."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        for seq in batch.seqs:
+            pc.commit([b for b in seq.prefix_refs if not b.ready])
+            if self.mm.copies_prefix:
+                self._drop_prefix_refs(seq)
+
+    def _drop_prefix_refs(self, seq: Sequence) -> None:
+        if seq.prefix_refs:
+            self.prefix_cache.release(seq.prefix_refs)
+        seq.prefix_refs, seq.prefix_hits, seq.prefix_inserts = [], [], []
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block; returns how many."""
+        if self.prefix_cache is None:
+            return 0
+        ids = self.prefix_cache.clear()
+        self.mm.evict_blocks(ids)
+        return len(ids)

@@ -41,6 +41,11 @@ class Sequence:
     teacher_agree: list[bool] = field(default_factory=list)  # teacher forcing: greedy choice == forced token
     alpha_high: Optional[float] = None  # per-request DiffKV thresholds (None: the engine's)
     alpha_low: Optional[float] = None
+    # Prefix cache (engine.prefix_cache): block ids this prefill reads instead of computing, block ids it
+    # writes (its next full prompt blocks), and the driver's blocks it holds references on.
+    prefix_hits: list[int] = field(default_factory=list)
+    prefix_inserts: list[int] = field(default_factory=list)
+    prefix_refs: list = field(default_factory=list)  # engine.prefix_cache.CachedBlock
     # Learned admission (engine.footprint): after its prompt overflowed the pool once, admit it all-high.
     worst_case_admission: bool = False
     prefill_pages: Optional[int] = None  # pages its last prefill kept, summed over ranks (growth stats)

@@ -7,6 +7,8 @@ driver sends each rank the same small StepRequest, a delta against what the rank
   decode   per sequence only (slot, newest token, tokens cached): the rank keeps its own copy of each
            sequence (engine.sequence.Sequence without a detokenizer) and appends the token
   frees    slots to release first (finished, aborted, preempted), in the order the driver released them
+  evict    prefix-cache blocks to drop next (engine.prefix_cache: the driver decides every hit, insert and
+           eviction by block id, so all ranks cache the same blocks, each in its own pages)
 
 Slots are chosen by the driver; every rank's memory manager hands out slots in the same order (last
 freed, first reused), so a rank takes the same slot and checks that it did. Rank 0 samples (all ranks
@@ -52,6 +54,8 @@ class NewSequence:
     params: SamplingParams
     alpha_high: Optional[float]
     alpha_low: Optional[float]
+    prefix_hits: list[int] = field(default_factory=list)  # cached blocks its prefill reads
+    prefix_inserts: list[int] = field(default_factory=list)  # blocks its prefill caches
 
 
 @dataclass
@@ -63,6 +67,7 @@ class StepRequest:
     slots: list[int] = field(default_factory=list)  # decode: the batch, in order
     tokens: list[int] = field(default_factory=list)  # decode: each sequence's newest token (this step's input)
     num_cached: list[int] = field(default_factory=list)  # decode: its cached tokens before the step (checked)
+    evict: list[int] = field(default_factory=list)  # prefix-cache blocks to evict after the frees
 
 
 @dataclass
@@ -129,14 +134,16 @@ class Worker:
         return {"rank": self.rank, "arch": self.runner.arch.model_dump(mode="json"), "num_pages": mm.num_pages,
                 "page_bytes": mm.page_bytes, "heads_per_seq": mm.heads_per_seq, "tokens_high": mm.fmt_high.tokens,
                 "extra_prompt_pages": mm.extra_prompt_pages, "two_sided": mm.fmt_low is not None,
-                "max_seqs": mm.shape.max_seqs, "device": str(self.device), "dtype": str(self.runner.dtype),
+                "max_seqs": mm.shape.max_seqs, "prefix_block_tokens": mm.prefix_block_tokens,
+                "max_prefix_blocks": mm.max_prefix_blocks, "copies_prefix": mm.copies_prefix,
+                "device": str(self.device), "dtype": str(self.runner.dtype),
                 "gpu": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
 
     # ---- per step ----------------------------------------------------------------------------------
     def step(self, req: StepRequest) -> StepReport:
         from engine.model_runner import Batch
 
-        self._release(req.frees, req.forget)
+        self._release(req.frees, req.forget, req.evict)
         if req.is_prefill:
             seqs = [self._admit(n) for n in req.new]
         else:
@@ -161,11 +168,11 @@ class Worker:
         return report
 
     def prompt_logits(self, frees: list[int], forget: list[str], slot: int,
-                      prompt_token_ids: list[int]) -> Optional[torch.Tensor]:
+                      prompt_token_ids: list[int], evict: Optional[list[int]] = None) -> Optional[torch.Tensor]:
         """Logits after a prompt through a temporary slot (freed again); rank 0 returns them."""
         from engine.model_runner import Batch
 
-        self._release(frees, forget)
+        self._release(frees, forget, evict)
         seq = self._admit(NewSequence("__logits__", slot, list(prompt_token_ids), [],
                                       SamplingParams(temperature=0, max_tokens=1), None, None))
         try:
@@ -174,15 +181,15 @@ class Worker:
         finally:
             self._release([slot], [])
 
-    def sync(self, frees: list[int], forget: list[str]) -> StepReport:
-        """Apply pending frees outside a step and report the free pages."""
-        self._release(frees, forget)
+    def sync(self, frees: list[int], forget: list[str], evict: Optional[list[int]] = None) -> StepReport:
+        """Apply pending frees (and prefix-cache evictions) outside a step and report the free pages."""
+        self._release(frees, forget, evict)
         return self._report([])
 
-    def check_invariants(self, live_slots: Optional[list[int]]) -> int:
-        """Every page free exactly once or held once (and, given live_slots, exactly those slots in use);
-        returns the free pages."""
-        self.runner.mm.check_invariants(live_slots=live_slots)
+    def check_invariants(self, live_slots: Optional[list[int]], refcounts: Optional[dict[int, int]] = None) -> int:
+        """Every page free exactly once or held once (and, given live_slots, exactly those slots in use; given
+        the driver's prefix-block refcounts, the same blocks cached and read as often); returns the free pages."""
+        self.runner.mm.check_invariants(live_slots=live_slots, refcounts=refcounts)
         if live_slots is not None:
             assert sorted(self.seqs) == sorted(live_slots), f"rank {self.rank} tracks slots {sorted(self.seqs)}"
         return self.runner.mm.free_pages()
@@ -205,15 +212,18 @@ class Worker:
         seq = Sequence(n.request_id, list(n.prompt_token_ids), n.params, None, generator=gen)
         seq.output_token_ids = list(n.output_token_ids)
         seq.alpha_high, seq.alpha_low = n.alpha_high, n.alpha_low
+        seq.prefix_hits, seq.prefix_inserts = list(n.prefix_hits), list(n.prefix_inserts)
         seq.slot = slot
         self.seqs[slot] = seq
         return seq
 
-    def _release(self, slots: list[int], forget: list[str]) -> None:
+    def _release(self, slots: list[int], forget: list[str], evict: Optional[list[int]] = None) -> None:
         if slots:
             self.runner.mm.free(slots)
             for slot in slots:
                 self.seqs.pop(slot, None)
+        if evict:
+            self.runner.mm.evict_blocks(evict)
         for rid in forget:
             self.generators.pop(rid, None)
 
@@ -225,5 +235,6 @@ class Worker:
         flat = torch.cat([held, mm.len_high[s].sum((1, 2), dtype=torch.int64),
                           mm.len_low[s].sum((1, 2), dtype=torch.int64), mm.decode_growth(s), free]).tolist()
         n = len(slots)  # one device read
+        flat[:n] = [h - mm.shared_cols[x] * mm.heads_per_seq for h, x in zip(flat[:n], slots)]  # own pages only
         return StepReport(self.rank, flat[-1], flat[:n], flat[n:2 * n], flat[2 * n:3 * n], self.runner.kv.mm_seconds(),
                           growth=flat[3 * n:4 * n])

@@ -59,6 +59,10 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("diffkv_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV pages.",
                (REPLICA,)),
     MetricSpec("diffkv_generated_tokens_total", "counter", "Tokens generated.", (REPLICA,)),
+    MetricSpec("diffkv_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache "
+                                                               "(admitted prompts).", (REPLICA,)),
+    MetricSpec("diffkv_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (read from "
+                                                            "cached blocks instead of computed).", (REPLICA,)),
     MetricSpec("diffkv_service_rate", "gauge", "Measured requests per second one replica completes at its KV "
                                                "capacity (the admission model's c * mu; 0 until measured).",
                (REPLICA,)),

@@ -74,7 +74,8 @@ class EngineReplica:
         self._dead: Optional[str] = None
         self._last_stats: dict[str, Any] = {}
         self._compression: dict[str, float] = {}  # last compression gauges measured with requests running
-        self._prev_counters = {"num_preemptions": 0, "num_generated_tokens": 0}
+        self._prev_counters = {"num_preemptions": 0, "num_generated_tokens": 0, "prefix_cache_queries": 0,
+                               "prefix_cache_hits": 0}
         await self._poll_once()  # pages_total for the meter before the first request
         self._poller = asyncio.get_running_loop().create_task(self._poll_stats())
         log.info("engine replica %s ready: %s, kv_mode=%s, tp=%d", self.replica_id, self.engine.model_name,
@@ -268,7 +269,9 @@ class EngineReplica:
         for name, value in self._compression.items():
             m.set(name, value)
         for key, name in (("num_preemptions", "diffkv_preemptions_total"),
-                          ("num_generated_tokens", "diffkv_generated_tokens_total")):
+                          ("num_generated_tokens", "diffkv_generated_tokens_total"),
+                          ("prefix_cache_queries", "diffkv_prefix_cache_queries_total"),
+                          ("prefix_cache_hits", "diffkv_prefix_cache_hits_total")):
             m.inc(name, st[key] - self._prev_counters[key])
             self._prev_counters[key] = st[key]
         while self._batch_sizes:

@@ -16,8 +16,13 @@ PROMPTS = [
 
 
 def assert_all_pages_free(engine) -> None:
-    """Invariant every test ends with: each page is on the free list exactly once and no slot is held."""
+    """Invariant every test ends with: no slot is held, the prefix cache's blocks are consistent and nobody
+    reads them; once it is cleared, each page is on the free list exactly once."""
     assert not engine.has_unfinished_requests(), "requests still queued or running"
+    pc = engine.scheduler.prefix_cache
+    engine.mm.check_invariants(live_slots=[], refcounts=pc.refcounts() if pc is not None else None)
+    assert pc is None or not any(pc.refcounts().values()), "prefix blocks still referenced"
+    engine.reset_prefix_cache()
     engine.mm.check_invariants(live_slots=[])
     assert engine.mm.free_pages() == engine.mm.num_pages
 

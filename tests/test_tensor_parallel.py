@@ -169,6 +169,30 @@ def test_tp2_learned_admission_redoes_an_overflowed_prompt_on_every_rank(engines
     assert outs["learned"] == outs["worst_case"]
 
 
+@pytest.mark.parametrize("kv_mode", ["fp16", "diffkv"])
+def test_tp2_prefix_caching_gives_the_same_tokens_and_ranks_cache_the_same_blocks(engines, kv_mode):
+    """Shared-prefix prompts in two waves (the second reads the first's blocks) on a pool small enough to
+    evict: the driver's hits, inserts and evictions reach both ranks (checked against its refcounts), and
+    the tokens equal those without caching."""
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(1, 500, (30,), generator=g).tolist()
+    prompts = [prefix + torch.randint(1, 500, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 5)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cache = {"kv_mode": kv_mode, "num_pages": 80, "block_size": 4, "window": 4, "alpha_high": 2.0,
+             "alpha_low": 0.5, "significance_queries": 4}
+    outs = {}
+    for caching in (False, True):
+        eng = engines(f"tiny-tp2-prefix-{kv_mode}-{caching}", model="random:tiny", tensor_parallel_size=2,
+                      max_model_len=256, cache={**cache, "enable_prefix_caching": caching})
+        outs[caching] = [o.token_ids for o in run_all(eng, prompts[:1], sp) + run_all(eng, prompts[1:], sp)]
+        st = eng.stats()
+        assert (st["prefix_cache_hits"] >= 24) == caching  # a later prompt read >= 6 of the 7 prefix blocks
+        pc = eng.scheduler.prefix_cache
+        eng.mm.check_invariants(live_slots=[], refcounts=pc.refcounts() if caching else None)
+        assert_all_pages_free(eng)
+    assert outs[True] == outs[False]
+
+
 def test_tp2_hf_folder_with_biases_and_tied_embeddings_loaded_lazily(tmp_path):
     """Qwen2 shape (q/k/v biases, tied embeddings), 3 KV heads split 2 + 1; ranks read the folder lazily."""
     transformers = pytest.importorskip("transformers")

@@ -1,0 +1,79 @@
+"""Prefix caching on vs off: wall time of the same requests, when prompts share nothing (the overhead:
+hashing, inserting blocks, diffkv's extra uncompressed block writes and pages) and when they share a prefix.
+
+    python3 -m benchmarks.prefix_cache_overhead --device cpu --repeats 3
+
+Each (mode, scenario) runs caching off and on alternately, `repeats` times, on fresh engines; the median
+seconds are reported with on/off ratios (JSON under benchmarks/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks._results import write_result
+from engine import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.loader import load_checkpoint
+
+
+def prompts(scenario: str, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    if scenario == "distinct":
+        return [torch.randint(100, 20000, (length,), generator=g).tolist() for _ in range(n)]
+    shared = torch.randint(100, 20000, (length - 16,), generator=g).tolist()
+    return [shared + torch.randint(100, 20000, (16,), generator=g).tolist() for _ in range(n)]
+
+
+def run_once(ckpt, device: str, mode: str, caching: bool, reqs: list[list[int]], max_tokens: int) -> float:
+    eng = LLMEngine(EngineConfig(device=device, cache={"kv_mode": mode, "num_pages": 6000,
+                                                       "enable_prefix_caching": caching}), checkpoint=ckpt)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    eng.add_request("warm", reqs[0][:8], SamplingParams(temperature=0, max_tokens=2))
+    while eng.has_unfinished_requests():
+        eng.step()
+    t0 = time.perf_counter()
+    # the first request alone (it fills the cache), then the rest together
+    for batch in (reqs[:1], reqs[1:]):
+        for i, p in enumerate(batch):
+            eng.add_request(f"{len(p)}-{i}-{time.perf_counter()}", p, sp)
+        while eng.has_unfinished_requests():
+            eng.step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--modes", default="fp16,diffkv")
+    ap.add_argument("--scenarios", default="distinct,shared")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    ckpt = load_checkpoint(None)
+    rows = []
+    for mode in args.modes.split(","):
+        for scenario in args.scenarios.split(","):
+            reqs = prompts(scenario, args.num_prompts, args.prompt_len, seed=0)
+            times = {False: [], True: []}
+            for r in range(args.repeats):
+                for caching in ((False, True) if r % 2 == 0 else (True, False)):
+                    times[caching].append(run_once(ckpt, args.device, mode, caching, reqs, args.max_tokens))
+            off, on = statistics.median(times[False]), statistics.median(times[True])
+            rows.append({"mode": mode, "scenario": scenario, "off_s": off, "on_s": on, "on_over_off": on / off,
+                         "runs_off": times[False], "runs_on": times[True]})
+            print(f"{mode:7s} {scenario:9s} off {off:7.3f}s  on {on:7.3f}s  on/off {on / off:.3f}", flush=True)
+    write_result({"device": args.device, "args": vars(args), "rows": rows}, "prefix_cache_overhead", args.device,
+                 args.out, smoke=False)
+
+
+if __name__ == "__main__":
+    main()
