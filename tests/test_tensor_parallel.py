@@ -170,7 +170,7 @@ def test_tp2_learned_admission_redoes_an_overflowed_prompt_on_every_rank(engines
 
 
 @pytest.mark.parametrize("kv_mode", ["fp16", "diffkv"])
-def test_tp2_prefix_caching_gives_the_same_tokens_and_ranks_cache_the_same_blocks(engines, kv_mode):
+def test_tp2_prefix_caching_gives_the_same_tokens_and_ranks_cache_the_same_blocks(kv_mode):
     """Shared-prefix prompts in two waves (the second reads the first's blocks) on a pool small enough to
     evict: the driver's hits, inserts and evictions reach both ranks (checked against its refcounts), and
     the tokens equal those without caching."""
@@ -182,14 +182,18 @@ def test_tp2_prefix_caching_gives_the_same_tokens_and_ranks_cache_the_same_block
              "alpha_low": 0.5, "significance_queries": 4}
     outs = {}
     for caching in (False, True):
-        eng = engines(f"tiny-tp2-prefix-{kv_mode}-{caching}", model="random:tiny", tensor_parallel_size=2,
-                      max_model_len=256, cache={**cache, "enable_prefix_caching": caching})
-        outs[caching] = [o.token_ids for o in run_all(eng, prompts[:1], sp) + run_all(eng, prompts[1:], sp)]
-        st = eng.stats()
-        assert (st["prefix_cache_hits"] >= 24) == caching  # a later prompt read >= 6 of the 7 prefix blocks
-        pc = eng.scheduler.prefix_cache
-        eng.mm.check_invariants(live_slots=[], refcounts=pc.refcounts() if caching else None)
-        assert_all_pages_free(eng)
+        # Shut down at once: the module's 2 Ray CPUs hold only so many engines' placement groups.
+        eng = LLMEngine(EngineConfig(device="cpu", model="random:tiny", tensor_parallel_size=2, max_model_len=256,
+                                     cache={**cache, "enable_prefix_caching": caching}))
+        try:
+            outs[caching] = [o.token_ids for o in run_all(eng, prompts[:1], sp) + run_all(eng, prompts[1:], sp)]
+            st = eng.stats()
+            assert (st["prefix_cache_hits"] >= 24) == caching  # a later prompt read >= 6 of the 7 prefix blocks
+            pc = eng.scheduler.prefix_cache
+            eng.mm.check_invariants(live_slots=[], refcounts=pc.refcounts() if caching else None)
+            assert_all_pages_free(eng)
+        finally:
+            eng.shutdown()
     assert outs[True] == outs[False]
 
 
