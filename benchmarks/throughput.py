@@ -9,7 +9,7 @@ transformers' `generate` on the same weights and prompts (static batches of --hf
 server would run), unless --no-hf. `--admission worst_case learned` runs diffkv once per prompt admission rule
 (SchedulerConfig.admission), same prompts and pool, and adds the prefills redone after an estimate was too small.
 
-Usage (GPU):  python benchmarks/throughput.py --num-prompts 96 --max-tokens 4096 --kv-memory-gb 2
+Usage (GPU):  python benchmarks/throughput.py --num-prompts 96 --max-tokens 4096 --kv-memory-gb 2 --warmup full
 Admission:    python benchmarks/throughput.py --modes diffkv --admission worst_case learned --no-hf
 Smoke (CPU):  python benchmarks/throughput.py --smoke
 """
@@ -66,8 +66,11 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) ->
     # Warm-up outside the timed region: one batch of the prompts, two tokens each, so Triton compiles its
     # variants for these shapes here (not inside the first mode's timing) and learned admission starts with
     # samples, as in a running server.
-    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    for i, ids in enumerate(prompts[: args.max_num_seqs]):
+    # `--warmup full` runs the whole workload once untimed instead: Triton also compiles a decode variant per
+    # split count as sequences grow, which the short warm-up does not reach (a cold cache favours later modes).
+    full = args.warmup == "full"
+    warm = sp if full else SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i, ids in enumerate(prompts if full else prompts[: args.max_num_seqs]):
         engine.add_request(f"warmup{i}", ids, warm)
     while engine.has_unfinished_requests():
         engine.step()
@@ -170,6 +173,9 @@ def parse_args(argv):
     ap.add_argument("--hf-prompts", type=int, default=32, help="prompts given to transformers (a subset)")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--stats-every", type=int, default=8, help="steps between batch/compression samples")
+    ap.add_argument("--warmup", choices=("short", "full"), default="short",
+                    help="untimed warm-up per mode: one batch of 2-token requests, or the whole workload once "
+                         "(compiles every kernel variant the run meets; use on a fresh GPU machine)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--out", default=None)
