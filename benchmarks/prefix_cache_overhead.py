@@ -3,8 +3,9 @@ hashing, inserting blocks, diffkv's extra uncompressed block writes and pages) a
 
     python3 -m benchmarks.prefix_cache_overhead --device cpu --repeats 3
 
-Each (mode, scenario) runs caching off and on alternately, `repeats` times, on fresh engines; the median
-seconds are reported with on/off ratios (JSON under benchmarks/results/).
+Each mode builds one engine with caching off and one with it on; every repeat draws fresh prompts (no hit
+across repeats) and runs them on both engines, in alternating order. The median seconds are reported with
+on/off ratios (JSON under benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -28,13 +29,17 @@ def prompts(scenario: str, n: int, length: int, seed: int) -> list[list[int]]:
     return [shared + torch.randint(100, 20000, (16,), generator=g).tolist() for _ in range(n)]
 
 
-def run_once(ckpt, device: str, mode: str, caching: bool, reqs: list[list[int]], max_tokens: int) -> float:
+def make_engine(ckpt, device: str, mode: str, caching: bool) -> LLMEngine:
     eng = LLMEngine(EngineConfig(device=device, cache={"kv_mode": mode, "num_pages": 6000,
                                                        "enable_prefix_caching": caching}), checkpoint=ckpt)
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    eng.add_request("warm", reqs[0][:8], SamplingParams(temperature=0, max_tokens=2))
+    eng.add_request("warm", list(range(100, 108)), SamplingParams(temperature=0, max_tokens=2))
     while eng.has_unfinished_requests():
         eng.step()
+    return eng
+
+
+def run_once(eng: LLMEngine, device: str, reqs: list[list[int]], max_tokens: int) -> float:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     # the first request alone (it fills the cache), then the rest together
     for batch in (reqs[:1], reqs[1:]):
@@ -61,12 +66,13 @@ def main() -> None:
     ckpt = load_checkpoint(None)
     rows = []
     for mode in args.modes.split(","):
+        engines = {c: make_engine(ckpt, args.device, mode, c) for c in (False, True)}
         for scenario in args.scenarios.split(","):
-            reqs = prompts(scenario, args.num_prompts, args.prompt_len, seed=0)
             times = {False: [], True: []}
             for r in range(args.repeats):
+                reqs = prompts(scenario, args.num_prompts, args.prompt_len, seed=1000 * r + len(scenario))
                 for caching in ((False, True) if r % 2 == 0 else (True, False)):
-                    times[caching].append(run_once(ckpt, args.device, mode, caching, reqs, args.max_tokens))
+                    times[caching].append(run_once(engines[caching], args.device, reqs, args.max_tokens))
             off, on = statistics.median(times[False]), statistics.median(times[True])
             rows.append({"mode": mode, "scenario": scenario, "off_s": off, "on_s": on, "on_over_off": on / off,
                          "runs_off": times[False], "runs_on": times[True]})
