@@ -58,6 +58,15 @@ def exported_series() -> dict[str, set[str]]:
     return out
 
 
+def feature_series(features: dict[str, bool]) -> dict[str, set[str]]:
+    """Series (name -> labels) that a service exports only with an optional engine feature on, for the features
+    switched off in `features` (counters appear on their first increment)."""
+    gated = {"enable_prefix_caching": ("diffkv_prefix_cache_queries_total", "diffkv_prefix_cache_hits_total")}
+    exported = exported_series()
+    return {_metrics().PROMETHEUS_PREFIX + n: exported[_metrics().PROMETHEUS_PREFIX + n]
+            for feature, names in gated.items() if not features.get(feature, True) for n in names}
+
+
 # ---- panels ----------------------------------------------------------------------------------------------------
 RATE = "$__rate_interval"
 ENGINE = '{replica=~"$replica"}'
@@ -154,6 +163,11 @@ def panels() -> list[dict]:
             {"expr": f"sum by (replica) (rate({s('diffkv_generated_tokens_total')}{ENGINE}[{RATE}]))",
              "legendFormat": "tokens/s {{replica}}"}], unit="short",
               desc="Preemptions (recompute for lack of KV pages) and generated tokens per second."),
+        panel("Prefix cache hit rate", [
+            {"expr": f"sum by (replica) (rate({s('diffkv_prefix_cache_hits_total')}{ENGINE}[{RATE}])) / "
+                     f"clamp_min(sum by (replica) (rate({s('diffkv_prefix_cache_queries_total')}{ENGINE}[{RATE}])), "
+                     "1e-9)", "legendFormat": "hit rate {{replica}}"}], unit="percentunit", maximum=1,
+              desc="Prompt tokens read from cached prefix blocks / prompt tokens looked up (docs/PREFIX_CACHING.md)."),
 
         row("KV cache (DiffKV)"),
         panel("KV page occupancy per replica and rank", [
