@@ -37,3 +37,26 @@ def run_all(engine, prompts, sampling, **kw):
             if out.finished:
                 done[out.request_id] = out
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def apply_op(engine, ids: list, op: str, n: int, prompt=None, max_tokens: int = 1) -> None:
+    """One operation of a random interleaving (property tests): "add" the prompt (greedy, max_tokens, EOS
+    ignored; a prompt the engine refuses is skipped), "step" n times, "abort" the n-th request added (mod), or
+    "preempt" the latest admitted sequence. ids collects the request ids added."""
+    from engine import SamplingParams
+    from engine.errors import InvalidRequestError
+
+    if op == "add":
+        rid = f"r{len(ids)}"
+        try:
+            engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            ids.append(rid)
+        except InvalidRequestError:
+            pass
+    elif op == "step":
+        for _ in range(n):
+            engine.step()
+    elif op == "abort" and ids:
+        engine.abort(ids[n % len(ids)])
+    elif op == "preempt":
+        engine.scheduler.preempt_last()

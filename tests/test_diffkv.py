@@ -9,7 +9,7 @@ from engine import EngineConfig, InvalidRequestError, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 
-from engine_helpers import TEST_DEVICE, assert_all_pages_free, run_all
+from engine_helpers import TEST_DEVICE, apply_op, assert_all_pages_free, run_all
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -129,21 +129,8 @@ def test_random_interleavings_never_lose_pages(op_list, num_pages):
     g = torch.Generator().manual_seed(num_pages)
     ids = []
     for op, a, b in op_list:
-        if op == "add":
-            rid = f"r{len(ids)}"
-            try:
-                engine.add_request(rid, torch.randint(1, 500, (a,), generator=g).tolist(),
-                                   SamplingParams(temperature=0, max_tokens=b, ignore_eos=True))
-                ids.append(rid)
-            except InvalidRequestError:
-                pass
-        elif op == "step":
-            for _ in range(a):
-                engine.step()
-        elif op == "abort" and ids:
-            engine.abort(ids[a % len(ids)])
-        elif op == "preempt":
-            engine.scheduler.preempt_last()
+        prompt = torch.randint(1, 500, (a,), generator=g).tolist() if op == "add" else None
+        apply_op(engine, ids, op, a, prompt, b)
         live = [s.slot for s in engine.scheduler.running if s.slot is not None]
         engine.mm.check_invariants(live)
     while engine.has_unfinished_requests():

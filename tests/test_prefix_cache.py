@@ -7,12 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, InvalidRequestError, SamplingParams
+from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 from engine.prefix_cache import PrefixCache, chain_keys
 
-from engine_helpers import TEST_DEVICE, assert_all_pages_free
+from engine_helpers import TEST_DEVICE, apply_op, assert_all_pages_free
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 SHARED = ("You are a careful assistant. Answer briefly. Facts: the Nile is the longest river in Africa, Mount "
@@ -187,23 +187,11 @@ def test_shared_prefixes_aborts_preemptions_and_evictions_never_lose_a_page(mode
     g = torch.Generator().manual_seed(num_pages)
     ids = []
     for op, a, b, c in op_list:
-        if op == "add":
-            rid = f"r{len(ids)}"
-            prompt = PREFIXES[a] + torch.randint(1, 500, (b,), generator=g).tolist()
-            try:
-                engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=c, ignore_eos=True))
-                ids.append(rid)
-            except InvalidRequestError:
-                pass
-        elif op == "step":
-            for _ in range(a):
-                engine.step()
-        elif op == "abort" and ids:
-            engine.abort(ids[a % len(ids)])
-        elif op == "preempt":
-            engine.scheduler.preempt_last()
-        elif op == "reset":
+        if op == "reset":
             engine.reset_prefix_cache()
+        else:
+            prompt = PREFIXES[a] + torch.randint(1, 500, (b,), generator=g).tolist() if op == "add" else None
+            apply_op(engine, ids, op, a, prompt, c)
         _check_references(engine)
     while engine.has_unfinished_requests():
         engine.step()
