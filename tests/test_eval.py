@@ -184,21 +184,23 @@ def test_diffkv_eval_rejects_bad_arguments(capsys):
     assert "--limit" in capsys.readouterr().err
 
 
+class _NoEngine:
+    """A model whose calibration has every point recorded: building an engine is a test failure."""
+    name = "M"
+
+    def engine(self, cache):
+        raise AssertionError("nothing left to measure: no engine needed")
+
+
 def test_resumed_calibration_reuses_recorded_points(monkeypatch):
     """Every sweep point already measured: no engine is built and the choice is re-made from the record."""
     from evals import calibrate as cal
-
-    class NoEngine:
-        name = "M"
-
-        def engine(self, cache):
-            raise AssertionError("nothing left to measure: no engine needed")
 
     pts = {(float(a), 0.0): {"alpha_high": float(a), "alpha_low": 0.0, "top1_agreement": agr}
            for a, agr in zip(range(6), (.99, .95, .96, .955, .94, .90))}
     pts.update({(3.0, al): {"alpha_high": 3.0, "alpha_low": al, "top1_agreement": agr}
                 for al, agr in ((0.02, .953), (0.04, .951), (0.06, .93), (0.08, .92), (0.1, .91))})
-    r = cal.calibrate(NoEngine(), [[1]], [[2]], measured=pts)
+    r = cal.calibrate(_NoEngine(), [[1]], [[2]], measured=pts)
     # alpha_high 0 is only the reference; among 1..5 the best is 0.96, within 0.01: 1, 2, 3 -> 3.
     assert (r["alpha_high"], r["alpha_low"]) == (3.0, 0.04)
     assert cal.measured_points(r) == pts
@@ -208,17 +210,11 @@ def test_calibration_turns_low_precision_off_when_it_breaks_the_model():
     """Every alpha_high candidate far below all-high (Qwen2.5 with 4-bit keys): low = high, alpha_low prunes."""
     from evals import calibrate as cal
 
-    class NoEngine:
-        name = "M"
-
-        def engine(self, cache):
-            raise AssertionError("nothing left to measure: no engine needed")
-
     pts = {(float(a), 0.0): {"alpha_high": float(a), "alpha_low": 0.0, "top1_agreement": agr}
            for a, agr in zip(range(6), (.99, .75, .76, .77, .78, .77))}
     pts.update({(al, al, "K8V4"): {"alpha_high": al, "alpha_low": al, "top1_agreement": agr}
                 for al, agr in ((0.0, .99), (0.02, .97), (0.04, .965), (0.06, .95), (0.08, .94), (0.1, .93))})
-    r = cal.calibrate(NoEngine(), [[1]], [[2]], measured=pts)
+    r = cal.calibrate(_NoEngine(), [[1]], [[2]], measured=pts)
     # alpha_low 0 prunes nothing (the reference); best candidate 0.97, within 0.01: 0.02, 0.04 -> 0.04.
     assert (r["alpha_high"], r["alpha_low"], r["low"]) == (0.04, 0.04, "K8V4")
     assert r["calibration"]["low_precision_off"] is True
