@@ -148,6 +148,14 @@ class MemoryManager:
         reads are the cache's, not its own."""
         return int((self.held_high[slot] + self.held_low[slot]).sum()) - self.shared_cols[slot] * self.heads_per_seq
 
+    def page_rules(self) -> dict:
+        """What the driver's tensor-parallel page view (engine.distributed_pages) needs of this rank's pool."""
+        return {"num_pages": self.num_pages, "page_bytes": self.page_bytes, "heads_per_seq": self.heads_per_seq,
+                "tokens_high": self.fmt_high.tokens, "extra_prompt_pages": self.extra_prompt_pages,
+                "two_sided": self.fmt_low is not None, "max_seqs": self.shape.max_seqs,
+                "prefix_block_tokens": self.prefix_block_tokens, "max_prefix_blocks": self.max_prefix_blocks,
+                "copies_prefix": self.copies_prefix}
+
     # ---- slots (host side, O(requests)) --------------------------------------------------------------
     def alloc_slot(self) -> int:
         if not self._free_slots:

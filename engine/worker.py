@@ -131,11 +131,7 @@ class Worker:
         if self.world_size > 1:  # every rank is ready; NCCL builds its communicator here, not in a graph capture
             pc.all_reduce(torch.zeros(1, device=self.device))
         mm = self.runner.mm
-        return {"rank": self.rank, "arch": self.runner.arch.model_dump(mode="json"), "num_pages": mm.num_pages,
-                "page_bytes": mm.page_bytes, "heads_per_seq": mm.heads_per_seq, "tokens_high": mm.fmt_high.tokens,
-                "extra_prompt_pages": mm.extra_prompt_pages, "two_sided": mm.fmt_low is not None,
-                "max_seqs": mm.shape.max_seqs, "prefix_block_tokens": mm.prefix_block_tokens,
-                "max_prefix_blocks": mm.max_prefix_blocks, "copies_prefix": mm.copies_prefix,
+        return {"rank": self.rank, "arch": self.runner.arch.model_dump(mode="json"), **mm.page_rules(),
                 "device": str(self.device), "dtype": str(self.runner.dtype),
                 "gpu": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
 

@@ -59,12 +59,11 @@ def exported_series() -> dict[str, set[str]]:
 
 
 def feature_series(features: dict[str, bool]) -> dict[str, set[str]]:
-    """Series (name -> labels) that a service exports only with an optional engine feature on, for the features
-    switched off in `features` (counters appear on their first increment)."""
-    gated = {"enable_prefix_caching": ("diffkv_prefix_cache_queries_total", "diffkv_prefix_cache_hits_total")}
-    exported = exported_series()
-    return {_metrics().PROMETHEUS_PREFIX + n: exported[_metrics().PROMETHEUS_PREFIX + n]
-            for feature, names in gated.items() if not features.get(feature, True) for n in names}
+    """Series (name -> labels) that a service exports only with an optional engine feature on (MetricSpec
+    .feature), for the features switched off in `features` (counters appear on their first increment)."""
+    m, exported = _metrics(), exported_series()
+    return {m.PROMETHEUS_PREFIX + s.name: exported[m.PROMETHEUS_PREFIX + s.name] for s in m.SPECS
+            if s.feature is not None and not features.get(s.feature, True)}
 
 
 # ---- panels ----------------------------------------------------------------------------------------------------

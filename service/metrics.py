@@ -31,6 +31,7 @@ class MetricSpec:
     description: str
     tags: tuple[str, ...] = ()
     buckets: Optional[tuple[float, ...]] = None
+    feature: Optional[str] = None  # CacheConfig switch without which the series never appears (first inc)
 
 
 SPECS: tuple[MetricSpec, ...] = (
@@ -60,9 +61,11 @@ SPECS: tuple[MetricSpec, ...] = (
                (REPLICA,)),
     MetricSpec("diffkv_generated_tokens_total", "counter", "Tokens generated.", (REPLICA,)),
     MetricSpec("diffkv_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache "
-                                                               "(admitted prompts).", (REPLICA,)),
+                                                               "(admitted prompts).", (REPLICA,),
+               feature="enable_prefix_caching"),
     MetricSpec("diffkv_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (read from "
-                                                            "cached blocks instead of computed).", (REPLICA,)),
+                                                            "cached blocks instead of computed).", (REPLICA,),
+               feature="enable_prefix_caching"),
     MetricSpec("diffkv_service_rate", "gauge", "Measured requests per second one replica completes at its KV "
                                                "capacity (the admission model's c * mu; 0 until measured).",
                (REPLICA,)),

@@ -366,9 +366,7 @@ def test_driver_page_rules_match_the_memory_manager(kv_mode):
 
     high, low = CacheConfig(kv_mode=kv_mode).precisions()
     mm = MemoryManager(CacheShape(4, 2, 32, 8, 256, 16), 64, torch.float32, "cpu", high=high, low=low)
-    info = {"num_pages": mm.num_pages, "page_bytes": mm.page_bytes, "heads_per_seq": mm.heads_per_seq,
-            "tokens_high": mm.fmt_high.tokens, "extra_prompt_pages": mm.extra_prompt_pages,
-            "two_sided": mm.fmt_low is not None, "max_seqs": 8}
+    info = mm.page_rules()
     smaller = {**info, "heads_per_seq": mm.heads_per_seq // 2}
     view = DistributedPages([info, smaller], check=lambda live: [])
     for n in range(1, 120, 7):
