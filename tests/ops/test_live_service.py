@@ -19,7 +19,7 @@ import pytest
 from _ops import REPO, load
 
 sys.path.insert(0, str(REPO / "tests" / "service"))
-from _cluster import deploy, free_port, start_cluster, stop_cluster, wait_for  # noqa: E402
+from _cluster import free_port, served, start_cluster, stop_cluster, wait_for  # noqa: E402
 
 dash = load("grafana/dashboard.py", "grafana_dashboard")
 stream = load("loadtest/stream.py", "stream")
@@ -39,15 +39,10 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def service():
-    from ray import serve
-
     cluster = start_cluster()
     try:
-        engine = deploy(CONFIG, APP, PREFIX)
-        base = f"http://127.0.0.1:{cluster.http_port}{PREFIX}"
-        model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
-        yield {"base": base, "model": model, "engine": engine, "cluster": cluster}
-        serve.delete(APP)
+        with served(cluster, CONFIG, APP, PREFIX) as s:
+            yield s
     finally:
         stop_cluster()
 

@@ -6,6 +6,7 @@ import re
 import socket
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -59,6 +60,22 @@ def deploy(config: dict, name: str, route_prefix: str):
 
     serve.run(build_app(config), name=name, route_prefix=route_prefix)
     return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=name)
+
+
+@contextmanager
+def served(cluster, config: dict, name: str, route_prefix: str):
+    """deploy() the app, give the handles a module's tests use (base URL, served model id, engine handle,
+    cluster), and delete the app afterwards."""
+    import httpx
+    from ray import serve
+
+    engine = deploy(config, name, route_prefix)
+    base = f"http://127.0.0.1:{cluster.http_port}{route_prefix}"
+    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
+    try:
+        yield {"base": base, "model": model, "engine": engine, "cluster": cluster}
+    finally:
+        serve.delete(name)
 
 
 def wait_for(pred, timeout: float, interval: float = 0.5, what: str = "condition"):

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from _cluster import deploy, wait_for
+from _cluster import served, wait_for
 
 APP = "api"
 PREFIX = "/api"
@@ -24,13 +24,8 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def service(cluster):
-    from ray import serve
-
-    engine = deploy(CONFIG, APP, PREFIX)
-    base = f"http://127.0.0.1:{cluster.http_port}{PREFIX}"
-    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
-    yield {"base": base, "model": model, "engine": engine, "cluster": cluster}
-    serve.delete(APP)
+    with served(cluster, CONFIG, APP, PREFIX) as s:
+        yield s
 
 
 def client(service, cls=openai.OpenAI):

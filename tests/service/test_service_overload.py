@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from _cluster import deploy, parse_metrics, values, wait_for
+from _cluster import parse_metrics, served, values, wait_for
 from service.metrics import PROMETHEUS_PREFIX, SPECS
 
 APP = "overload"
@@ -33,14 +33,9 @@ PROMPTS = ["Describe the ocean.", "List some fruits.", "What is a star?", "Tell 
 
 @pytest.fixture(scope="module")
 def service(cluster):
-    from ray import serve
-
-    engine = deploy(CONFIG, APP, PREFIX)
-    base = f"http://127.0.0.1:{cluster.http_port}{PREFIX}"
-    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
-    replica = engine.stats.remote().result()["replica"]
-    yield {"base": base, "model": model, "engine": engine, "cluster": cluster, "replica": replica}
-    serve.delete(APP)
+    with served(cluster, CONFIG, APP, PREFIX) as s:
+        s["replica"] = s["engine"].stats.remote().result()["replica"]
+        yield s
 
 
 async def stream_chat(client, service, prompt, timeout=180.0):

@@ -5,7 +5,7 @@ import asyncio
 import httpx
 import pytest
 
-from _cluster import deploy, parse_metrics, values, wait_for
+from _cluster import parse_metrics, served, values, wait_for
 
 APP = "route"
 PREFIX = "/route"
@@ -15,13 +15,8 @@ CONFIG = {"device": "cpu", "model": "random:tiny", "num_replicas": 2, "default_m
 
 @pytest.fixture(scope="module")
 def service(cluster):
-    from ray import serve
-
-    engine = deploy(CONFIG, APP, PREFIX)
-    base = f"http://127.0.0.1:{cluster.http_port}{PREFIX}"
-    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
-    yield {"base": base, "model": model, "engine": engine, "cluster": cluster}
-    serve.delete(APP)
+    with served(cluster, CONFIG, APP, PREFIX) as s:
+        yield s
 
 
 def test_requests_spread_over_both_replicas(service):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from _cluster import deploy, wait_for
+from _cluster import served, wait_for
 
 APP = "tp"
 PREFIX = "/tp"
@@ -29,13 +29,8 @@ PROMPTS = ["The quick brown fox", "In 1492, Columbus", "A list of colors: red, g
 
 @pytest.fixture(scope="module")
 def service(cluster):
-    from ray import serve
-
-    engine = deploy(CONFIG, APP, PREFIX)
-    base = f"http://127.0.0.1:{cluster.http_port}{PREFIX}"
-    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
-    yield {"base": base, "model": model, "engine": engine}
-    serve.delete(APP)
+    with served(cluster, CONFIG, APP, PREFIX) as s:
+        yield s
 
 
 def complete(service, prompt, max_tokens=12, timeout=120):
