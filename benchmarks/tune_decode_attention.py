@@ -100,9 +100,9 @@ def main(argv=None) -> int:
         cfg = min(configs, key=geo)
         fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), D, page_bytes, 2)
         best[prec] = {"block_n": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2], "geomean_us": geo(cfg),
-                      "current": list(launch_config(fmt_hi, fmt_lo)),
-                      "current_geomean_us": geo(tuple(launch_config(fmt_hi, fmt_lo)))
-                      if tuple(launch_config(fmt_hi, fmt_lo)) in configs else None}
+                      "current": list(launch_config(fmt_hi, fmt_lo)[:3]),
+                      "current_geomean_us": geo(tuple(launch_config(fmt_hi, fmt_lo)[:3]))
+                      if tuple(launch_config(fmt_hi, fmt_lo)[:3]) in configs else None}
         print(f"best {prec:>5}: block_n={cfg[0]} warps={cfg[1]} stages={cfg[2]} ({geo(cfg):.1f} us geomean); "
               f"current {best[prec]['current']}")
     write_result({"benchmark": "tune_decode_attention", "device": gpu, "rows": rows, "best": best,

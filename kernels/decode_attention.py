@@ -14,14 +14,17 @@ branches: a K16V16 call without a low section compiles to the same loop as befor
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
-from kernels.quant import codes_as_f16, load_codes, load_tile, read_pages_ref
+from kernels.quant import read_pages_ref
+from kernels.decode_attention_f16 import decode_f16_kernel
 from kernels.sections import section_columns, section_page
 
 LOG2E = 1.4426950408889634
@@ -30,163 +33,353 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _dot(a, b, DOT_FP32: tl.constexpr):
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
     if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)
+
+
+BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see _unpack_ptx)
+
+
+def _unpack_ptx(bits: int, plane: int) -> str:
+    """PTX for tl.inline_asm_elementwise(pack=4): four packed bytes ($2) -> plane `plane` of each as the fp16
+    number 1024 + c * 2^s (s = plane * bits, c the code), two per output register ($0, $1). prmt puts each byte
+    under an 0x64 exponent byte (0x64XX is the fp16 number 1024 + XX) and a mask keeps the plane's bits: one or
+    two instructions per two codes, against ~5 per code for shift / and / convert, which made quantized decode
+    instruction-bound. The dots take these biased codes as they are; _attend_section removes the 1024 and the
+    2^s with [G, N]-sized corrections (a dot's accumulator init and one multiply)."""
+    s = plane * bits
+    keep = 0xFF00 | (((1 << bits) - 1) << s)
+    lines = ["{", ".reg .b32 r_m, r_k;", "mov.b32 r_m, 0x64646464;",
+             "prmt.b32 $0, $2, r_m, 0x4140;", "prmt.b32 $1, $2, r_m, 0x4342;"]
+    if keep != 0xFFFF:
+        lines += [f"mov.b32 r_k, {keep << 16 | keep:#010x};", "and.b32 $0, $0, r_k;", "and.b32 $1, $1, r_k;"]
+    return "\n".join(lines + ["}"])
+
+
+_PTX_8_0 = tl.constexpr(_unpack_ptx(8, 0))
+_PTX_4_0, _PTX_4_1 = tl.constexpr(_unpack_ptx(4, 0)), tl.constexpr(_unpack_ptx(4, 1))
+_PTX_2_0, _PTX_2_1 = tl.constexpr(_unpack_ptx(2, 0)), tl.constexpr(_unpack_ptx(2, 1))
+_PTX_2_2, _PTX_2_3 = tl.constexpr(_unpack_ptx(2, 2)), tl.constexpr(_unpack_ptx(2, 3))
 
 
 @triton.jit
-def _codes(c, DOT_FP32: tl.constexpr):
-    """Codes as dot operands: fp16 on the GPU (exact), fp32 in the interpreter / on fp32 caches."""
-    if DOT_FP32:
-        return c.to(tl.float32)
+def _ptx_codes(chunk, BITS: tl.constexpr, p: tl.constexpr, PURE: tl.constexpr):
+    if BITS == 8:
+        asm: tl.constexpr = _PTX_8_0
+    elif BITS == 4:
+        asm: tl.constexpr = _PTX_4_0 if p == 0 else _PTX_4_1
     else:
-        return codes_as_f16(c)
+        asm: tl.constexpr = _PTX_2_0 if p == 0 else (_PTX_2_1 if p == 1 else (_PTX_2_2 if p == 2 else _PTX_2_3))
+    # PURE lets the compiler schedule the unpacking freely, also after the shared-memory transpose that feeds
+    # the value dot (which then reads single bytes); not pure keeps it before (ldmatrix.trans on fp16 pairs).
+    # Which is faster depends on the head size (launch_config).
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [chunk], dtype=tl.float16, is_pure=PURE, pack=4)
+
+
+@triton.jit
+def _bias(DOT_FP32: tl.constexpr):
+    """What _operand adds to every code: 1024 for the fp16 dots, nothing for the fp32 ones."""
+    if DOT_FP32:
+        return 0.0
+    else:
+        return BIAS
+
+
+@triton.jit
+def _operand(chunk, p: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, DOT_FP32: tl.constexpr,
+             PURE: tl.constexpr = False):
+    """Quarter p of a loaded chunk as a dot operand: cache-dtype values at 16 bits, else plane p's codes c as
+    1024 + c * 2^(p * BITS) in fp16 (by PTX, on the GPU), or c * 2^(p * BITS) in fp32 (interpreter / fp32
+    caches: no bias, whose cancellation would cost fp32 digits there; see _bias)."""
+    if BITS == 16:
+        if DOT_FP32:
+            return chunk.to(tl.float32)
+        else:
+            return chunk.to(DT)
+    else:
+        if DOT_FP32:
+            return (chunk.to(tl.int32) & (((1 << BITS) - 1) << (p * BITS))).to(tl.float32)
+        else:
+            return _ptx_codes(chunk, BITS, p, PURE)
+
+
+@triton.jit
+def _pick(x0, x1, x2, x3, i: tl.constexpr):
+    if i == 0:
+        return x0
+    elif i == 1:
+        return x1
+    elif i == 2:
+        return x2
+    else:
+        return x3
+
+
+@triton.jit
+def _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, off, c: tl.constexpr,
+                BITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Chunk c of rows `row` of pages `page`: [BLOCK_N, BLOCK_Q] cache-dtype elements at 16 bits (quarter c),
+    else D/4 packed bytes (uint8) holding the planes of several quarters (see _attend_section). Columns past
+    D/4 (BLOCK_Q pads a quarter to the dot's minimum of 16) read as 0."""
+    DQ: tl.constexpr = D // 4
+    j = tl.arange(0, BLOCK_Q)
+    mask = tmask[:, None] & (j < DQ)[None, :] if BLOCK_Q > DQ else tmask[:, None]
+    if BITS == 16:
+        return tl.load(pool_c + off + (page * page_elems + row * D + c * DQ)[:, None] + j[None, :],
+                       mask=mask, other=0.0)
+    else:
+        RB: tl.constexpr = D * BITS // 8
+        return tl.load(pool_u8 + (page * page_bytes + off + row * RB + c * DQ)[:, None] + j[None, :],
+                       mask=mask, other=0)
+
+
+@triton.jit
+def _load_meta(pool_h, page, row, tmask, page_bytes, meta_off):
+    meta = page * (page_bytes // 2) + meta_off + row * 2
+    scale = tl.load(pool_h + meta, mask=tmask, other=0.0).to(tl.float32)
+    zero = tl.load(pool_h + meta + 1, mask=tmask, other=0.0).to(tl.float32)
+    return scale, zero
 
 
 @triton.jit
 def _attend_section(
-    q, q16, qsum, m_i, l_i, acc, lo, hi, pt_row, col0,
+    q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo, hi, pt_row, col0,
     pool_c, pool_u8, pool_h, page_elems, page_bytes, k_off, k_meta, v_off, v_meta,
-    qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, logit_base,
+    qk_scale, sm_scale, gmask, logit_rows, logit_base,
     KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, LOW: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    DOT_FP32: tl.constexpr, PURE_K: tl.constexpr = False, PURE_V: tl.constexpr = False, V_EARLY: tl.constexpr = False,
 ):
     """Online softmax over tokens [lo, hi) of one section (the high one, or the low one read from the right).
 
+    The head dimension is split into four quarters, which is what lets packed rows reach the tensor cores
+    without any reshape: a row of b < 16 bits is b/2 chunks of D/4 bytes, and plane p of chunk c (bits
+    p*b..p*b+b-1 of each byte, planar packing in kernels/quant.py) holds exactly quarter p*(b/2) + c. So every
+    quarter is one load (shared by its chunk's planes), a shift and a mask, and feeds its own dots:
+        q . k_n       = sum_quarters q_Q . k_n,Q
+        (p V)[:, Q]   = p @ V[:, Q]          (a0..a3 are the four quarters of the output accumulator)
     Quantized sides never materialize dequantized tiles: with x = c * scale + zero per token,
         q . k_n      = scale_n * (q . c_n) + zero_n * sum(q)
         sum_n p_n v_n = sum_n (p_n scale_n) c_n + sum_n p_n zero_n
-    so the dots run on the integer codes (exact in fp16; q16 is q in fp16 whatever the cache dtype) and
-    scale/zero act on [G, N] only. The value weights p_n scale_n are divided by the tile's largest scale before
-    the fp16 cast (no underflow)."""
-    DT = q.dtype
+    so the dots run on the integer codes (exact in fp16; q0..q3 are fp16 then) and scale/zero act on [G, N]
+    only. The value weights p_n scale_n are divided by the tile's largest scale before the fp16 cast."""
+    DT = pool_c.dtype.element_ty
+    KR: tl.constexpr = 1 if KB == 16 else 8 // KB  # planes per chunk
+    KC: tl.constexpr = 4 // KR  # chunks per row
+    VR: tl.constexpr = 1 if VB == 16 else 8 // VB
+    VC: tl.constexpr = 4 // VR
+    s0 = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    if KB != 16:
+        # Quarter i holds plane i // KC, whose biased codes are 1024 + c * 2^s: q's quarter is scaled by 2^-s
+        # (exact) and the dots start from -1024 * sum(scaled q), so they sum q . c. fp16 whatever the cache dtype.
+        QT = tl.float32 if DOT_FP32 else tl.float16
+        q0 = q0.to(QT)
+        q1 = (q1 * (2.0 ** -((1 // KC) * KB))).to(QT)
+        q2 = (q2 * (2.0 ** -((2 // KC) * KB))).to(QT)
+        q3 = (q3 * (2.0 ** -((3 // KC) * KB))).to(QT)
+        qb = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1) + tl.sum(q2.to(tl.float32), 1)
+              + tl.sum(q3.to(tl.float32), 1))
+        s0 = s0 - _bias(DOT_FP32) * qb[:, None]
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
         page = section_page(pt_row, col0, t, tmask, T, LOW)
         row = t % T
-        if KB == 16:
-            k = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
-                          k_off, k_meta, D, KB, BLOCK_N, BLOCK_D)
-            s = _dot(q, tl.trans(k.to(DT)), DOT_FP32)
-        else:
-            kc, ks, kz = load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, k_off, k_meta,
-                                    KB, BLOCK_N, BLOCK_D)
-            s = _dot(q16, tl.trans(_codes(kc, DOT_FP32)), DOT_FP32) * ks[None, :] + qsum[:, None] * kz[None, :]
+        s = s0
+        if V_EARLY:  # value loads issued before the key math, so they are in flight during it
+            w0 = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, 0, VB, D, BLOCK_N, BLOCK_Q)
+            w1 = w0
+            w2 = w0
+            w3 = w0
+            if VC > 1:
+                w1 = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, 1, VB, D, BLOCK_N,
+                                 BLOCK_Q)
+            if VC > 2:
+                w2 = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, 2, VB, D, BLOCK_N,
+                                 BLOCK_Q)
+                w3 = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, 3, VB, D, BLOCK_N,
+                                 BLOCK_Q)
+        for c in tl.static_range(KC):
+            chunk = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, k_off, c, KB, D,
+                                BLOCK_N, BLOCK_Q)
+            for p in tl.static_range(KR):
+                k = _operand(chunk, p, KB, DT, DOT_FP32, PURE_K)
+                s = _dot(_pick(q0, q1, q2, q3, p * KC + c), tl.trans(k), s, DOT_FP32)
+        if KB != 16:
+            ks, kz = _load_meta(pool_h, page, row, tmask, page_bytes, k_meta)
+            s = s * ks[None, :] + qsum[:, None] * kz[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + (logit_base + t)[None, :], s * sm_scale,
                      mask=gmask[:, None] & tmask[None, :])
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain: exp2 below
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+        p_ = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p_, 1)
+        a0 = a0 * alpha[:, None]
+        a1 = a1 * alpha[:, None]
+        a2 = a2 * alpha[:, None]
+        a3 = a3 * alpha[:, None]
         if VB == 16:
-            v = load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, page_bytes,
-                          v_off, v_meta, D, VB, BLOCK_N, BLOCK_D)
-            if DOT_FP32:
-                acc = acc * alpha[:, None] + _dot(p, v, DOT_FP32)
-            else:
-                acc = tl.dot(p.to(DT), v.to(DT), acc * alpha[:, None])
+            pv = p_.to(tl.float32) if DOT_FP32 else p_.to(DT)
         else:
-            vc, vs, vz = load_codes(pool_u8, pool_h, page, row, tmask, page_bytes, v_off, v_meta,
-                                    VB, BLOCK_N, BLOCK_D)
+            vs, vz = _load_meta(pool_h, page, row, tmask, page_bytes, v_meta)
             top = tl.max(vs, 0)
             top = tl.where(top > 0, top, 1.0)
-            pv = p * (vs / top)[None, :]
-            zsum = tl.sum(p * vz[None, :], 1)
-            pv = pv.to(q16.dtype)
-            acc = acc * alpha[:, None] + _dot(pv, _codes(vc, DOT_FP32), DOT_FP32) * top + zsum[:, None]
+            pv = p_ * (vs / top)[None, :]
+            pv = pv.to(tl.float32) if DOT_FP32 else pv.to(tl.float16)
+            # Plane p's dot gives 1024 * sum(pv) + 2^s * (pv . c); starting it from 2^s * zsum / top - 1024 *
+            # sum(pv) leaves 2^s * (pv . c + zsum / top), which one multiply by top * 2^-s turns into p . v.
+            zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (tl.sum(p_ * vz[None, :], 1) / top)[:, None]
+            zb = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) - _bias(DOT_FP32) * tl.sum(pv.to(tl.float32), 1)[:, None]
+        for c in tl.static_range(VC):
+            if V_EARLY:
+                chunk = _pick(w0, w1, w2, w3, c)
+            else:
+                chunk = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, c, VB, D,
+                                    BLOCK_N, BLOCK_Q)
+            for p in tl.static_range(VR):
+                v = _operand(chunk, p, VB, DT, DOT_FP32, PURE_V)
+                if VB == 16:
+                    if p * VC + c == 0:
+                        a0 = _dot(pv, v, a0, DOT_FP32)
+                    elif p * VC + c == 1:
+                        a1 = _dot(pv, v, a1, DOT_FP32)
+                    elif p * VC + c == 2:
+                        a2 = _dot(pv, v, a2, DOT_FP32)
+                    else:
+                        a3 = _dot(pv, v, a3, DOT_FP32)
+                else:
+                    part = _dot(pv, v, zb + zt * (2.0 ** (p * VB)), DOT_FP32) * (top * (2.0 ** -(p * VB)))
+                    if p * VC + c == 0:
+                        a0 = a0 + part
+                    elif p * VC + c == 1:
+                        a1 = a1 + part
+                    elif p * VC + c == 2:
+                        a2 = a2 + part
+                    else:
+                        a3 = a3 + part
         m_i = m_new
-    return m_i, l_i, acc
+    return m_i, l_i, a0, a1, a2, a3
 
 
 @triton.jit
+def _q_quarter(q_ptr, hq, gmask, i: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, DOT_FP32: tl.constexpr,
+               DT: tl.constexpr):
+    j = tl.arange(0, BLOCK_Q)
+    q = tl.load(q_ptr + hq[:, None] + (i * (D // 4) + j)[None, :], mask=gmask[:, None] & (j < D // 4)[None, :],
+                other=0.0)
+    return q.to(tl.float32) if DOT_FP32 else q.to(DT)
+
+
+@triton.jit
+def _store_quarters(ptr, rows, gmask, a0, a1, a2, a3, D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """a0..a3 [G, BLOCK_Q] (the quarters of the head dimension) -> ptr + rows[:, None] + column, in ptr's dtype."""
+    j = tl.arange(0, BLOCK_Q)
+    ty = ptr.dtype.element_ty
+    mask = gmask[:, None] & (j < D // 4)[None, :]
+    tl.store(ptr + rows[:, None] + j[None, :], a0.to(ty), mask=mask)
+    tl.store(ptr + rows[:, None] + (D // 4 + j)[None, :], a1.to(ty), mask=mask)
+    tl.store(ptr + rows[:, None] + (2 * (D // 4) + j)[None, :], a2.to(ty), mask=mask)
+    tl.store(ptr + rows[:, None] + (3 * (D // 4) + j)[None, :], a3.to(ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
 def _decode_split_kernel(
     q_ptr, pool_c, pool_u8, pool_h, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, o_ptr, mid_acc, mid_ml,
     logits_ptr, lse_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh,
     stride_lls, stride_lll, stride_llh, stride_gb, stride_gh, stride_eb, stride_eh,
-    layer, qk_scale, sm_scale, Hq, D, low_col0,
+    layer, qk_scale, sm_scale, Hq, low_col0, num_splits,
     page_elems, page_bytes,
     k_off, k_meta, v_off, v_meta,  # high section format (16 bits: cache-dtype elements; else bytes / fp16)
     lk_off, lk_meta, lv_off, lv_meta,  # low section format
-    GROUP: tl.constexpr, T: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, DOT_FP32: tl.constexpr,
     KB: tl.constexpr = 16, VB: tl.constexpr = 16,
     HAS_LOW: tl.constexpr = False, KB_LO: tl.constexpr = 16, VB_LO: tl.constexpr = 16, T_LO: tl.constexpr = 1,
     WRITE_LOGITS: tl.constexpr = False, WRITE_LSE: tl.constexpr = False,
+    PURE_K: tl.constexpr = False, PURE_V: tl.constexpr = False, V_EARLY: tl.constexpr = False,
 ):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
     pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
-    # This split's token range, in whole BLOCK_N blocks; lengths differ per (sequence, head).
-    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    # This split's token range, in whole BLOCK_N blocks; lengths differ per (sequence, head). The split count
+    # is a runtime value: one compiled variant serves every sequence length.
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(length, lo + per_split)
 
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
     hq = h * GROUP + g
     gmask = g < GROUP
-    dmask = d < D
-    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
-    q = q.to(tl.float32) if DOT_FP32 else q.to(pool_c.dtype.element_ty)
-    q16 = q if DOT_FP32 else q.to(tl.float16)  # quantized sides dot fp16 codes (see _attend_section)
-    qsum = tl.sum(q16.to(tl.float32), 1)  # folds key zero points into the dot
+    DT = pool_c.dtype.element_ty
+    q_rows = q_ptr + b * stride_qb
+    q0 = _q_quarter(q_rows, hq * stride_qh, gmask, 0, D, BLOCK_Q, DOT_FP32, DT)
+    q1 = _q_quarter(q_rows, hq * stride_qh, gmask, 1, D, BLOCK_Q, DOT_FP32, DT)
+    q2 = _q_quarter(q_rows, hq * stride_qh, gmask, 2, D, BLOCK_Q, DOT_FP32, DT)
+    q3 = _q_quarter(q_rows, hq * stride_qh, gmask, 3, D, BLOCK_Q, DOT_FP32, DT)
+    # sum(q) in the precision the codes' dots see it (fp16 on the GPU): folds key zero points into the dot
+    if DOT_FP32:
+        qsum = tl.sum(q0, 1) + tl.sum(q1, 1) + tl.sum(q2, 1) + tl.sum(q3, 1)
+    else:
+        qsum = (tl.sum(q0.to(tl.float16).to(tl.float32), 1) + tl.sum(q1.to(tl.float16).to(tl.float32), 1)
+                + tl.sum(q2.to(tl.float16).to(tl.float32), 1) + tl.sum(q3.to(tl.float16).to(tl.float32), 1))
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh  # only used with WRITE_LOGITS
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite, so empty splits merge without NaN
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i, l_i, acc = _attend_section(
-        q, q16, qsum, m_i, l_i, acc, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h, page_elems, page_bytes,
-        k_off, k_meta, v_off, v_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, 0,
-        KB, VB, T, False, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
+    a0 = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32)
+    a1 = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32)
+    a2 = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32)
+    a3 = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32)
+    m_i, l_i, a0, a1, a2, a3 = _attend_section(
+        q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h,
+        page_elems, page_bytes, k_off, k_meta, v_off, v_meta, qk_scale, sm_scale, gmask, logit_rows, 0,
+        KB, VB, T, False, WRITE_LOGITS, BLOCK_G, BLOCK_N, D, BLOCK_Q, DOT_FP32, PURE_K, PURE_V, V_EARLY)
     if HAS_LOW:
         # The low section (its own format, pages from the right end of the row), split the same way.
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
-        per_split_lo = tl.cdiv(tl.cdiv(length_lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        per_split_lo = tl.cdiv(tl.cdiv(length_lo, BLOCK_N), num_splits) * BLOCK_N
         lo_lo = split * per_split_lo
         hi_lo = tl.minimum(length_lo, lo_lo + per_split_lo)
-        m_i, l_i, acc = _attend_section(
-            q, q16, qsum, m_i, l_i, acc, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8, pool_h, page_elems,
-            page_bytes,
-            lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, D, d, dmask, gmask, logit_rows, length,
-            KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, BLOCK_N, BLOCK_D, DOT_FP32)
+        m_i, l_i, a0, a1, a2, a3 = _attend_section(
+            q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8,
+            pool_h, page_elems, page_bytes, lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, gmask,
+            logit_rows, length, KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, BLOCK_G, BLOCK_N, D, BLOCK_Q,
+            DOT_FP32, PURE_K, PURE_V, V_EARLY)
 
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # length 0 -> zeros
-        tl.store(o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    if SPLIT:
+        idx = (b * Hq + hq) * num_splits + split  # mid_* are contiguous [B, Hq, num_splits, ...]
+        _store_quarters(mid_acc, idx * D, gmask, a0, a1, a2, a3, D, BLOCK_Q)
+        tl.store(mid_ml + idx * 2, m_i, mask=gmask)
+        tl.store(mid_ml + idx * 2 + 1, l_i, mask=gmask)
+    else:
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)[:, None]  # length 0 -> zeros
+        _store_quarters(o_ptr + b * stride_ob, hq * stride_oh, gmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, D,
+                        BLOCK_Q)
         if WRITE_LSE:
             lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
                            float("-inf"))  # natural-log lse; -inf without tokens
             tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
-    else:
-        idx = (b * Hq + hq) * NUM_SPLITS + split  # mid_* are contiguous [B, Hq, NUM_SPLITS, ...]
-        tl.store(mid_acc + idx[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
-        tl.store(mid_ml + idx * 2, m_i, mask=gmask)
-        tl.store(mid_ml + idx * 2 + 1, l_i, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
 def _decode_reduce_kernel(
-    mid_acc, mid_ml, o_ptr, stride_ob, stride_oh, Hq, D,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    mid_acc, mid_ml, o_ptr, stride_ob, stride_oh, Hq, D, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     lse_ptr=None, stride_eb=0, stride_eh=0, WRITE_LSE: tl.constexpr = False,
 ):
     b, hq = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = s < NUM_SPLITS
-    idx = (b * Hq + hq) * NUM_SPLITS + s
+    smask = s < num_splits
+    idx = (b * Hq + hq) * num_splits + s
     m = tl.load(mid_ml + idx * 2, mask=smask, other=-1.0e30)
     l = tl.load(mid_ml + idx * 2 + 1, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
@@ -201,12 +394,27 @@ def _decode_reduce_kernel(
         tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse)
 
 
-def launch_config(fmt: PageFormat, fmt_low: PageFormat | None) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) by precision, from the H200 sweep (benchmarks/tune_decode_attention.py,
-    results/tune_decode_attention_H200.json): 128-token tiles and 4 warps win everywhere; one pipeline stage
-    for a single quantized format (its unpacking already fills the registers), two otherwise."""
+class LaunchConfig(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+    pure_k: bool = False  # unpacking may be scheduled freely (see _ptx_codes)
+    pure_v: bool = False
+    v_early: bool = False  # value loads issued before the key math
+
+
+def launch_config(fmt: PageFormat, fmt_low: PageFormat | None) -> LaunchConfig:
+    """Launch parameters from the H200 variant sweep (benchmarks/results/decode_kernel_variants_H200.json).
+    16-bit only: the full-width kernel (kernels/decode_attention_f16.py), 128-token tiles, 4 warps, 2 stages.
+    Quantized, head_dim >= 128: freely scheduled unpacking, 4 warps, 2 stages. Smaller heads: quarters of 16
+    leave the value dots too narrow for 4 warps (they would repeat them), so 2 warps, one stage, value loads
+    first and the unpacking kept before the shared-memory transpose."""
     quantized = any(b < 16 for f in (fmt, fmt_low) if f is not None for b in (f.key_bits, f.value_bits))
-    return (128, 4, 1) if quantized and fmt_low is None else (128, 4, 2)
+    if not quantized:
+        return LaunchConfig(128, 4, 2)
+    if fmt.head_dim >= 128:
+        return LaunchConfig(128, 4, 2, pure_k=True, pure_v=True)
+    return LaunchConfig(128, 2, 1, v_early=True)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
@@ -290,6 +498,33 @@ def paged_decode_attention_ref(q, pool, fmt: PageFormat, cache_dtype, page_table
     return (probs @ vals).view(B, Hq, D).to(q.dtype)
 
 
+def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_acc, mid_ml, logits, lse, layer, scale,
+                      num_splits, fmt, low, has_low, block_n, dot_fp32, cfg, warps, stages, write_logits, write_lse):
+    """The quartered kernel (any precision, high + low sections)."""
+    (B, Hq, D), Hkv, T = q.shape, page_table.shape[2], fmt.tokens
+    group = Hq // Hkv
+    _decode_split_kernel[(B, Hkv, num_splits)](
+        q, pc, pool, pool.view(torch.float16), page_table, lengths, lenlo, slots, out, mid_acc, mid_ml,
+        logits, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), page_table.stride(1), page_table.stride(2),
+        lengths.stride(0), lengths.stride(1), lengths.stride(2),
+        lenlo.stride(0), lenlo.stride(1), lenlo.stride(2), logits.stride(0), logits.stride(1),
+        lse.stride(0), lse.stride(1),
+        layer, scale * LOG2E, scale, Hq, page_table.shape[3] - 2, num_splits,
+        fmt.page_bytes // fmt.full_itemsize, fmt.page_bytes,
+        *seg_offsets(fmt, "k"), *seg_offsets(fmt, "v"), *seg_offsets(low, "k"), *seg_offsets(low, "v"),
+        GROUP=group, T=T, SPLIT=num_splits > 1,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, D=D, BLOCK_Q=max(16, D // 4),
+        DOT_FP32=dot_fp32,
+        KB=fmt.key_bits, VB=fmt.value_bits,
+        HAS_LOW=has_low, KB_LO=low.key_bits, VB_LO=low.value_bits, T_LO=low.tokens if has_low else 1,
+        WRITE_LOGITS=write_logits, WRITE_LSE=write_lse,
+        PURE_K=cfg.pure_k, PURE_V=cfg.pure_v, V_EARLY=cfg.v_early,
+        num_warps=warps, num_stages=stages,
+    )
+
+
 def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer,
                                   scale, num_splits=None, max_len=None, block_n=None, out=None,
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
@@ -308,8 +543,8 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if B == 0:
         return out
     pc = pool.view(cache_dtype)
-    tuned_n, tuned_warps, tuned_stages = launch_config(fmt, fmt_low if has_low else None)
-    block_n = block_n or tuned_n
+    cfg = launch_config(fmt, fmt_low if has_low else None)
+    block_n = block_n or cfg.block_n
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
     if num_splits is None:
@@ -325,29 +560,29 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     lenlo = len_low if has_low else lengths
     logits = logits_out if logits_out is not None else out  # unused when absent
     lse = lse_out if lse_out is not None else out
-    _decode_split_kernel[(B, Hkv, num_splits)](
-        q, pc, pool, pool.view(torch.float16), page_table, lengths, lenlo, slots, out, mid_acc, mid_ml,
-        logits, lse,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        page_table.stride(0), page_table.stride(1), page_table.stride(2),
-        lengths.stride(0), lengths.stride(1), lengths.stride(2),
-        lenlo.stride(0), lenlo.stride(1), lenlo.stride(2), logits.stride(0), logits.stride(1),
-        lse.stride(0), lse.stride(1),
-        layer, scale * LOG2E, scale, Hq, D, page_table.shape[3] - 2,
-        fmt.page_bytes // fmt.full_itemsize, fmt.page_bytes,
-        *seg_offsets(fmt, "k"), *seg_offsets(fmt, "v"), *seg_offsets(low, "k"), *seg_offsets(low, "v"),
-        GROUP=group, T=T, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=BLOCK_D,
-        DOT_FP32=dot_in_fp32(q, pool) or q.dtype == torch.float32 or cache_dtype == torch.float32,
-        KB=fmt.key_bits, VB=fmt.value_bits,
-        HAS_LOW=has_low, KB_LO=low.key_bits, VB_LO=low.value_bits, T_LO=low.tokens if has_low else 1,
-        WRITE_LOGITS=logits_out is not None, WRITE_LSE=lse_out is not None,
-        num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
-    )
+    dot_fp32 = dot_in_fp32(q, pool) or q.dtype == torch.float32 or cache_dtype == torch.float32
+    warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    if not has_low and fmt.key_bits == fmt.value_bits == 16:
+        decode_f16_kernel[(B, Hkv, num_splits)](
+            q, pc, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            page_table.stride(0), page_table.stride(1), page_table.stride(2),
+            lengths.stride(0), lengths.stride(1), lengths.stride(2), logits.stride(0), logits.stride(1),
+            lse.stride(0), lse.stride(1),
+            layer, scale * LOG2E, scale, Hq, D, num_splits, fmt.page_bytes // fmt.full_itemsize,
+            seg_offsets(fmt, "k")[0], seg_offsets(fmt, "v")[0],
+            GROUP=group, T=T, SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n,
+            BLOCK_D=BLOCK_D, DOT_FP32=dot_fp32, WRITE_LOGITS=logits_out is not None, WRITE_LSE=lse_out is not None,
+            num_warps=warps, num_stages=stages,
+        )
+    else:
+        _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_acc, mid_ml, logits, lse, layer,
+                          scale, num_splits, fmt, low, has_low, block_n, dot_fp32, cfg, warps, stages,
+                          logits_out is not None, lse_out is not None)
     if num_splits > 1:
         _decode_reduce_kernel[(B, Hq)](
-            mid_acc, mid_ml, out, out.stride(0), out.stride(1), Hq, D,
-            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_D=BLOCK_D,
+            mid_acc, mid_ml, out, out.stride(0), out.stride(1), Hq, D, num_splits,
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=BLOCK_D,
             lse_ptr=lse, stride_eb=lse.stride(0), stride_eh=lse.stride(1), WRITE_LSE=lse_out is not None,
             num_warps=4,
         )

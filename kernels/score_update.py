@@ -34,13 +34,13 @@ def _score_section(
         tl.store(ptr, tl.load(ptr, mask=tmask, other=0.0) + p, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
 def _score_kernel(
     pool_f32, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, logits_ptr, lse_ptr,
     stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, stride_lls, stride_lll, stride_llh,
     stride_gb, stride_gh, stride_eb, stride_eh,
-    layer, low_col0, page_words, score_off, lscore_off,
-    GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    layer, low_col0, page_words, score_off, lscore_off, num_splits,  # runtime: one variant for every length
+    GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per (batch entry, KV head, split); each split takes its share of both sections.
@@ -54,13 +54,13 @@ def _score_kernel(
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
 
     length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
-    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
     lo = split * per_split
     _score_section(pool_f32, pt_row, 0, lo, tl.minimum(length, lo + per_split), logit_rows, 0, lse, gmask,
                    page_words, score_off, T, False, BLOCK_N)
     if HAS_LOW:
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
-        per_split = tl.cdiv(tl.cdiv(length_lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(length_lo, BLOCK_N), num_splits) * BLOCK_N
         lo = split * per_split
         _score_section(pool_f32, pt_row, low_col0, lo, tl.minimum(length_lo, lo + per_split), logit_rows,
                        length, lse, gmask, page_words, lscore_off, T_LO, True, BLOCK_N)
@@ -127,7 +127,7 @@ def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, 
         lengths.stride(0), lengths.stride(1), lengths.stride(2), lenlo.stride(0), lenlo.stride(1), lenlo.stride(2),
         logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1),
         layer, page_table.shape[3] - 2, fmt.page_bytes // 4, fmt.score_off // 4, low.score_off // 4,
-        GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low, NUM_SPLITS=num_splits,
+        num_splits, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low,
         BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=4,
     )
 

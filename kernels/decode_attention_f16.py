@@ -1,0 +1,85 @@
+"""Decode attention over 16-bit pages only (kv_mode fp16, or a diffkv cache whose sections are all 16-bit):
+the full head dimension in one tile per token block, so the tensor cores read keys and values straight from
+shared memory (cp.async pipelining, ldmatrix), which is what reaches the HBM roofline on an H200.
+
+kernels/decode_attention.py owns the API, the reference and the split-merge kernel; it sends 16-bit-only calls
+here because its quartered tiles (needed to unpack quantized rows without a reshape) cost ~10-40% on 16-bit
+pages (benchmarks/results/decode_kernel_variants_H200.json). Same grid, same partial-result layout.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.sections import section_page
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
+def decode_f16_kernel(
+    q_ptr, pool_c, pt_ptr, len_ptr, slots_ptr, o_ptr, mid_acc, mid_ml, logits_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh,
+    stride_gb, stride_gh, stride_eb, stride_eh,
+    layer, qk_scale, sm_scale, Hq, D, num_splits, page_elems, k_off, v_off,
+    GROUP: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_LOGITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
+    pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(length, lo + per_split)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    hq = h * GROUP + g
+    gmask = g < GROUP
+    dmask = d < D
+    DT = pool_c.dtype.element_ty
+    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0)
+    q = q.to(tl.float32) if DOT_FP32 else q.to(DT)
+    logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite, so empty splits merge without NaN
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < hi
+        page = section_page(pt_row, 0, t, tmask, T, False)
+        rows = (page * page_elems + (t % T) * D)[:, None] + d[None, :]
+        kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(pool_c + k_off + rows, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if WRITE_LOGITS:
+            tl.store(logit_rows[:, None] + t[None, :], s * sm_scale, mask=gmask[:, None] & tmask[None, :])
+        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain: exp2 below
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(pool_c + v_off + rows, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
+        m_i = m_new
+
+    omask = gmask[:, None] & dmask[None, :]
+    if SPLIT:
+        idx = (b * Hq + hq) * num_splits + split  # mid_* are contiguous [B, Hq, num_splits, ...]
+        tl.store(mid_acc + idx[:, None] * D + d[None, :], acc, mask=omask)
+        tl.store(mid_ml + idx * 2, m_i, mask=gmask)
+        tl.store(mid_ml + idx * 2 + 1, l_i, mask=gmask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # length 0 -> zeros
+        tl.store(o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=omask)
+        if WRITE_LSE:
+            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))  # natural-log lse; -inf without tokens
+            tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
