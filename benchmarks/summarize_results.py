@@ -90,6 +90,37 @@ def throughput_section(name: str, title: str = "Generation throughput per KV mod
     return out + [""]
 
 
+def step_breakdown_section(name: str) -> list[str]:
+    """benchmarks/step_breakdown.py: per prompt / generation step, device time per category and host overhead."""
+    d = load(name)
+    if d is None:
+        return []
+    c = d["config"]
+    cats = ("model", "attention", "policy", "memory", "other", "host")
+    out = [f"### Step breakdown, {d['device']} (`{name}`)", "",
+           f"Random-weight `{d['preset']}`; prompt steps of up to {c['max_batched_tokens']} prompt tokens, "
+           f"{c['steps']} generation steps timed and {c['steps']} profiled per row. Each kernel counts for one "
+           "category, by its name or else by the engine range that launched it (CUDA-graph replays included); "
+           "`other` is device work outside every range (input copies, the scheduler's reads); host = step wall "
+           "time - device busy time (the wall time without the profiler where the row has such steps). "
+           "Cells: ms per step (% of the step).", "", f"Command: `{d['command']}`", "",
+           "| mode | batch | seq | phase | step ms | " + " | ".join(cats) + " |",
+           "|---|---:|---:|---|---:|" + "---:|" * len(cats)]
+    rows = [r for r in d["rows"] if "skipped" not in r]
+    out += [f"| {r['mode']} | {r['batch']} | {r['seq']} | {r['phase']} | {r['wall_ms']:.2f} | "
+            + " | ".join(f"{r[f'{k}_ms']:.2f} ({r['pct'][k]:.1f}%)" for k in cats) + " |" for r in rows]
+    out += [""] + [f"- skipped: {r['mode']} batch {r['batch']} seq {r['seq']}: {r['skipped']}"
+                   for r in d["rows"] if "skipped" in r]
+    t = d["targets"]
+    if t["rows"]:
+        out += [f"- targets (generation steps, batch >= {t['batch_at_least']}): " + ", ".join(
+            f"{k} < {v['limit_pct']:g}%: {'PASS' if v['pass'] else 'FAIL'} (max {v['max_pct']:.2f}%)"
+            for k, v in t.items() if isinstance(v, dict))]
+    return out + [""]
+
+
+STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json",)
+
 # (file, title, plot label, how the run was taken: Triton compiles kernel variants (per KV format and split
 # count) the first time a shape appears and caches them on disk, so a mode's first run on a fresh machine pays
 # its compiles inside the timing)
@@ -151,6 +182,8 @@ def results_sections() -> list[str]:
     lines += attention_section("attention_H200.json")
     lines += mm_section("memory_manager_H200_eager.json", "memory management run eagerly (before CUDA graphs)")
     lines += mm_section("memory_manager_H200.json", "memory management captured in the decode CUDA graph")
+    for name in STEP_BREAKDOWN_RUNS:
+        lines += step_breakdown_section(name)
     return lines
 
 
@@ -183,7 +216,9 @@ def render() -> tuple[str, str]:
     has_plot = any(load(run[0]) is not None for run in THROUGHPUT_RUNS)
     intro = PERFORMANCE_INTRO if has_plot else PERFORMANCE_INTRO[:4]
     body = [ln.replace("### ", "## ", 1) if ln.startswith("### ") else ln for ln in results_sections()]
-    return "\n".join(lines), "\n".join(intro + body + PERFORMANCE_OPEN)
+    measured = any(load(name) is not None for name in STEP_BREAKDOWN_RUNS)
+    still_open = [ln for ln in PERFORMANCE_OPEN if not (measured and ln.startswith("- A per-category step breakdown"))]
+    return "\n".join(lines), "\n".join(intro + body + still_open)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
+from engine.profiling import cost_range
 from kernels.prefill_attention import prefill_attention
 
 
@@ -39,6 +40,7 @@ class PagedAttention:
             # A prefill attends over the fresh (unquantized) K/V of its computed tokens, after the cached
             # prefix blocks' K/V (read from their pages) when it has some.
             cu_k = None if m.cached_prefix is None else m.cached_prefix.cu_seqlens_k
-            return prefill_attention(q, k, v, m.cu_seqlens, m.max_len, self.scale, cu_seqlens_k=cu_k)
+            with cost_range("attention"):
+                return prefill_attention(q, k, v, m.cu_seqlens, m.max_len, self.scale, cu_seqlens_k=cu_k)
         return self.kv.decode_attend(layer, q, k, v, m.positions, m.dst_page, m.dst_row, m.slots, self.scale,
                                      m.max_len)

@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import PagedAttention, StepMetadata
 from engine.model import CausalLM
+from engine.profiling import cost_range
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -92,8 +93,10 @@ class DecodeGraphs:
         g_mm, g_fwd, _ = self.graphs[b]
         start, end = self.events
         start.record()
-        g_mm.replay()
+        with cost_range("memory"):  # kernels replayed inside a graph are attributed to the range of its launch
+            g_mm.replay()
         end.record()
-        g_fwd.replay()
+        with cost_range("model"):
+            g_fwd.replay()
         self.kv.set_mm_events(start, end)
         return self.logits[b][:n]

@@ -23,6 +23,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.memory import CacheShape, MemoryManager
+from engine.profiling import cost_range, costed
 from kernels.compression_plan import compression_plan
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_move import move_tokens
@@ -88,6 +89,7 @@ class KVCache:
         self._mm_events: Optional[tuple] = None
 
     # ---- prompt ------------------------------------------------------------------------------------
+    @costed("attention")  # the K/V writes (and cached-prefix reads); classification and pages marked inside
     def prefill_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       dst_page: torch.Tensor, dst_row: torch.Tensor, scale: float,
                       info: Optional[PrefillInfo], max_len: int,
@@ -103,37 +105,39 @@ class KVCache:
             k, v = self._with_prefix(layer, k, v, prefix)
             self._write_new_blocks(layer, k, v, prefix)
             positions, max_len, cu_q = prefix.key_positions, prefix.max_len_k, prefix.cu_seqlens_q
-        sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
-                                  max_seqlen=max_len, cu_seqlens_q=cu_q)  # [N, H] sums of attention received
-        n = info.seq_len_of_token.unsqueeze(1)
-        pos = positions.long().unsqueeze(1)
-        count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)
-        mean = sig / count
-        if self.significance_probe is not None:
-            self.significance_probe(layer, mean, positions, info)
-        i1 = (pos + 1).float()
-        if cfg.policy == "budget":  # equal-budget pruning baseline: one precision, top tokens per head
-            is_high = budget_keep_mask(mean, positions, info.seq_len_of_token, info.seq_of_token, info.cu_seqlens,
-                                       cfg.budget, cfg.window)
-            is_low = torch.zeros_like(is_high)
-        else:
-            ah, al = info.alpha_high.unsqueeze(1), info.alpha_low.unsqueeze(1)
-            if self.layer_scale is not None:
-                ah, al = ah * self.layer_scale[layer], al * self.layer_scale[layer]
-            is_high = (pos >= n - cfg.window) | (mean >= ah / i1)
-            is_low = ~is_high & (mean >= al / i1)
-        idx_high, n_high = _segment_index(is_high, info)
-        idx_low, n_low = _segment_index(is_low, info)
-        if info.overflow is not None:
-            mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
-            dropped = info.overflow[info.seq_of_token].unsqueeze(1)  # an overflowed sequence's writes go nowhere
-            ph, rh = mm.high_targets(info.token_slots, idx_high.masked_fill(dropped, -1), layer)
-            pl, rl = mm.low_targets(info.token_slots, idx_low.masked_fill(dropped, -1), layer)
-        else:
-            mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
-            reserved = mm.held_high[info.token_slots, layer]  # [N, H]: low pages sit at its right end
-            ph, rh = mm.high_targets(info.token_slots, idx_high, layer)
-            pl, rl = mm.low_targets(info.token_slots, idx_low, layer, right_of=reserved)
+        with cost_range("policy"):
+            sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
+                                      max_seqlen=max_len, cu_seqlens_q=cu_q)  # [N, H] sums of attention received
+            n = info.seq_len_of_token.unsqueeze(1)
+            pos = positions.long().unsqueeze(1)
+            count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)
+            mean = sig / count
+            if self.significance_probe is not None:
+                self.significance_probe(layer, mean, positions, info)
+            i1 = (pos + 1).float()
+            if cfg.policy == "budget":  # equal-budget pruning baseline: one precision, top tokens per head
+                is_high = budget_keep_mask(mean, positions, info.seq_len_of_token, info.seq_of_token,
+                                           info.cu_seqlens, cfg.budget, cfg.window)
+                is_low = torch.zeros_like(is_high)
+            else:
+                ah, al = info.alpha_high.unsqueeze(1), info.alpha_low.unsqueeze(1)
+                if self.layer_scale is not None:
+                    ah, al = ah * self.layer_scale[layer], al * self.layer_scale[layer]
+                is_high = (pos >= n - cfg.window) | (mean >= ah / i1)
+                is_low = ~is_high & (mean >= al / i1)
+            idx_high, n_high = _segment_index(is_high, info)
+            idx_low, n_low = _segment_index(is_low, info)
+        with cost_range("memory"):
+            if info.overflow is not None:
+                mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
+                dropped = info.overflow[info.seq_of_token].unsqueeze(1)  # an overflowed sequence's writes go nowhere
+                ph, rh = mm.high_targets(info.token_slots, idx_high.masked_fill(dropped, -1), layer)
+                pl, rl = mm.low_targets(info.token_slots, idx_low.masked_fill(dropped, -1), layer)
+            else:
+                mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
+                reserved = mm.held_high[info.token_slots, layer]  # [N, H]: low pages sit at its right end
+                ph, rh = mm.high_targets(info.token_slots, idx_high, layer)
+                pl, rl = mm.low_targets(info.token_slots, idx_low, layer, right_of=reserved)
         write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, ph, rh, positions, scores=sig)
         write_kv(mm.pool, mm.fmt_low, mm.cache_dtype, k, v, pl, rl, positions, scores=sig)
         info.n_high[:, layer] = n_high
@@ -156,6 +160,7 @@ class KVCache:
                                                         rows).to(dst.dtype)
         return k_all, v_all
 
+    @costed("memory")
     def _write_new_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, prefix: CachedPrefix) -> None:
         """diffkv: copy the prompt tokens of newly cached blocks, uncompressed, into the blocks' own pages."""
         if not prefix.insert_rows.numel():
@@ -167,6 +172,7 @@ class KVCache:
         write_kv(mm.pool, mm.prefix_fmt, mm.cache_dtype, k[r], v[r], pages.contiguous(), rows,
                  prefix.key_positions[r])
 
+    @costed("memory")
     def finish_prefill(self, info: Optional[PrefillInfo]) -> None:
         if self.diffkv and info.overflow is not None:
             self.mm.set_prompt_lengths(info.slots, info.n_high, info.n_low, info.overflow)
@@ -174,6 +180,7 @@ class KVCache:
             self.mm.finish_prompt(info.slots, info.n_high, info.n_low)
 
     # ---- generation ----------------------------------------------------------------------------------
+    @costed("memory")  # Algorithm 1 (policy) marked inside
     def prepare_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
                        alpha_high: torch.Tensor, alpha_low: torch.Tensor,
                        timed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,11 +195,12 @@ class KVCache:
         # Padding rows of a CUDA-graph batch (dummy slot, seq_len 0) must neither grow nor move anything.
         active = (seq_len > 0).to(torch.int32).view(-1, 1, 1)
         if self.diffkv:
-            plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
-                                    slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
-                                    num_queries=self.config.significance_queries,
-                                    budget=self.config.budget if self.config.policy == "budget" else None,
-                                    layer_scale=self.layer_scale)
+            with cost_range("policy"):
+                plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
+                                        slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
+                                        num_queries=self.config.significance_queries,
+                                        budget=self.config.budget if self.config.policy == "budget" else None,
+                                        layer_scale=self.layer_scale)
             new_high, new_low = plan["new_len_high"], plan["new_len_low"]
             need_low = (new_low > mm.held_low[slots] * mm.fmt_low.tokens).to(torch.int32)
             need_high = (new_high + active > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
@@ -221,6 +229,7 @@ class KVCache:
             self._mm_end()
         return out
 
+    @costed("attention")  # the new K/V write and the paged attention; the score update marked inside
     def decode_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       dst_page: torch.Tensor, dst_row: torch.Tensor, slots: torch.Tensor, scale: float,
                       max_len: int) -> torch.Tensor:
@@ -235,8 +244,9 @@ class KVCache:
         out = paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high, slots,
                                      layer, scale, max_len=max_len, fmt_low=mm.fmt_low, len_low=mm.len_low,
                                      logits_out=logits, lse_out=lse)
-        accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
-                          fmt_low=mm.fmt_low, len_low=mm.len_low)
+        with cost_range("policy"):
+            accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
+                              fmt_low=mm.fmt_low, len_low=mm.len_low)
         return out
 
     # ---- memory-management timing (no host sync on the hot path) -------------------------------------

@@ -14,6 +14,7 @@ from engine.memory import CacheShape, MemoryManager
 from engine.model import CausalLM
 from engine.model_config import ModelArch
 from engine.parallel import SINGLE, ParallelContext
+from engine.profiling import cost_range, costed
 from engine.sampler import sample
 from engine.sequence import Sequence
 
@@ -137,6 +138,7 @@ class ModelRunner:
             return _scatter(tokens, keep, len(seqs), -1), _scatter(logprobs, keep, len(seqs), 0.0)
         return self._sample(batch, logits, sample_tokens)
 
+    @costed("memory")
     def _settle_prefill(self, batch: Batch) -> None:
         """Which prompts overflowed the pool and the pages each kept, in one device read."""
         info, mm = self.attn.meta.prefill, self.mm
@@ -146,6 +148,7 @@ class ModelRunner:
         batch.overflowed = [i for i in range(n) if flat[i]]
         batch.pages_kept = batch.pages_total = flat[n:]
 
+    @costed("model")
     def _sample(self, batch: Batch, logits: torch.Tensor,
                 sample_tokens: bool) -> tuple[list[int], list[float] | None]:
         seqs = batch.seqs
@@ -204,14 +207,15 @@ class ModelRunner:
         if with_prefix:
             key_pos, *rows = prefix_t
             cached_prefix = CachedPrefix(cu_q_t, cu_t, max(lens), key_pos.int(), *rows)
-        if mm.copies_prefix:  # diffkv: new cached blocks get their own pages, written layer by layer
-            mm.alloc_blocks([b for s in seqs for b in s.prefix_inserts])
-        else:  # single precision: cached blocks become the first page-table columns
-            for s in seqs:
-                mm.attach_blocks(s.slot, s.prefix_hits)
         max_pages = max(-(-n // mm.fmt_high.tokens) for n in lens)
-        if not self.learned:
-            mm.reserve(slots, lens_t, max_pages)
+        with cost_range("memory"):
+            if mm.copies_prefix:  # diffkv: new cached blocks get their own pages, written layer by layer
+                mm.alloc_blocks([b for s in seqs for b in s.prefix_inserts])
+            else:  # single precision: cached blocks become the first page-table columns
+                for s in seqs:
+                    mm.attach_blocks(s.slot, s.prefix_hits)
+            if not self.learned:
+                mm.reserve(slots, lens_t, max_pages)
         info = None
         if self.kv.diffkv:
             B, L, H = len(seqs), mm.shape.num_layers, mm.shape.num_kv_heads
@@ -223,17 +227,21 @@ class ModelRunner:
                 info.max_new_pages = max_pages + 1  # both sections rounded up: one page over all-high at most
             dst_page = dst_row = None  # each layer's policy decides where its tokens go
         else:
-            mm.set_lengths(slots, lens_t)
-            dst_page, dst_row = mm.write_targets(q_slots_t, positions)
+            with cost_range("memory"):
+                mm.set_lengths(slots, lens_t)
+                dst_page, dst_row = mm.write_targets(q_slots_t, positions)
         max_q = max(n - h for n, h in zip(lens, hit))
         self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max_q, cu_q_t, info,
                                       cached_prefix=cached_prefix)
-        hidden = self.model(input_ids, positions.long(), self.attn)
+        with cost_range("model"):
+            hidden = self.model(input_ids, positions.long(), self.attn)
         self.kv.finish_prefill(info)
         if not mm.copies_prefix:  # the prompt's new full blocks: their pages now belong to the prefix cache
-            for s in seqs:
-                mm.adopt_blocks(s.slot, len(s.prefix_hits), s.prefix_inserts)
-        return self.model.logits(hidden[cu_q_t[1:].long() - 1])
+            with cost_range("memory"):
+                for s in seqs:
+                    mm.adopt_blocks(s.slot, len(s.prefix_hits), s.prefix_inserts)
+        with cost_range("model"):
+            return self.model.logits(hidden[cu_q_t[1:].long() - 1])
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         ids = [s.all_token_ids[-1] for s in seqs]
@@ -253,7 +261,8 @@ class ModelRunner:
         ah, al = self._alphas(seqs) if self.kv.diffkv else (None, None)
         dst_page, dst_row = self.kv.prepare_decode(slots_t, seq_len.int(), prompt_len.int(), ah, al)
         self.attn.meta = StepMetadata(False, positions, dst_page, dst_row, slots_t, max(new_lens))
-        return self.model.logits(self.model(input_ids, positions.long(), self.attn))
+        with cost_range("model"):
+            return self.model.logits(self.model(input_ids, positions.long(), self.attn))
 
 
 def _scatter(values: Optional[list], at: list[int], n: int, fill) -> Optional[list]:

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,3 +53,149 @@ def test_recorded_results_docs_are_generated_not_typed():
     assert (root / "benchmarks" / "results" / "README.md").read_text() == readme
     assert (root / "docs" / "PERFORMANCE.md").read_text() == performance
     assert "vs fp16" in performance and "Command: `python benchmarks/throughput.py" in performance
+
+
+def _load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def step_breakdown_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step_breakdown") / "step_breakdown.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    return json.loads(out.read_text())
+
+
+def test_step_breakdown_smoke(step_breakdown_json):
+    d = step_breakdown_json
+    cats = ("model", "attention", "policy", "memory", "other")
+    by_key = {}
+    for r in d["rows"]:
+        by_key.setdefault((r["mode"], r["batch"], r["seq"]), []).append(r)
+    assert set(by_key) == {(m, b, s) for m in ("fp16", "diffkv") for b in (2, 3) for s in (16, 64)}
+    skipped = [rows[0] for rows in by_key.values() if "skipped" in rows[0]]
+    # The smoke pool (48 pages) holds everything but fp16 3 x 64; a skip is exactly "does not fit".
+    assert [(r["mode"], r["batch"], r["seq"]) for r in skipped] == [("fp16", 3, 64)]
+    for (mode, batch, seq), rows in by_key.items():
+        if "skipped" in rows[0]:
+            assert len(rows) == 1 and rows[0]["pages_needed"] > rows[0]["pages_free"]
+            continue
+        assert [r["phase"] for r in rows] == ["prompt", "decode"]
+        for r in rows:
+            # Every moment of device work counts once: the categories add up to the busy time, host is the rest.
+            assert all(r[f"{c}_ms"] >= 0 for c in cats)
+            assert sum(r[f"{c}_ms"] for c in cats) == pytest.approx(r["busy_ms"], rel=1e-6)
+            assert r["host_ms"] == pytest.approx(max(0.0, r["wall_ms"] - r["busy_ms"]))
+            assert r["pct"]["host"] == pytest.approx(100 * r["host_ms"] / r["wall_ms"])
+            assert r["model_ms"] > 0 and r["attention_ms"] > 0 and r["memory_ms"] > 0
+            # Only diffkv has a compression policy: significance and classification, Algorithm 1, scores.
+            assert (r["policy_ms"] > 0) == (mode == "diffkv")
+        prompt, decode = rows
+        assert decode["seqs_per_step"] == batch and decode["preemptions"] == 0
+        assert decode["wall_source"] == "unprofiled" and decode["profiled_steps"] == decode["unprofiled_steps"] == 2
+        assert decode["mm_timer_ms"] > 0
+        # 32-token prompt steps: prompts of 64 run one per step, so later ones are timed without the profiler.
+        assert prompt["seqs_per_step"] == (1 if seq == 64 else 2)
+        assert prompt["wall_source"] == ("unprofiled" if seq == 64 else "profiled")
+    assert d["targets"]["rows"] == 0 and d["targets"]["memory"]["pass"] is None
+
+
+def test_step_breakdown_attributes_graph_replays():
+    """GPU path on synthetic profiler events: a kernel counts by its name, else by the range its launch (the
+    CUDA runtime call with its correlation id, else the torch op it came from) was in, else as other."""
+    sb = _load_script("step_breakdown")
+    E = sb.Event
+    events = [
+        E("step_breakdown::decode", 0, 1000, "range"),
+        E("diffkv::memory", 100, 200, "range"), E("cudaGraphLaunch", 110, 150, "runtime", corr=7),
+        E("diffkv::policy", 240, 270, "range"), E("aten::index", 250, 260, "op", corr=21),
+        E("diffkv::model", 300, 400, "range"), E("cudaGraphLaunch", 310, 350, "runtime", corr=8),
+        E("cudaMemcpyAsync", 50, 60, "runtime", corr=9),
+        E("cudaLaunchKernel", 2000, 2010, "runtime", corr=50),  # after the step: not counted
+        E("Memcpy HtoD (Pinned -> Device)", 60, 70, "device", corr=9),
+        E("_plan_kernel", 150, 190, "device", corr=7),  # policy by name inside the memory graph
+        E("void at::native::vectorized_elementwise_kernel<4>", 190, 230, "device", corr=7),
+        E("_move_kernel", 230, 250, "device", corr=7),
+        E("void at::native::index_elementwise_kernel", 260, 280, "device", corr=99, linked=21),
+        E("_decode_split_kernel", 350, 450, "device", corr=8),
+        E("sm90_xmma_gemm_bf16bf16_bf16f32", 450, 750, "device", corr=8),
+        E("_score_kernel", 750, 770, "device", corr=8),
+        E("_write_kv_kernel", 780, 790, "device", corr=77),  # no launch record: placed by its own start
+        E("sm90_xmma_gemm_tail", 990, 1010, "device", corr=8),  # clipped at the step's end
+        E("_write_kv_kernel", 2010, 2020, "device", corr=50),
+    ]
+    rows, unnamed = sb.step_breakdown(events)
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["phase"] == "decode" and r["wall_ms"] == pytest.approx(1.0)
+    expect = {"other": 10, "policy": 40 + 20 + 20, "memory": 40 + 20, "attention": 100 + 10, "model": 300 + 10}
+    assert {c: round(r[f"{c}_ms"] * 1e3, 6) for c in expect} == expect
+    assert r["busy_ms"] == pytest.approx(0.57) and r["no_launch"] == 1
+    assert {n: u["category"] for n, u in unnamed.items()} == {
+        "Memcpy HtoD (Pinned -> Device)": "other", "void at::native::vectorized_elementwise_kernel<4>": "memory",
+        "void at::native::index_elementwise_kernel": "policy", "sm90_xmma_gemm_bf16bf16_bf16f32": "model",
+        "sm90_xmma_gemm_tail": "model"}
+    s = sb.summarize(rows, [0.8])
+    assert s["wall_source"] == "unprofiled" and s["host_ms"] == pytest.approx(0.23)
+    assert s["pct"]["model"] == pytest.approx(100 * 0.31 / 0.8)
+
+
+def test_step_breakdown_reads_profiler_events():
+    """Which profiler events are ranges, host ops, CUDA runtime calls and device work (the rest is dropped)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    sb = _load_script("step_breakdown")
+
+    def ev(name, dev, act=None, user=False, eid=1, linked=0):
+        return SimpleNamespace(name=name, device_type=dev, activity_type=act, is_user_annotation=user,
+                               time_range=SimpleNamespace(start=1.0, end=2.0), id=eid, linked_correlation_id=linked)
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    got = sb.events_from_profiler([
+        ev("diffkv::memory", cpu, "user_annotation", True), ev("diffkv::memory", gpu, "gpu_user_annotation", True),
+        ev("step_breakdown::decode", cpu, "user_annotation", True), ev("ProfilerStep#3", cpu, "user_annotation", True),
+        ev("aten::mm", cpu, "cpu_op", eid=5), ev("cudaGraphLaunch", cpu, "cuda_runtime", eid=9, linked=5),
+        ev("cudaLaunchKernel", cpu, None, eid=10), ev("_plan_kernel", gpu, "kernel", eid=9, linked=5),
+        ev("Memcpy DtoH (Device -> Pinned)", gpu, "gpu_memcpy", eid=11), ev("annotation", gpu, "gpu_user_annotation"),
+    ])
+    assert [(e.name, e.kind, e.corr, e.linked) for e in got] == [
+        ("diffkv::memory", "range", 1, 0), ("step_breakdown::decode", "range", 1, 0), ("aten::mm", "op", 5, 0),
+        ("cudaGraphLaunch", "runtime", 9, 5), ("cudaLaunchKernel", "runtime", 10, 0),
+        ("_plan_kernel", "device", 9, 5), ("Memcpy DtoH (Device -> Pinned)", "device", 11, 0)]
+
+
+def test_step_breakdown_renders_into_recorded_docs(step_breakdown_json, tmp_path, monkeypatch):
+    """A recorded step_breakdown_H200.json appears in benchmarks/results/README.md and docs/PERFORMANCE.md."""
+    mod = _load_script("summarize_results")
+    sb = _load_script("step_breakdown")
+    readme, performance = mod.render()
+    assert "Step breakdown" not in readme and "- A per-category step breakdown" in performance
+    d = json.loads(json.dumps(step_breakdown_json))
+    d["device"] = "NVIDIA H200"
+    for r in d["rows"]:
+        if r["mode"] == "diffkv" and r["batch"] == 3:
+            r["batch"] = 64  # so the targets line has generation rows to judge
+    d["targets"] = sb.targets([r for r in d["rows"] if "skipped" not in r])
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    (tmp_path / "step_breakdown_H200.json").write_text(json.dumps(d))
+    readme, performance = mod.render()
+    decode64 = next(r for r in d["rows"] if r.get("phase") == "decode" and r["batch"] == 64 and r["seq"] == 16)
+    row = (f"| diffkv | 64 | 16 | decode | {decode64['wall_ms']:.2f} | {decode64['model_ms']:.2f} "
+           f"({decode64['pct']['model']:.1f}%) |")
+    t = d["targets"]
+    assert t["rows"] == 2
+    verdict = f"memory < 1%: {'PASS' if t['memory']['pass'] else 'FAIL'} (max {t['memory']['max_pct']:.2f}%)"
+    for text, head in ((readme, "### Step breakdown, NVIDIA H200"), (performance, "## Step breakdown, NVIDIA H200")):
+        assert head in text and row in text and verdict in text
+        assert "- skipped: fp16 batch 3 seq 64: needs 60 KV pages" in text
+        assert "Command: `python benchmarks/step_breakdown.py --smoke" in text
+    assert "- A per-category step breakdown" not in performance  # measured now
