@@ -175,6 +175,75 @@ def throughput_plot(path: Path) -> bool:
     return True
 
 
+# The service on a GPU (scripts/device/serve_sweep.sh): per KV mode, latency vs Poisson request rate and the
+# highest rate sustained under the recorded TTFT SLO; its plot is drawn from the JSON (docs/<name>.png).
+SERVE_SWEEP_RUNS = ("serve_sweep_H200.json",)
+
+
+def _sweep_module():
+    """loadtest/sweep.py, by path: the SLO rule and the plot live there, next to the numbers they read."""
+    import importlib.util
+    import sys
+
+    if "loadtest_sweep" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "loadtest" / "sweep.py"
+        spec = importlib.util.spec_from_file_location("loadtest_sweep", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["loadtest_sweep"]
+
+
+def serve_sweep_section(name: str) -> list[str]:
+    s = load(name)
+    if s is None:
+        return []
+    setup, slo, runs = s.get("setup", {}), s["slo"], s["runs"]
+    c = runs[0]["config"]
+    meets = _sweep_module().meets_slo
+    sustained = ", ".join(f"{label} {'none' if r is None else f'{r:g} req/s'}"
+                          for label, r in s["sustained_rate"].items())
+    out = [f"### The service: latency vs Poisson request rate, {s['device']} (`{name}`)", "",
+           f"`diffkv serve` (one engine replica) on loopback, {', '.join(s['models'])}: at each rate "
+           f"{c['num_requests']} streaming chat requests (`{Path(str(c['prompts'])).name}`, Poisson arrivals) of up to "
+           f"{c['max_tokens']} new tokens (natural stops), KV pool {setup.get('kv_cache_memory_gb', '?')} GiB and "
+           f"max_num_seqs {setup.get('max_num_seqs', '?')} for every mode, admission control "
+           f"{'on' if setup.get('admission') else 'off'}, prefix caching "
+           f"{'on' if setup.get('prefix_caching') else 'off'}. "
+           "Per-token latency = end-to-end latency / output tokens, queueing included (the DiffKV paper's Figure 16 "
+           "metric).", "", f"Command: `{setup.get('command', '?')}`", "",
+           f"![per-token latency and TTFT vs request rate](/docs/{Path(name).stem}.png)", "",
+           f"Highest rate sustained under the TTFT SLO (p{slo['percentile']} <= {slo['ttft_ms'] / 1000:g} s, every "
+           f"request completed, at that rate and every lower one): {sustained}.", "",
+           "| rate (req/s) | mode | completed | req/s | output tok/s | per-token ms | TTFT p50 ms | "
+           f"TTFT p{slo['percentile']} ms | TPOT p50 ms | E2E p90 ms | SLO |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def f(block, key):
+        return "-" if (block or {}).get(key) is None else f"{block[key]:.0f}"
+    rows = sorted(((r["rate"], i, run["label"], r) for i, run in enumerate(runs) for r in run["results"]
+                   if r["rate"] != "inf"), key=lambda t: t[:2])
+    for rate, _, label, r in rows:
+        out.append(f"| {rate:g} | {label} | {r['completed']}/{r['num_requests']} | {r['request_throughput']:.2f} | "
+                   f"{r['output_throughput']:.0f} | {f(r.get('per_token_latency'), 'mean')} | {f(r['ttft'], 'p50')} | "
+                   f"{f(r['ttft'], 'p' + str(slo['percentile']))} | {f(r['tpot'], 'p50')} | {f(r['e2el'], 'p90')} | "
+                   f"{'meets' if meets(r, slo['ttft_ms'], slo['percentile']) else 'misses'} |")
+    skipped = [f"{run['label']} {', '.join(map(str, run['skipped_rates']))}" for run in runs
+               if run.get("skipped_rates")]
+    if skipped:
+        out += ["", f"Rates skipped for time: {'; '.join(skipped)}."]
+    return out + [""]
+
+
+def serve_sweep_plot(name: str, path: Path) -> bool:
+    """The per-token latency / TTFT figure of a recorded serve sweep (loadtest/sweep.py's plot_per_token)."""
+    s = load(name)
+    if s is None:
+        return False
+    _sweep_module().plot_per_token(s["runs"], path, s["slo"]["ttft_ms"], s["slo"]["percentile"])
+    return True
+
+
 def results_sections() -> list[str]:
     lines = decode_section("decode_throughput_H100.json") + decode_section("decode_throughput_H200.json")
     for name, title, _, _ in THROUGHPUT_RUNS:
@@ -184,6 +253,8 @@ def results_sections() -> list[str]:
     lines += mm_section("memory_manager_H200.json", "memory management captured in the decode CUDA graph")
     for name in STEP_BREAKDOWN_RUNS:
         lines += step_breakdown_section(name)
+    for name in SERVE_SWEEP_RUNS:
+        lines += serve_sweep_section(name)
     return lines
 
 
@@ -218,6 +289,8 @@ def render() -> tuple[str, str]:
     body = [ln.replace("### ", "## ", 1) if ln.startswith("### ") else ln for ln in results_sections()]
     measured = any(load(name) is not None for name in STEP_BREAKDOWN_RUNS)
     still_open = [ln for ln in PERFORMANCE_OPEN if not (measured and ln.startswith("- A per-category step breakdown"))]
+    serve_measured = any(load(name) is not None for name in SERVE_SWEEP_RUNS)
+    still_open = [ln for ln in still_open if not (serve_measured and ln.startswith("- The service on a GPU"))]
     return "\n".join(lines), "\n".join(intro + body + still_open)
 
 
@@ -226,6 +299,8 @@ def main() -> None:
     (RESULTS / "README.md").write_text(readme)
     print(f"wrote {RESULTS / 'README.md'}")
     throughput_plot(DOCS / "throughput_H200.png")
+    for name in SERVE_SWEEP_RUNS:
+        serve_sweep_plot(name, DOCS / f"{Path(name).stem}.png")
     (DOCS / "PERFORMANCE.md").write_text(performance)
     print(f"wrote {DOCS / 'PERFORMANCE.md'}")
 

@@ -199,3 +199,52 @@ def test_step_breakdown_renders_into_recorded_docs(step_breakdown_json, tmp_path
         assert "- skipped: fp16 batch 3 seq 64: needs 60 KV pages" in text
         assert "Command: `python benchmarks/step_breakdown.py --smoke" in text
     assert "- A per-category step breakdown" not in performance  # measured now
+
+
+def _serve_run(label, ttft_p90_ms, per_token_ms, skipped=()):
+    results = [{"rate": rate, "num_requests": 4, "completed": 4, "request_throughput": rate * 0.9,
+                "output_throughput": rate * 400.0, "ttft": {"p50": t / 2, "p90": t}, "tpot": {"p50": 12.0},
+                "e2el": {"p90": 9000.0}, "per_token_latency": {"mean": p}}
+               for rate, t, p in zip((0.5, 1, 2), ttft_p90_ms, per_token_ms)]
+    return {"label": label, "model": "SmolLM2-135M-Instruct-Q4_1", "results": results, "skipped_rates": list(skipped),
+            "config": {"num_requests": 4, "max_tokens": 512, "prompts": "scripts/device/long_prompts.jsonl"}}
+
+
+def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
+    """A recorded serve_sweep_H200.json (scripts/device/serve_sweep.sh) appears in both documents, with the
+    sustained rates under its SLO, a row per rate and mode, and its plot drawn from the JSON."""
+    mod = _load_script("summarize_results")
+    readme, performance = mod.render()
+    assert "The service: latency" not in readme and "- The service on a GPU" in performance
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    assert mod.serve_sweep_section("serve_sweep_H200.json") == [] and not mod.serve_sweep_plot(
+        "serve_sweep_H200.json", tmp_path / "none.png")
+    sweep = mod._sweep_module()
+    runs = [_serve_run("fp16", [400, 2600, 9000], [14.5, 41.0, 220.0]),
+            _serve_run("diffkv", [300, 900, 3000], [13.0, 16.2, 95.0], skipped=[4])]
+    runs[0]["results"][0]["completed"] = 3  # one request failed at 0.5 req/s: fp16 sustains no rate
+    setup = {"command": "bash scripts/device/serve_sweep.sh --rates 0.5,1,2", "kv_cache_memory_gb": 0.125,
+             "max_num_seqs": 64, "admission": False, "prefix_caching": False}
+    record = sweep.slo_summary(runs, ttft_ms=2000, percentile=90, device="NVIDIA H200", setup=setup)
+    assert record["sustained_rate"] == {"fp16": None, "diffkv": 1}
+    (tmp_path / "serve_sweep_H200.json").write_text(json.dumps(record))
+    readme, performance = mod.render()
+    for text, head in ((readme, "### The service: latency vs Poisson request rate, NVIDIA H200"),
+                       (performance, "## The service: latency vs Poisson request rate, NVIDIA H200")):
+        assert head in text
+        assert "Highest rate sustained under the TTFT SLO (p90 <= 2 s, every request completed, at that rate and " \
+               "every lower one): fp16 none, diffkv 1 req/s." in text
+        assert "KV pool 0.125 GiB and max_num_seqs 64 for every mode, admission control off, prefix caching off" in text
+        assert "Command: `bash scripts/device/serve_sweep.sh --rates 0.5,1,2`" in text
+        assert "![per-token latency and TTFT vs request rate](/docs/serve_sweep_H200.png)" in text
+        # rows by rate, then in the record's run order
+        lines = [ln for ln in text.splitlines() if ln.startswith("| 0.5 |") or ln.startswith("| 1 |")]
+        assert lines == ["| 0.5 | fp16 | 3/4 | 0.45 | 200 | 14 | 200 | 400 | 12 | 9000 | misses |",
+                         "| 0.5 | diffkv | 4/4 | 0.45 | 200 | 13 | 150 | 300 | 12 | 9000 | meets |",
+                         "| 1 | fp16 | 4/4 | 0.90 | 400 | 41 | 1300 | 2600 | 12 | 9000 | misses |",
+                         "| 1 | diffkv | 4/4 | 0.90 | 400 | 16 | 450 | 900 | 12 | 9000 | meets |"]
+        assert "Rates skipped for time: diffkv 4." in text
+    assert "- The service on a GPU" not in performance  # measured now
+    png = tmp_path / "serve_sweep_H200.png"
+    assert mod.serve_sweep_plot("serve_sweep_H200.json", png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
