@@ -189,8 +189,13 @@ class _FakeServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def handle(self, reader, writer):
-        while (await reader.readline()) not in (b"\r\n", b""):
-            pass  # headers; the body (JSON) is ignored
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        # Read the body (ignored) before answering: closing with unread bytes resets the connection, which the
+        # client can see as a failed request (a flaky count).
+        await reader.readexactly(length)
         self.requests += 1
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
         for line in _events(["tok"] * self.tokens, usage={"prompt_tokens": 4, "completion_tokens": self.tokens})[:-2]:
