@@ -128,6 +128,11 @@ THROUGHPUT_RUNS = (
     ("throughput_warm_cache_H200.json", "Generation throughput, fp16 vs diffkv, warm kernel cache",
      "fp16 vs diffkv, warm cache", "Taken after other runs on the same machine, so every kernel variant was "
      "already compiled: the cleanest fp16 vs diffkv ratio recorded."),
+    ("throughput_quartered_H200.json", "Generation throughput after the decode-kernel rewrite, warm kernel cache",
+     "after kernel rewrite, warm", "Session 4, after the quartered PTX-unpacking decode kernel: every mode ran the "
+     "workload once untimed first (--warmup full). Preemption counts include that warm-up run. SmolLM2's head_dim "
+     "64 is where the new kernel gains least (decode_kernel_variants_H200.json), so diffkv is not faster here than "
+     "in the warm-cache run above (different machine; ~5% run-to-run spread)."),
     ("throughput_H200.json", "Generation throughput per KV mode, long generations", "KV modes, cold cache",
      "Fresh machine: each mode compiled its own kernel variants inside its timing (cold Triton cache), which "
      "penalises the quantized modes; compare with the warm-cache run above."),
@@ -143,6 +148,30 @@ THROUGHPUT_RUNS = (
      "admission, cold, worst-case 2nd", "Order reversed: now worst-case looks faster. The order (compilation), "
      "not the rule, made the difference in these two cold runs."),
 )
+
+
+TENSOR_PARALLEL_RUNS = ("tensor_parallel_H200.json",)
+
+
+def tensor_parallel_section(name: str) -> list[str]:
+    t = load(name)
+    if t is None:
+        return []
+    lines = [f"### Tensor parallelism, {t['device']} x {max(t['tp'])} (`{name}`)", "",
+             f"Random-weight `{t['model']}`, kv_mode {t['kv_mode']}, NCCL with NVLink multicast off "
+             "(scripts/device/tp_bench.sh). Log: `tensor_parallel_H200.log`.", "", f"Command: `{t['command']}`", "",
+             "| TP | check dtype | greedy tokens equal TP=1 | token match | max prompt-logit diff |",
+             "|---:|---|---|---:|---:|"]
+    for c in t["checks"]:
+        lines.append(f"| {c['tp']} | {c['dtype']} | {c['tokens_equal']} | {c['token_match_fraction']:.3f} | "
+                     f"{c['prompt_logits_max_abs_diff']:.2e} |")
+    lines += ["", "| TP | batch | decode tok/s | step ms | vs TP=1 |", "|---:|---:|---:|---:|---:|"]
+    for r in t["rows"]:
+        lines.append(f"| {r['tp']} | {r['batch']} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} | "
+                     f"{r['speedup_vs_tp1']:.2f} |")
+    return lines + ["", "_One short run per shape (128 new tokens); the step times move a lot between batch sizes "
+                        "(TP=1 batch 32 slower per step than batch 128), so the throughput columns are indicative "
+                        "only; the correctness check is the result._", ""]
 
 
 def run_note(name: str) -> list[str]:
@@ -255,6 +284,8 @@ def results_sections() -> list[str]:
         lines += step_breakdown_section(name)
     for name in SERVE_SWEEP_RUNS:
         lines += serve_sweep_section(name)
+    for name in TENSOR_PARALLEL_RUNS:
+        lines += tensor_parallel_section(name)
     return lines
 
 
@@ -283,12 +314,16 @@ def render() -> tuple[str, str]:
     lines += results_sections()
     lines += ["CUDA test logs: `cuda_tests_H100.log` (engine + kernels, H100), `kernels_cuda_H200.log` (all kernels, "
               "H200), `engine_cuda_H200_before_dummy_fix.log` (the run that exposed the padding-row page leak, "
-              "fixed afterwards), `engine_cuda_graphs_H200.log` (the CUDA-graph engine tests after the fix).", ""]
+              "fixed afterwards), `engine_cuda_graphs_H200.log` (the CUDA-graph engine tests after the fix), "
+              "`kernels_cuda_decode_H200.log` (decode attention + score update after the kernel rewrite: 46 passed, "
+              "the run was stopped by its time limit before printing its summary).", ""]
     has_plot = any(load(run[0]) is not None for run in THROUGHPUT_RUNS)
     intro = PERFORMANCE_INTRO if has_plot else PERFORMANCE_INTRO[:4]
     body = [ln.replace("### ", "## ", 1) if ln.startswith("### ") else ln for ln in results_sections()]
     measured = any(load(name) is not None for name in STEP_BREAKDOWN_RUNS)
     still_open = [ln for ln in PERFORMANCE_OPEN if not (measured and ln.startswith("- A per-category step breakdown"))]
+    tp_measured = any(load(name) is not None for name in TENSOR_PARALLEL_RUNS)
+    still_open = [ln for ln in still_open if not (tp_measured and ln.startswith("- Tensor parallelism on 2 GPUs"))]
     serve_measured = any(load(name) is not None for name in SERVE_SWEEP_RUNS)
     still_open = [ln for ln in still_open if not (serve_measured and ln.startswith("- The service on a GPU"))]
     return "\n".join(lines), "\n".join(intro + body + still_open)

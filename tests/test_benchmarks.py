@@ -177,6 +177,7 @@ def test_step_breakdown_renders_into_recorded_docs(step_breakdown_json, tmp_path
     """A recorded step_breakdown_H200.json appears in benchmarks/results/README.md and docs/PERFORMANCE.md."""
     mod = _load_script("summarize_results")
     sb = _load_script("step_breakdown")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded yet
     readme, performance = mod.render()
     assert "Step breakdown" not in readme and "- A per-category step breakdown" in performance
     d = json.loads(json.dumps(step_breakdown_json))
@@ -214,9 +215,9 @@ def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
     """A recorded serve_sweep_H200.json (scripts/device/serve_sweep.sh) appears in both documents, with the
     sustained rates under its SLO, a row per rate and mode, and its plot drawn from the JSON."""
     mod = _load_script("summarize_results")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded yet
     readme, performance = mod.render()
     assert "The service: latency" not in readme and "- The service on a GPU" in performance
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)
     assert mod.serve_sweep_section("serve_sweep_H200.json") == [] and not mod.serve_sweep_plot(
         "serve_sweep_H200.json", tmp_path / "none.png")
     sweep = mod._sweep_module()
