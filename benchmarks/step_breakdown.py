@@ -44,7 +44,7 @@ from engine.profiling import CATEGORIES as RANGE_CATEGORIES, PREFIX as RANGE_PRE
 # policy's Algorithm 1 and the forward graph the attention and score-update kernels. Triton kernels by their
 # function names in kernels/*.py; vendor attention kernels in case a backend brings them.
 KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
-    (r"\b_decode_\w*kernel|decode_attention|paged_attention", "attention"),
+    (r"\b_?decode_\w*kernel|decode_attention|paged_attention", "attention"),
     (r"\b_prefill_kernel|flash|fmha", "attention"),
     (r"\b_write_kv_kernel", "attention"),  # the layer's new K/V into its pages (and diffkv's prefix-cache copies)
     (r"\b_plan_kernel", "policy"),  # Algorithm 1 (kernels/compression_plan.py)
