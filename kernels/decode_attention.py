@@ -25,7 +25,7 @@ from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, se
 from kernels.page_layout import PageFormat
 from kernels.quant import read_pages_ref
 from kernels.decode_attention_f16 import decode_f16_kernel
-from kernels.sections import section_columns, section_page
+from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 4  # below this, the partial-result traffic outweighs the extra parallelism
@@ -311,9 +311,7 @@ def _decode_split_kernel(
     pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
     # This split's token range, in whole BLOCK_N blocks; lengths differ per (sequence, head). The split count
     # is a runtime value: one compiled variant serves every sequence length.
-    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(length, lo + per_split)
+    lo, hi = split_range(length, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     hq = h * GROUP + g
@@ -345,9 +343,7 @@ def _decode_split_kernel(
     if HAS_LOW:
         # The low section (its own format, pages from the right end of the row), split the same way.
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
-        per_split_lo = tl.cdiv(tl.cdiv(length_lo, BLOCK_N), num_splits) * BLOCK_N
-        lo_lo = split * per_split_lo
-        hi_lo = tl.minimum(length_lo, lo_lo + per_split_lo)
+        lo_lo, hi_lo = split_range(length_lo, split, num_splits, BLOCK_N)
         m_i, l_i, a0, a1, a2, a3 = _attend_section(
             q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8,
             pool_h, page_elems, page_bytes, lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, gmask,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.sections import section_page
+from kernels.sections import section_page, split_range
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
@@ -27,9 +27,7 @@ def decode_f16_kernel(
     slot = tl.load(slots_ptr + b).to(tl.int64)
     length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
     pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
-    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(length, lo + per_split)
+    lo, hi = split_range(length, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)

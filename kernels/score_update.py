@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels._common import next_pow2, num_sms, use_triton
 from kernels.page_layout import PageFormat
-from kernels.sections import section_columns, section_page
+from kernels.sections import section_columns, section_page, split_range
 
 MAX_SPLITS = 64
 
@@ -54,15 +54,13 @@ def _score_kernel(
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
 
     length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
-    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
-    lo = split * per_split
-    _score_section(pool_f32, pt_row, 0, lo, tl.minimum(length, lo + per_split), logit_rows, 0, lse, gmask,
+    lo, hi = split_range(length, split, num_splits, BLOCK_N)
+    _score_section(pool_f32, pt_row, 0, lo, hi, logit_rows, 0, lse, gmask,
                    page_words, score_off, T, False, BLOCK_N)
     if HAS_LOW:
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
-        per_split = tl.cdiv(tl.cdiv(length_lo, BLOCK_N), num_splits) * BLOCK_N
-        lo = split * per_split
-        _score_section(pool_f32, pt_row, low_col0, lo, tl.minimum(length_lo, lo + per_split), logit_rows,
+        lo, hi = split_range(length_lo, split, num_splits, BLOCK_N)
+        _score_section(pool_f32, pt_row, low_col0, lo, hi, logit_rows,
                        length, lse, gmask, page_words, lscore_off, T_LO, True, BLOCK_N)
 
 

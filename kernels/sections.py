@@ -21,3 +21,11 @@ def section_page(pt_row, col0, t, mask, T: tl.constexpr, LOW: tl.constexpr):
 def section_columns(j: torch.Tensor, tokens: int, low: bool, table_width: int) -> torch.Tensor:
     """Page-table columns of section tokens j; table_width = page_table.shape[-1] = P + 1."""
     return (table_width - 2 - j // tokens) if low else j // tokens
+
+
+@triton.jit
+def split_range(length, split, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens [lo, hi) of a section that program `split` of `num_splits` covers, in whole BLOCK_N blocks."""
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
+    lo = split * per_split
+    return lo, tl.minimum(length, lo + per_split)
