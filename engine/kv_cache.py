@@ -293,9 +293,12 @@ class KVCache:
 def _segment_index(mask: torch.Tensor, info: PrefillInfo) -> tuple[torch.Tensor, torch.Tensor]:
     """Index of each selected token within its sequence's section ([N, H], -1 if not selected) and the
     section sizes per sequence ([B, H]): a prefix sum over the packed tokens, rebased at each sequence."""
-    x = mask.to(torch.int32)
-    incl = torch.cumsum(x, 0, dtype=torch.int32)
-    excl = incl - x
+    # One flat scan over the head-major [H, N] copy: a scan along dim 0 of [N, H] runs only H columns in
+    # parallel (35 ms at N = 16k tokens on an H200). The scan runs on across heads, which the per-sequence
+    # rebase below cancels (a sequence never spans two heads' rows).
+    x = mask.t().contiguous().to(torch.int32)  # [H, N]
+    incl = torch.cumsum(x.view(-1), 0, dtype=torch.int32).view_as(x).t()  # [N, H]
+    excl = incl - x.t()
     starts = info.cu_seqlens[:-1].long()
     ends = info.cu_seqlens[1:].long() - 1
     base = excl[starts]  # [B, H]
