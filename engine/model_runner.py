@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from engine.attention import PagedAttention, StepMetadata
@@ -104,9 +105,9 @@ class ModelRunner:
             nbytes = 0.5 * 2**30
         return MemoryManager.pages_for_bytes(shape, self.dtype, nbytes)
 
-    def _to_device(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """Several int lists in one host-to-device copy (int64)."""
-        host = torch.tensor([x for r in rows for x in r], dtype=torch.int64)
+    def _to_device(self, rows: list) -> list[torch.Tensor]:
+        """Several int lists / numpy arrays in one host-to-device copy (int64)."""
+        host = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))
         packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
         return list(packed.split([len(r) for r in rows]))
 
@@ -183,24 +184,29 @@ class ModelRunner:
         # Each prompt's first `hit` tokens come from prefix-cache blocks: only the rest is computed (queries),
         # while keys (attention, diffkv's classification and writes) span the whole prompt.
         hit = [len(s.prefix_hits) * mm.prefix_block_tokens for s in seqs]
-        ids, pos, cu, seq_of_token, len_of_token, cu_q = [], [], [0], [], [], [0]
-        for i, s in enumerate(seqs):
-            toks = s.all_token_ids  # recompute after preemption re-reads the outputs too
-            ids.extend(toks[hit[i]:])
-            pos.extend(range(hit[i], len(toks)))
-            cu.append(cu[-1] + len(toks))
-            cu_q.append(cu_q[-1] + len(toks) - hit[i])
-            seq_of_token.extend([i] * len(toks))
-            len_of_token.extend([len(toks)] * len(toks))
-        self.num_prefill_tokens += len(ids)
+        # Per-token rows built with numpy: a prompt step carries up to max_num_batched_tokens tokens, and
+        # Python lists of that many ints (then torch.tensor of them) cost milliseconds per step.
         lens = [s.num_tokens for s in seqs]
-        token_slots = [s.slot for s in seqs for _ in range(s.num_tokens)]
-        q_slots = [s.slot for i, s in enumerate(seqs) for _ in range(s.num_tokens - hit[i])]
+        n_q = [n - h for n, h in zip(lens, hit)]
+        lens_np, q_np = np.array(lens, dtype=np.int64), np.array(n_q, dtype=np.int64)
+        slots_np = np.array([s.slot for s in seqs], dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens_np)])
+        cu_q = np.concatenate([[0], np.cumsum(q_np)])
+        # recompute after preemption re-reads the outputs too
+        ids = np.concatenate([np.array(s.all_token_ids[h:], dtype=np.int64) for s, h in zip(seqs, hit)])
+        seq_np = np.arange(len(seqs))
+        seq_of_token = np.repeat(seq_np, lens_np)
+        len_of_token = np.repeat(lens_np, lens_np)
+        token_slots = np.repeat(slots_np, lens_np)
+        q_slots = np.repeat(slots_np, q_np)
+        # position of each computed token: hit .. n-1 per sequence
+        pos = np.arange(int(cu_q[-1]), dtype=np.int64) - np.repeat(cu_q[:-1] - np.array(hit, dtype=np.int64), q_np)
+        self.num_prefill_tokens += len(ids)
         with_prefix = any(hit) or (mm.copies_prefix and any(s.prefix_inserts for s in seqs))
-        prefix_lists = (_cached_prefix_lists(seqs, hit, cu, mm.prefix_block_tokens, mm.copies_prefix)
+        prefix_lists = (_cached_prefix_lists(seqs, hit, cu.tolist(), mm.prefix_block_tokens, mm.copies_prefix)
                         if with_prefix else [])
         (input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t, q_slots_t, cu_q_t,
-         *prefix_t) = self._to_device([ids, pos, [s.slot for s in seqs], lens, token_slots, cu, seq_of_token,
+         *prefix_t) = self._to_device([ids, pos, slots_np, lens, token_slots, cu, seq_of_token,
                                        len_of_token, q_slots, cu_q, *prefix_lists])
         positions, slots, lens_t, cu_t, cu_q_t = positions.int(), slots.int(), lens_t.int(), cu_t.int(), cu_q_t.int()
         cached_prefix = None

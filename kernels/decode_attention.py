@@ -28,7 +28,12 @@ from kernels.decode_attention_f16 import decode_f16_kernel
 from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
-MIN_BLOCKS_PER_SPLIT = 4  # below this, the partial-result traffic outweighs the extra parallelism
+# Work in flight per SM that the split count aims for, in warps x (head_dim / 64): a decode program streams one
+# (sequence, KV head) serially, so batch x KV heads alone leaves SMs idle or starved of loads (decode_splits
+# sweep on an H200, benchmarks/results/decode_splits_H200.json: at SmolLM2's 3 KV heads and head_dim 64,
+# batch 16 ran 3x faster split 8 ways than the old rule's 2, batch 64 1.4x faster split 2 ways than unsplit;
+# at the 8B shape (8 KV heads, head_dim 128) batch >= 32 stays unsplit).
+TARGET_WARP_DIMS_PER_SM = 12
 MAX_SPLITS = 64
 
 
@@ -413,14 +418,15 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None) -> LaunchConfig:
     return LaunchConfig(128, 2, 1, v_early=True)
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
-    """Enough splits for ~2 programs per SM when batch * kv_heads alone can't fill the GPU."""
-    programs = batch * kv_heads
-    sms = num_sms(device)
-    if programs >= sms or max_len <= 0:
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int,
+                      num_warps: int = 4, head_dim: int = 128) -> int:
+    """Splits per (sequence, KV head) so that about TARGET_WARP_DIMS_PER_SM warps x head_dim / 64 run per SM;
+    at least one BLOCK_N tile per split (of max_len tokens), at most MAX_SPLITS."""
+    if max_len <= 0:
         return 1
-    by_length = triton.cdiv(triton.cdiv(max_len, block_n), MIN_BLOCKS_PER_SPLIT)
-    return max(1, min(triton.cdiv(2 * sms, programs), by_length, MAX_SPLITS))
+    work = batch * kv_heads * num_warps * max(1, head_dim // 64)
+    wanted = TARGET_WARP_DIMS_PER_SM * num_sms(device) // max(work, 1)
+    return max(1, min(wanted, triton.cdiv(max_len, block_n), MAX_SPLITS))
 
 
 def _check_low(fmt: PageFormat, fmt_low: PageFormat | None, len_low, cache_dtype, for_triton: bool) -> bool:
@@ -543,8 +549,9 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     block_n = block_n or cfg.block_n
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
+    warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, max_len, q.device, block_n)
+        num_splits = choose_num_splits(B, Hkv, max_len, q.device, block_n, warps, D)
     group = Hq // Hkv
     BLOCK_D = max(16, next_pow2(D))
     if num_splits > 1:
@@ -557,7 +564,6 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     logits = logits_out if logits_out is not None else out  # unused when absent
     lse = lse_out if lse_out is not None else out
     dot_fp32 = dot_in_fp32(q, pool) or q.dtype == torch.float32 or cache_dtype == torch.float32
-    warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if not has_low and fmt.key_bits == fmt.value_bits == 16:
         decode_f16_kernel[(B, Hkv, num_splits)](
             q, pc, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse,

@@ -18,6 +18,15 @@ def test_decode_throughput_smoke(tmp_path):
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in rows)
 
 
+def test_decode_splits_smoke(tmp_path):
+    out = tmp_path / "splits.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_splits.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["precision"] for r in rows] == ["fp16", "K4V4", "mix"]
+    assert all(set(r["us"]) == {"1", "2"} and r["best_us"] == min(r["us"].values()) for r in rows)
+
+
 def test_memory_manager_smoke(tmp_path):
     out = tmp_path / "mm.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--out", str(out)],

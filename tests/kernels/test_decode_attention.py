@@ -127,6 +127,10 @@ def test_choose_num_splits():
     assert choose_num_splits(64, 8, 4096, dev, 64) == 1  # batch * heads fills the GPU
     assert choose_num_splits(1, 8, 32, dev, 64) == 1  # too short to split
     assert 1 < choose_num_splits(1, 8, 32768, dev, 64) <= 64
+    # SmolLM2's shape (3 KV heads, head_dim 64, 2-warp quantized programs): batch 64 alone starves the SMs
+    assert choose_num_splits(64, 3, 8192, dev, 128, num_warps=2, head_dim=64) > 1
+    assert choose_num_splits(16, 3, 1024, dev, 128, num_warps=2, head_dim=64) == 8  # one 128-token tile each
+    assert choose_num_splits(32, 8, 4096, dev, 128, num_warps=4, head_dim=128) == 1
 
 
 # ------------------------------------------------------------------ quantized pages, high + low sections

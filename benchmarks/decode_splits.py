@@ -1,0 +1,119 @@
+"""Decode attention time vs split count (num_splits) at a model's head shape, inside a CUDA graph.
+
+The split count decides how many programs stream one (sequence, KV head)'s tokens. `choose_num_splits` picks
+it from the batch, the KV heads and the SM count; this sweep times every split count of --splits beside the
+automatic choice, per precision and (batch, seq), so the heuristic can be checked at small head shapes
+(SmolLM2: 9 query / 3 KV heads, head_dim 64), where batch * KV heads alone leaves most SMs idle.
+Times are do_bench_cudagraph medians (a graph of back-to-back calls rotating among cache copies, as in a
+CUDA-graph decode step); diffkv rows also write per-token logits and the lse, as the engine's decode does.
+
+Usage (GPU):  python benchmarks/decode_splits.py --hq 9 --hkv 3 --head-dim 64 --batches 16 64 --seqs 1024 4096
+Smoke (CPU):  python benchmarks/decode_splits.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result  # noqa: E402
+from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
+
+from kernels.decode_attention import choose_num_splits, launch_config, paged_decode_attention  # noqa: E402
+from kernels.page_layout import page_bytes_for  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--precisions", nargs="+", default=["fp16", "K4V4", "mix"], help="names or KxVy[+KxVy]")
+    ap.add_argument("--hq", type=int, default=9)
+    ap.add_argument("--hkv", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16, help="page_bytes = a fp16 page of this many tokens")
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--rep", type=float, default=20, help="do_bench_cudagraph rep (ms)")
+    ap.add_argument("--bandwidth", type=float, default=3.0e12)
+    ap.add_argument("--l2-bytes", type=float, default=50e6)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, torch reference timings")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    if args.smoke:
+        args.batches, args.seqs, args.splits, args.hq, args.hkv, args.head_dim = [2], [40], [1, 2], 4, 2, 32
+    D, dt = args.head_dim, torch.float16
+    page_bytes = page_bytes_for(args.block_size, D, 2)
+    rows = []
+    print(f"{'prec':>6} {'B':>4} {'S':>6} {'auto':>5}  " + "  ".join(f"{'s=' + str(s):>8}" for s in args.splits)
+          + "   best  GB/s(best)")
+    for prec in args.precisions:
+        fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), D, page_bytes, 2)
+        diffkv = fmt_lo is not None
+        for B in args.batches:
+            for S in args.seqs:
+                K, V = make_kv(B, args.hkv, S, D, dt, dev, seed=0)
+                pool, pt, lens, len_lo = build_paged(K, V, fmt_hi, fmt_lo, dt, 0, impl="auto")
+                del K, V
+                kv_bytes, qo = read_bytes(fmt_hi, fmt_lo, B, args.hq, args.hkv, S, 2)
+                n = copies_for(pool.numel(), int(args.l2_bytes)) if cuda else 1
+                pools = [pool] + [pool.clone() for _ in range(n - 1)]
+                q = torch.randn(B, args.hq, D, device=dev, dtype=dt)
+                slots = torch.arange(B, dtype=torch.int32, device=dev)
+                logits = torch.empty(B, args.hq, S, dtype=torch.float32, device=dev) if diffkv else None
+                lse = torch.empty(B, args.hq, dtype=torch.float32, device=dev) if diffkv else None
+                out = torch.empty_like(q)
+                cfg = launch_config(fmt_hi, fmt_lo)
+                auto = choose_num_splits(B, args.hkv, S, dev, cfg.block_n, cfg.num_warps, D) if cuda else 1
+                ref = None
+                times = {}
+                for splits in args.splits:
+                    def call(k, splits=splits):
+                        return paged_decode_attention(q, pools[k], fmt_hi, dt, pt, lens, slots, 0, num_splits=splits,
+                                                      max_len=S, out=out, fmt_low=fmt_lo, len_low=len_lo,
+                                                      logits_out=logits, lse_out=lse,
+                                                      impl="triton" if cuda else "ref")
+                    got = call(0).float().clone()
+                    ref = got if ref is None else ref
+                    err = float((got - ref).abs().max())
+                    if err > 4e-3 * (1 + float(ref.abs().max())):
+                        raise RuntimeError(f"{prec} B{B} S{S}: num_splits={splits} differs from num_splits="
+                                           f"{args.splits[0]} by {err:.3e}")
+                    if cuda:
+                        import triton.testing
+                        t = triton.testing.do_bench_cudagraph(rotating(call, n), rep=args.rep, return_mode="median")
+                        times[splits] = 1e3 * t
+                    else:
+                        import time
+                        t0 = time.perf_counter()
+                        call(0)
+                        times[splits] = 1e6 * (time.perf_counter() - t0)
+                best = min(times, key=times.get)
+                gbs = (kv_bytes + qo) / (times[best] * 1e-6) / 1e9
+                rows.append({"precision": prec, "batch": B, "seq": S, "auto_splits": auto,
+                             "us": {str(k): v for k, v in times.items()}, "best_splits": best,
+                             "auto_us": times.get(auto), "best_us": times[best], "kv_bytes": kv_bytes,
+                             "best_pct_bw": 100 * (kv_bytes + qo) / (times[best] * 1e-6) / args.bandwidth})
+                print(f"{prec:>6} {B:>4} {S:>6} {auto:>5}  " + "  ".join(f"{times[s]:8.1f}" for s in args.splits)
+                      + f"   {best:>4}  {gbs:8.0f}", flush=True)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {"benchmark": "decode_splits", "device": device, "torch": torch.__version__,
+              "command": "python benchmarks/decode_splits.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "config": vars(args), "rows": rows}
+    if args.out or cuda:
+        write_result(result, "decode_splits", device, args.out, args.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
