@@ -250,7 +250,7 @@ class ModelRunner:
             return self.model.logits(hidden[cu_q_t[1:].long() - 1])
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        ids = [s.all_token_ids[-1] for s in seqs]
+        ids = [(s.output_token_ids or s.prompt_token_ids)[-1] for s in seqs]  # all_token_ids would copy both lists
         pos = [s.num_cached for s in seqs]
         slots = [s.slot for s in seqs]
         new_lens = [s.num_cached + 1 for s in seqs]

@@ -68,7 +68,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_overflows = 0  # learned admission: prefills redone because their pages did not fit
         self.footprint = FootprintEstimator(config) if config.admission == "learned" else None
-        self._growth: Optional[dict[int, int]] = None  # learned: slot -> pages its next decode step may take
+        self._growth_by_slot: Optional[dict[int, int]] = None  # learned: slot -> pages its next decode step may take
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,20 +91,25 @@ class Scheduler:
         seq.num_cached = 0
         self._drop_prefix_refs(seq)
 
+    def _growth(self, seq: Sequence) -> int:
+        """Pages one running sequence's next decode step may take."""
+        if self._growth_by_slot is not None:
+            return self._growth_by_slot[seq.slot]
+        return self.mm.pages_to_grow(seq.num_cached, seq.num_cached + 1)
+
     def _decode_demand(self) -> int:
-        if self._growth is not None:
-            return sum(self._growth[s.slot] for s in self.running)
-        return sum(self.mm.pages_to_grow(s.num_cached, s.num_cached + 1) for s in self.running)
+        return sum(map(self._growth, self.running))
 
     def schedule(self) -> tuple[Optional[Batch], list[Sequence]]:
         """The next batch (or None when idle), and sequences that must finish because they cannot grow."""
         if self.footprint is not None:
             slots = [s.slot for s in self.running]
             free, growth = self.mm.step_view(slots)
-            self._growth = dict(zip(slots, growth))
+            self._growth_by_slot = dict(zip(slots, growth))
         else:
             free = self.mm.free_pages()
-        prefill = self._admit(free)
+        demand = self._decode_demand()  # once per step: a per-sequence sum is the scheduler's main host cost
+        prefill = self._admit(free, demand)
         if prefill:
             return Batch(True, prefill), []
         if not self.running:
@@ -112,14 +117,15 @@ class Scheduler:
                 return None, [self.waiting.popleft()]  # could never fit, even in an empty pool
             return None, []
         stuck: list[Sequence] = []
-        while self._decode_demand() > free:
+        while demand > free:
             if self.prefix_cache is not None and self.prefix_cache.num_evictable:
-                free += self._evict(self._decode_demand() - free)
+                free += self._evict(demand - free)
                 continue
             if len(self.running) == 1:
                 # Alone and still out of pages: the pool cannot hold this sequence any longer.
                 stuck.append(self.running.pop())
                 break
+            demand -= self._growth(self.running[-1])
             free += self.preempt_last()
         return (Batch(False, list(self.running)) if self.running else None), stuck
 
@@ -137,12 +143,13 @@ class Scheduler:
         log.debug("preempted %s (recompute)", victim.request_id)
         return pages
 
-    def _admit(self, free: int) -> list[Sequence]:
-        """FCFS prompts that fit the token budget, the slots and the pages (worst case), in order."""
+    def _admit(self, free: int, demand: int) -> list[Sequence]:
+        """FCFS prompts that fit the token budget, the slots and the pages (worst case), in order.
+        demand: pages the running sequences' next decode step may take."""
         cfg, mm = self.config, self.mm
         budget = cfg.max_num_batched_tokens
         # Keep one decode step's growth for everyone already running, so admission cannot force preemption.
-        free -= self._decode_demand()
+        free -= demand
         admitted: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
