@@ -28,6 +28,7 @@ from kernels.compression_plan import compression_plan
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_move import move_tokens
 from kernels.kv_write import write_kv
+from kernels.prompt_classify import classify_prompt, prompt_mean_significance, segment_index
 from kernels.prompt_significance import budget_keep_mask, prompt_significance
 from kernels.quant import read_rows_ref
 from kernels.score_update import accumulate_scores
@@ -108,25 +109,19 @@ class KVCache:
         with cost_range("policy"):
             sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
                                       max_seqlen=max_len, cu_seqlens_q=cu_q)  # [N, H] sums of attention received
-            n = info.seq_len_of_token.unsqueeze(1)
-            pos = positions.long().unsqueeze(1)
-            count = torch.clamp(n - pos, max=cfg.significance_queries).clamp_min(1)
-            mean = sig / count
-            if self.significance_probe is not None:
-                self.significance_probe(layer, mean, positions, info)
-            i1 = (pos + 1).float()
+            if cfg.policy == "budget" or self.significance_probe is not None:
+                mean = prompt_mean_significance(sig, positions, info.seq_len_of_token, cfg.significance_queries)
+                if self.significance_probe is not None:
+                    self.significance_probe(layer, mean, positions, info)
             if cfg.policy == "budget":  # equal-budget pruning baseline: one precision, top tokens per head
                 is_high = budget_keep_mask(mean, positions, info.seq_len_of_token, info.seq_of_token,
                                            info.cu_seqlens, cfg.budget, cfg.window)
-                is_low = torch.zeros_like(is_high)
-            else:
-                ah, al = info.alpha_high.unsqueeze(1), info.alpha_low.unsqueeze(1)
-                if self.layer_scale is not None:
-                    ah, al = ah * self.layer_scale[layer], al * self.layer_scale[layer]
-                is_high = (pos >= n - cfg.window) | (mean >= ah / i1)
-                is_low = ~is_high & (mean >= al / i1)
-            idx_high, n_high = _segment_index(is_high, info)
-            idx_low, n_low = _segment_index(is_low, info)
+                idx_high, n_high = segment_index(is_high, info.cu_seqlens, info.seq_of_token)
+                idx_low, n_low = segment_index(torch.zeros_like(is_high), info.cu_seqlens, info.seq_of_token)
+            else:  # one fused launch on the GPU (classes and section indices)
+                idx_high, idx_low, n_high, n_low = classify_prompt(
+                    sig, positions, info.cu_seqlens, info.seq_of_token, info.seq_len_of_token, info.alpha_high,
+                    info.alpha_low, cfg.window, cfg.significance_queries, layer, self.layer_scale, max_len)
         with cost_range("memory"):
             if info.overflow is not None:
                 mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
@@ -288,20 +283,3 @@ class KVCache:
         s = torch.tensor(slots, device=self.mm.device)
         hi, lo = torch.stack([self.mm.len_high[s].sum(), self.mm.len_low[s].sum()]).tolist()
         return {"tokens_high": hi, "tokens_low": lo, "tokens_pruned": cached * self.mm.heads_per_seq - hi - lo}
-
-
-def _segment_index(mask: torch.Tensor, info: PrefillInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index of each selected token within its sequence's section ([N, H], -1 if not selected) and the
-    section sizes per sequence ([B, H]): a prefix sum over the packed tokens, rebased at each sequence."""
-    # One flat scan over the head-major [H, N] copy: a scan along dim 0 of [N, H] runs only H columns in
-    # parallel (35 ms at N = 16k tokens on an H200). The scan runs on across heads, which the per-sequence
-    # rebase below cancels (a sequence never spans two heads' rows).
-    x = mask.t().contiguous().to(torch.int32)  # [H, N]
-    incl = torch.cumsum(x.view(-1), 0, dtype=torch.int32).view_as(x).t()  # [N, H]
-    excl = incl - x.t()
-    starts = info.cu_seqlens[:-1].long()
-    ends = info.cu_seqlens[1:].long() - 1
-    base = excl[starts]  # [B, H]
-    idx = excl - base[info.seq_of_token]
-    sizes = incl[ends] - base
-    return torch.where(mask, idx, torch.full_like(idx, -1)), sizes

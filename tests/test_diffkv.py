@@ -160,23 +160,3 @@ def test_cuda_graphs_equal_eager_and_keep_pages_exact(mode):
         assert int(eng.mm.held_high[eng.mm.dummy_slot].sum()) == 0
     assert outs[0] == outs[1]
 
-
-def test_segment_index_numbers_each_sequences_selected_tokens():
-    """The prompt classification's prefix sum: per (sequence, head), selected tokens get 0, 1, 2, ... in order."""
-    from engine.kv_cache import PrefillInfo, _segment_index
-
-    g = torch.Generator().manual_seed(3)
-    lens = [5, 1, 9, 4]
-    H = 3
-    mask = torch.rand(sum(lens), H, generator=g) < 0.5
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    z = torch.zeros(1)
-    info = PrefillInfo(None, None, seq_of_token, None, cu, z, z, None, None)
-    idx, sizes = _segment_index(mask, info)
-    for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        for h in range(H):
-            sel = mask[s:e, h]
-            want = torch.where(sel, sel.int().cumsum(0) - 1, -1)
-            assert idx[s:e, h].tolist() == want.tolist()
-            assert int(sizes[b, h]) == int(sel.sum())
