@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from kernels.page_layout import PageFormat, page_bytes_for
+from kernels.prompt_page_fit import fit_prompt_pages
 
 
 @dataclass(frozen=True)
@@ -203,13 +204,12 @@ class MemoryManager:
         self.grow(slots, need_high, torch.zeros_like(need_high), max_new_pages)
 
     def fit_prompt_plan(self, slots: torch.Tensor, layer: int, n_high: torch.Tensor, n_low: torch.Tensor) -> None:
-        """n_high, n_low: [B, H] section sizes one layer's heads plan for their prompt. Rounding both sections of a head up to whole pages can need one page more than its all-high
-        reservation; such heads get that page now (one batched grow), before their tokens are written."""
-        h = _cdiv(n_high, self.fmt_high.tokens)
-        lo = _cdiv(n_low, self.fmt_low.tokens)
-        extra = torch.zeros_like(self.held_high[slots])
-        extra[:, layer] = (h + lo > self.held_high[slots, layer]).to(torch.int32)
-        self.grow(slots, extra, torch.zeros_like(extra), 1)
+        """n_high, n_low: [B, H] section sizes one layer's heads plan for their prompt. Rounding both sections of
+        a head up to whole pages can need one page more than its all-high reservation; such heads get that page
+        now (one launch on the GPU, kernels/prompt_page_fit.py), before their tokens are written."""
+        fit_prompt_pages(self.page_table, self.held_high, self.free_list, self.counters, slots, layer,
+                         n_high.contiguous(), n_low.contiguous(), self.fmt_high.tokens, self.fmt_low.tokens,
+                         self.num_pages)
 
     def alloc_prompt_layer(self, slots: torch.Tensor, layer: int, n_high: torch.Tensor, n_low: torch.Tensor,
                            overflow: torch.Tensor, max_new_pages: int) -> None:
