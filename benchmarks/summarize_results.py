@@ -119,12 +119,21 @@ def step_breakdown_section(name: str) -> list[str]:
     return out + [""]
 
 
-STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json",)
+STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json", "step_breakdown_smollm2_H200.json")
 
 # (file, title, plot label, how the run was taken: Triton compiles kernel variants (per KV format and split
 # count) the first time a shape appears and caches them on disk, so a mode's first run on a fresh machine pays
 # its compiles inside the timing)
 THROUGHPUT_RUNS = (
+    ("throughput_session5_H200.json", "Generation throughput after the split-count fix, warm kernel cache",
+     "split-count fix, warm", "Session 5: decode split count from work in flight per SM (SmolLM2's 3 KV heads "
+     "and head_dim 64 left most SMs idle at batch 16-64; decode_splits_H200.json) and the diffkv prompt "
+     "classification's prefix sum fixed (a scan over the outer dim, 35 ms of a 16k-token prompt step)."),
+    ("throughput_session5_prompt_H200.json", "Generation throughput after the fused prompt kernels, warm kernel cache",
+     "fused prompt kernels, warm", "Session 5, same machine, a few minutes later: also the prompt classification "
+     "and the prompt page fit as one kernel each (a diffkv prompt step of 16 x 1024 tokens 123 -> 62 ms "
+     "profiled). diffkv is unchanged within noise; fp16 and int4 differ from the run above by 9-13% "
+     "(run-to-run spread of these ~20-45 s runs)."),
     ("throughput_warm_cache_H200.json", "Generation throughput, fp16 vs diffkv, warm kernel cache",
      "fp16 vs diffkv, warm cache", "Taken after other runs on the same machine, so every kernel variant was "
      "already compiled: the cleanest fp16 vs diffkv ratio recorded."),
@@ -273,11 +282,31 @@ def serve_sweep_plot(name: str, path: Path) -> bool:
     return True
 
 
+def decode_splits_section(name: str) -> list[str]:
+    """benchmarks/decode_splits.py: decode attention time per split count, in CUDA graphs."""
+    d = load(name)
+    if d is None:
+        return []
+    splits = sorted({int(k) for r in d["rows"] for k in r["us"]})
+    out = [f"### Decode attention vs split count, {d['device']} (`{name}`)", "",
+           "do_bench_cudagraph median us per call at each num_splits; `auto` = the split rule at the time of the "
+           "run (the rule was changed after it: kernels/decode_attention.py:choose_num_splits). "
+           + d.get("note", ""), ""]
+    out += [f"Command: `{c}`" for c in d.get("commands", [d["command"]])] + [""]
+    out += ["| precision | batch | seq | auto | " + " | ".join(f"s={k}" for k in splits) + " | best |",
+            "|---|---:|---:|---:|" + "---:|" * (len(splits) + 1)]
+    out += [f"| {r['precision']} | {r['batch']} | {r['seq']} | {r['auto_splits']} | "
+            + " | ".join(f"{r['us'][str(k)]:.1f}" if str(k) in r["us"] else "" for k in splits)
+            + f" | {r['best_splits']} |" for r in d["rows"]]
+    return out + [""]
+
+
 def results_sections() -> list[str]:
     lines = decode_section("decode_throughput_H100.json") + decode_section("decode_throughput_H200.json")
     for name, title, _, _ in THROUGHPUT_RUNS:
         lines += throughput_section(name, title)
     lines += attention_section("attention_H200.json")
+    lines += decode_splits_section("decode_splits_H200.json")
     lines += mm_section("memory_manager_H200_eager.json", "memory management run eagerly (before CUDA graphs)")
     lines += mm_section("memory_manager_H200.json", "memory management captured in the decode CUDA graph")
     for name in STEP_BREAKDOWN_RUNS:
