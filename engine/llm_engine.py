@@ -172,8 +172,9 @@ class LLMEngine:
         return outputs
 
     def _append_text(self, seq: Sequence, tok: int) -> None:
+        # Only recorded: the text is worked out when read (stop strings below, or an output's text).
         if seq.finish_reason is None:
-            seq.text += seq.detokenizer.add(tok)
+            seq.detokenizer.push(tok)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
@@ -183,13 +184,14 @@ class LLMEngine:
             return "stop"
         if p.stop:
             # Only the tail can hold a new match: the new text plus the longest stop string.
+            text = seq.text  # detokenized up to this token
             window = max(map(len, p.stop)) + 16
-            start = max(0, len(seq.text) - window)
-            hits = [(seq.text.find(s, start), s) for s in p.stop]
+            start = max(0, len(text) - window)
+            hits = [(text.find(s, start), s) for s in p.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
+                seq.text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
                 return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -205,18 +207,19 @@ class LLMEngine:
         self.executor.finish_request(seq.request_id)
 
     def output(self, seq: Sequence) -> RequestOutput:
-        """What is new for this request since its last output (and everything so far)."""
-        # While running, hold back a tail that could still become a stop string, so it is never streamed.
-        hold = 0 if seq.finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
-        visible = max(seq.emitted_chars, len(seq.text) - hold)
-        delta = seq.text[seq.emitted_chars: visible]
-        new_ids = seq.output_token_ids[seq.emitted_tokens:]
-        seq.emitted_chars, seq.emitted_tokens = visible, len(seq.output_token_ids)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.text[:visible],
-                             new_ids, delta, seq.finished, seq.finish_reason,
-                             list(seq.output_logprobs) if seq.params.logprobs else None,
-                             seq.arrival_time, seq.first_token_time, seq.finish_time, seq.kv_usage,
-                             list(seq.teacher_agree) if seq.params.teacher_tokens is not None else None)
+        """What is new for this request since its last output (and everything so far). Token lists and text
+        are cut from the sequence when the output's fields are first read."""
+        n_before, seq.emitted_tokens = seq.emitted_tokens, len(seq.output_token_ids)
+        if not seq.params.stop:
+            start, seq.emitted_text_tokens = seq.emitted_text_tokens, len(seq.detokenizer.ids)
+            return RequestOutput.snapshot(seq, n_before, None, start, seq.emitted_text_tokens)
+        # Stop strings: the text is kept up to date (_stop_reason reads it every step), and while running a tail
+        # that could still become a stop string is held back, so it is never streamed.
+        text = seq.text
+        hold = 0 if seq.finished else max(map(len, seq.params.stop)) - 1
+        visible = max(seq.emitted_chars, len(text) - hold)
+        start, seq.emitted_chars = seq.emitted_chars, visible
+        return RequestOutput.snapshot(seq, n_before, text, start, visible)
 
     def kv_usage(self, seq: Sequence) -> dict[str, int]:
         """KV memory one running sequence holds now (one device read)."""

@@ -6,8 +6,9 @@ GGUF cache can store the converted tokenizer next to the weights.
 from __future__ import annotations
 
 import json
+import weakref
 from datetime import datetime
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import jinja2
 import jinja2.ext
@@ -154,6 +155,51 @@ class Tokenizer:
         return cls(backend, eos_token_ids=eos_token_ids)
 
 
+class _DecodeFacts:
+    """What the catch-up of IncrementalDetokenizer may assume about one tokenizer's decode.
+
+    `byte_level`: the backend's only decoder is ByteLevel, so (as `tokenizers` 0.23 decodes) model tokens'
+    bytes are joined into runs and each run is decoded as lossy UTF-8; an added token that is not skipped
+    ends the run and contributes its (non-empty) content; a skipped special token or an unknown id
+    contributes nothing and does not end the run. Then, for any ids X, Y:
+      (a) a token whose own decode is "" can be dropped without changing any decode;
+      (b) decode(X + Y) == decode(X) + decode(Y) whenever decode(X) does not end in U+FFFD (X then ends on a
+          complete character or an added token, where decoding starts afresh);
+      (c) a window holding a token whose own decode is non-empty decodes to non-empty text.
+    tests/test_lazy_text.py checks the catch-up built on them against token-by-token decoding on random ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend", None)
+        self.byte_level = (
+            isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+            and all(t.content for t in backend.get_added_tokens_decoder().values())
+        )
+        # skip_special_tokens -> {token id: does it alone decode to ""}, filled as ids come up
+        self.empty_ids: dict[bool, dict[int, bool]] = {True: {}, False: {}}
+
+    def empty(self, token_id: int, skip_special_tokens: bool) -> bool:
+        """Does this token alone decode to ""? (cached: one decode per distinct id)"""
+        known = self.empty_ids[skip_special_tokens]
+        e = known.get(token_id)
+        if e is None:
+            e = known[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens) == ""
+        return e
+
+
+_TOO_MANY = object()  # IncrementalDetokenizer._last_emit gave up
+
+_FACTS: "weakref.WeakKeyDictionary[Tokenizer, _DecodeFacts]" = weakref.WeakKeyDictionary()
+
+
+def _decode_facts(tokenizer: Tokenizer) -> _DecodeFacts:
+    facts = _FACTS.get(tokenizer)
+    if facts is None:
+        facts = _FACTS[tokenizer] = _DecodeFacts(tokenizer)
+    return facts
+
+
 class IncrementalDetokenizer:
     """Streams text token by token without ever emitting half of a multi-byte character.
 
@@ -161,7 +207,13 @@ class IncrementalDetokenizer:
     `ids[prefix:read]` (text already emitted). Decoding a window rather than single tokens keeps
     context-dependent decoders (SentencePiece's leading-space strip) correct; a trailing U+FFFD means the
     last token ended inside a UTF-8 sequence, so we wait for the next token.
+
+    Lazy use: `push` only records a token; `catch_up` later emits exactly what `add` would have emitted for
+    each pending token in turn, and leaves the same state. `add` is `push` + `catch_up`.
     """
+
+    # Byte-level catch-up gives up (and steps token by token) after this many trial decodes.
+    MAX_TRIALS = 8
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -169,32 +221,114 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens before this are already emitted
+        self.num_done = 0  # tokens before this went through the emit rule (the rest are pending); read-only
+        self._prefix_text: Optional[str] = None  # decode of ids[_prefix:_read], while still valid
         self._text: list[str] = []
+        self._facts = _decode_facts(tokenizer)
+        self._byte_level = self._facts.byte_level
+        self._empty = self._facts.empty_ids[skip_special_tokens]
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str:
+    def push(self, token_id: int) -> None:
+        """Record a token; its text is worked out by the next catch_up."""
         self.ids.append(int(token_id))
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
-        full_text = self._decode(self.ids[self._prefix :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            new = full_text[len(prefix_text) :]
-            self._prefix, self._read = self._read, len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.push(token_id)
+        return self.catch_up()
+
+    def catch_up(self, upto: Optional[int] = None) -> str:
+        """Run the pending tokens before `upto` (default: all) through the emit rule; returns the new text,
+        the concatenation of what `add` returned for each of them one by one."""
+        end = len(self.ids) if upto is None else upto
+        if end <= self.num_done:
+            return ""
+        new = self._catch_up_byte_level(end) if self._byte_level else None
+        if new is None:
+            new = "".join([self._step(t) for t in range(self.num_done + 1, end + 1)])
+        if new:
             self._text.append(new)
-            return new
+        return new
+
+    def _step(self, t: int) -> str:
+        """The emit rule for token t-1, ids[:t] known: the reference, one token at a time."""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
+        prefix_text = self._prefix_text
+        full_text = self._decode(self.ids[self._prefix : t])
+        self.num_done = t
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read, self._prefix_text = self._read, t, None
+            return full_text[len(prefix_text) :]
         return ""
+
+    def _catch_up_byte_level(self, end: int) -> Optional[str]:
+        """The same as stepping tokens num_done+1..end, in a couple of decodes; None if it gave up (unchanged).
+
+        With _DecodeFacts' (a)-(c), by induction over the steps: the rule emits after token t-1 iff that
+        token's own decode is non-empty and decode(ids[read:t]) does not end in U+FFFD, `read` being the read
+        offset when the catch-up starts; the pieces emitted up to the last such t join to
+        decode(ids[read:t]); and the rule leaves read = the last such t, prefix = the one before it (or the
+        old read). So: scan back from `end` for the last two emit points.
+        """
+        read = self._read
+        last = self._last_emit(end, read)
+        if last is _TOO_MANY:
+            return None
+        before = None
+        if last is not None and last[0] - 1 > self.num_done:
+            before = self._last_emit(last[0] - 1, read)
+            if before is _TOO_MANY:
+                return None
+        self.num_done = end
+        if last is None:
+            return ""
+        self._prefix = before[0] if before is not None else read
+        self._read, self._prefix_text = last[0], None
+        return last[1]
+
+    def _last_emit(self, hi: int, read: int) -> Union[tuple[int, str], None, object]:
+        """The last t in (num_done, hi] after which the rule emits, with decode(ids[read:t]); None if there is
+        none; _TOO_MANY if finding out takes more than MAX_TRIALS decodes."""
+        ids, empty, trials = self.ids, self._empty, 0
+        for t in range(hi, self.num_done, -1):
+            token_id = ids[t - 1]
+            e = empty.get(token_id)
+            if e is None:
+                e = self._facts.empty(token_id, self.skip_special_tokens)
+            if e:
+                continue
+            if trials == self.MAX_TRIALS:
+                return _TOO_MANY
+            trials += 1
+            text = self.tokenizer.decode(ids[read:t], skip_special_tokens=self.skip_special_tokens)
+            if not text.endswith("\ufffd"):
+                return t, text
+        return None
+
+    def text_of_first(self, n: int) -> str:
+        """The text the first n tokens emitted, worked out afresh (for a point catch_up already passed)."""
+        again = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
+        again.ids = self.ids[:n]
+        return again.text
 
     def flush(self) -> str:
         """Emit whatever is still held back (e.g. a sequence that really ends in broken UTF-8)."""
+        self.catch_up()
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         full_text = self._decode(self.ids[self._prefix :])
         new = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
         self._prefix = self._read = len(self.ids)
+        self._prefix_text = None
         if new:
             self._text.append(new)
         return new
 
     @property
     def text(self) -> str:
+        """Everything emitted so far, pending tokens included."""
+        self.catch_up()
         return "".join(self._text)
+
