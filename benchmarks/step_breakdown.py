@@ -46,7 +46,7 @@ from engine.profiling import CATEGORIES as RANGE_CATEGORIES, PREFIX as RANGE_PRE
 KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
     (r"\b_?decode_\w*kernel|decode_attention|paged_attention", "attention"),
     (r"\b_prefill_kernel|flash|fmha", "attention"),
-    (r"\b_write_kv_kernel", "attention"),  # the layer's new K/V into its pages (and diffkv's prefix-cache copies)
+    (r"\b_write_kv_kernel|\b_write_sections_kernel", "attention"),  # the layer's new K/V into its pages (and diffkv's prefix-cache copies)
     (r"\b_plan_kernel", "policy"),  # Algorithm 1 (kernels/compression_plan.py)
     (r"\b_score_kernel", "policy"),  # decode attention added to token scores (kernels/score_update.py)
     (r"\b_lse_kernel|\b_sig_kernel", "policy"),  # prompt significance
@@ -144,7 +144,7 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def step_breakdown(events: list[Event]) -> tuple[list[dict], dict[str, dict]]:
+def step_breakdown(events: list[Event]) -> tuple[list[dict], dict[str, dict], dict[str, dict]]:
     """Per measured step (a step_breakdown:: range): wall, busy and per-category device time in ms. Also the
     work items not classified by name: name -> {category, us, count} (to check KERNEL_CATEGORIES)."""
     steps = sorted((e for e in events if e.kind == "range" and e.name.startswith(STEP_PREFIX)),
@@ -160,6 +160,7 @@ def step_breakdown(events: list[Event]) -> tuple[list[dict], dict[str, dict]]:
     per_step = [defaultdict(list) for _ in steps]
     no_launch = [0] * len(steps)  # device work whose launch was not found: placed by its own start instead
     unnamed: dict[str, dict] = {}
+    named: dict[str, dict] = {}  # kernels KERNEL_CATEGORIES names: which of them a category's time is
     for w in work:
         t, found = w.start, True
         if device:  # the host moment it was launched: its runtime call, else the torch op it came from
@@ -171,11 +172,12 @@ def step_breakdown(events: list[Event]) -> tuple[list[dict], dict[str, dict]]:
         s = steps[i]
         no_launch[i] += not found
         cat = kernel_category(w.name) if device else None
+        table = named
         if cat is None:
-            cat = ranges.at(t) or "other"
-            u = unnamed.setdefault(w.name, {"category": cat, "us": 0.0, "count": 0})
-            u["us"] += w.end - w.start
-            u["count"] += 1
+            cat, table = ranges.at(t) or "other", unnamed
+        u = table.setdefault(w.name, {"category": cat, "us": 0.0, "count": 0})
+        u["us"] += w.end - w.start
+        u["count"] += 1
         lo, hi = max(w.start, s.start), min(w.end, s.end)
         if hi > lo:
             per_step[i][cat].append((lo, hi))
@@ -185,7 +187,7 @@ def step_breakdown(events: list[Event]) -> tuple[list[dict], dict[str, dict]]:
                "busy_ms": union_length([iv for ivs in cats.values() for iv in ivs]) / 1e3, "no_launch": lost}
         row.update({f"{c}_ms": union_length(cats.get(c, [])) / 1e3 for c in CATEGORIES})
         rows.append(row)
-    return rows, unnamed
+    return rows, unnamed, named
 
 
 def summarize(steps: list[dict], unprofiled_wall_ms: list[float]) -> dict:
@@ -222,8 +224,8 @@ def profiled_steps(engine: LLMEngine, n: int, phase: str, cuda: bool,
                 break
             with record_function(STEP_PREFIX + phase):
                 seqs += len(engine.step())
-    rows, unnamed = step_breakdown(events_from_profiler(prof.events()))
-    return rows, unnamed, seqs
+    rows, unnamed, named = step_breakdown(events_from_profiler(prof.events()))
+    return rows, unnamed, named, seqs
 
 
 def timed_step(engine: LLMEngine) -> tuple[float, int]:
@@ -286,7 +288,7 @@ def measure(engine: LLMEngine, mode: str, batch: int, seq: int, args, cuda: bool
     # Prompt steps (each admits the next prompts while any wait): the first ones profiled, the rest timed
     # without the profiler; those of the same size give the unprofiled wall time.
     waiting = lambda: bool(engine.scheduler.waiting)  # noqa: E731
-    p_rows, p_unnamed, p_seqs = profiled_steps(engine, args.prompt_steps, "prompt", cuda, waiting)
+    p_rows, p_unnamed, p_named, p_seqs = profiled_steps(engine, args.prompt_steps, "prompt", cuda, waiting)
     per_step = p_seqs / len(p_rows)
     p_walls = []
     while waiting():
@@ -302,14 +304,15 @@ def measure(engine: LLMEngine, mode: str, batch: int, seq: int, args, cuda: bool
         if engine.runner is not None:
             mm_ms.append(1e3 * engine.runner.kv.mm_seconds())
     running = len(engine.scheduler.running)
-    d_rows, d_unnamed, _ = profiled_steps(engine, args.steps, "decode", cuda)
+    d_rows, d_unnamed, d_named, _ = profiled_steps(engine, args.steps, "decode", cuda)
     preempted = engine.scheduler.num_preemptions - preempted
     abort_all(engine)
     prompt = {**base, "phase": "prompt", "seqs_per_step": per_step, "tokens_per_step": per_step * seq,
-              **summarize(p_rows, p_walls), "unnamed": top_unnamed(p_unnamed, len(p_rows))}
+              **summarize(p_rows, p_walls), "unnamed": top_unnamed(p_unnamed, len(p_rows)),
+              "named": top_unnamed(p_named, len(p_rows))}
     decode = {**base, "phase": "decode", "seqs_per_step": running, **summarize(d_rows, d_walls),
               "mm_timer_ms": sum(mm_ms) / len(mm_ms) if mm_ms else None, "preemptions": preempted,
-              "unnamed": top_unnamed(d_unnamed, len(d_rows))}
+              "unnamed": top_unnamed(d_unnamed, len(d_rows)), "named": top_unnamed(d_named, len(d_rows))}
     return [prompt, decode]
 
 
@@ -363,6 +366,9 @@ def print_table(rows: list[dict], verbose: bool) -> None:
             if r["no_launch_per_step"]:
                 print(f"{'':>28} {r['no_launch_per_step']:.0f} kernels per step without a launch record: "
                       "categorized at their device start time")
+            for u in r.get("named", []):
+                print(f"{'':>28} {u['category']:>9}: {u['name'][:90]!r} ({u['ms_per_step']:.3f} ms/step, "
+                      f"{u['count']}x)")
             for u in r["unnamed"]:
                 print(f"{'':>28} not in KERNEL_CATEGORIES: {u['name'][:90]!r} -> {u['category']} "
                       f"({u['ms_per_step']:.3f} ms/step, {u['count']}x)")

@@ -28,6 +28,7 @@ from kernels.compression_plan import compression_plan
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_move import move_tokens
 from kernels.kv_write import write_kv
+from kernels.kv_write_sections import write_sections
 from kernels.prompt_classify import classify_prompt, prompt_mean_significance, segment_index
 from kernels.prompt_significance import budget_keep_mask, prompt_significance
 from kernels.quant import read_rows_ref
@@ -123,18 +124,15 @@ class KVCache:
                     sig, positions, info.cu_seqlens, info.seq_of_token, info.seq_len_of_token, info.alpha_high,
                     info.alpha_low, cfg.window, cfg.significance_queries, layer, self.layer_scale, max_len)
         with cost_range("memory"):
-            if info.overflow is not None:
+            if info.overflow is not None:  # an overflowed sequence's writes go nowhere
                 mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
-                dropped = info.overflow[info.seq_of_token].unsqueeze(1)  # an overflowed sequence's writes go nowhere
-                ph, rh = mm.high_targets(info.token_slots, idx_high.masked_fill(dropped, -1), layer)
-                pl, rl = mm.low_targets(info.token_slots, idx_low.masked_fill(dropped, -1), layer)
-            else:
+                where = dict(drop=info.overflow, seq_of_token=info.seq_of_token)
+            else:  # low pages sit at the right end of the all-high reservation
                 mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
-                reserved = mm.held_high[info.token_slots, layer]  # [N, H]: low pages sit at its right end
-                ph, rh = mm.high_targets(info.token_slots, idx_high, layer)
-                pl, rl = mm.low_targets(info.token_slots, idx_low, layer, right_of=reserved)
-        write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, ph, rh, positions, scores=sig)
-        write_kv(mm.pool, mm.fmt_low, mm.cache_dtype, k, v, pl, rl, positions, scores=sig)
+                where = dict(right_of=mm.held_high)
+        # Both sections' rows looked up and written in one launch (kernels/kv_write_sections.py).
+        write_sections(mm.pool, mm.fmt_high, mm.fmt_low, mm.cache_dtype, k, v, positions, sig, mm.page_table, layer,
+                       info.token_slots, idx_high, idx_low, **where)
         info.n_high[:, layer] = n_high
         info.n_low[:, layer] = n_low
         return k, v

@@ -25,6 +25,8 @@ def test_decode_splits_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["precision"] for r in rows] == ["fp16", "K4V4", "mix"]
     assert all(set(r["us"]) == {"1", "2"} and r["best_us"] == min(r["us"].values()) for r in rows)
+    score = rows[-1]["score"]  # diffkv rows also time the score update per split count
+    assert "score" not in rows[0] and {"1", "2"} <= set(score["us"]) and score["best_us"] == min(score["us"].values())
 
 
 def test_memory_manager_smoke(tmp_path):
@@ -47,6 +49,13 @@ def test_throughput_smoke(tmp_path):
         assert r["max_batch"] >= 1 and r["compression_ratio"] > 0 and r["preemptions"] >= 0
     assert rows[1]["compression_ratio"] > rows[0]["compression_ratio"]
     assert rows[1]["overflows"] == 0 and rows[2]["overflows"] >= 0 and rows[2]["admission"] == "learned"
+    for r in rows:  # --smoke traces every step: one sample per step, pages and token classes consistent
+        tr = r["trace"]
+        assert len(tr["samples"]) == r["steps"]
+        for sample in tr["samples"]:
+            s = dict(zip(tr["fields"], sample))
+            assert s["num_running"] <= 4 and s["pages_used"] <= r["pages_total"]
+            assert s["tokens_high"] + s["tokens_low"] + s["tokens_pruned"] > 0 or s["cached_tokens"] == 0
 
 
 def test_recorded_results_docs_are_generated_not_typed():
@@ -140,7 +149,7 @@ def test_step_breakdown_attributes_graph_replays():
         E("sm90_xmma_gemm_tail", 990, 1010, "device", corr=8),  # clipped at the step's end
         E("_write_kv_kernel", 2010, 2020, "device", corr=50),
     ]
-    rows, unnamed = sb.step_breakdown(events)
+    rows, unnamed, named = sb.step_breakdown(events)
     assert len(rows) == 1
     r = rows[0]
     assert r["phase"] == "decode" and r["wall_ms"] == pytest.approx(1.0)
@@ -151,6 +160,9 @@ def test_step_breakdown_attributes_graph_replays():
         "Memcpy HtoD (Pinned -> Device)": "other", "void at::native::vectorized_elementwise_kernel<4>": "memory",
         "void at::native::index_elementwise_kernel": "policy", "sm90_xmma_gemm_bf16bf16_bf16f32": "model",
         "sm90_xmma_gemm_tail": "model"}
+    assert {n: (u["category"], round(u["us"]), u["count"]) for n, u in named.items()} == {
+        "_plan_kernel": ("policy", 40, 1), "_move_kernel": ("memory", 20, 1), "_decode_split_kernel": ("attention", 100, 1),
+        "_score_kernel": ("policy", 20, 1), "_write_kv_kernel": ("attention", 10, 1)}
     s = sb.summarize(rows, [0.8])
     assert s["wall_source"] == "unprofiled" and s["host_ms"] == pytest.approx(0.23)
     assert s["pct"]["model"] == pytest.approx(100 * 0.31 / 0.8)
