@@ -5,7 +5,8 @@ it from the batch, the KV heads and the SM count; this sweep times every split c
 automatic choice, per precision and (batch, seq), so the heuristic can be checked at small head shapes
 (SmolLM2: 9 query / 3 KV heads, head_dim 64), where batch * KV heads alone leaves most SMs idle.
 Times are do_bench_cudagraph medians (a graph of back-to-back calls rotating among cache copies, as in a
-CUDA-graph decode step); diffkv rows also write per-token logits and the lse, as the engine's decode does.
+CUDA-graph decode step); diffkv rows also write per-token logits and the lse, as the engine's decode does,
+and (--score-splits) time the score update that reads them (kernels/score_update.py) per split count.
 
 Usage (GPU):  python benchmarks/decode_splits.py --hq 9 --hkv 3 --head-dim 64 --batches 16 64 --seqs 1024 4096
 Smoke (CPU):  python benchmarks/decode_splits.py --smoke
@@ -26,6 +27,7 @@ from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, 
 
 from kernels.decode_attention import choose_num_splits, launch_config, paged_decode_attention  # noqa: E402
 from kernels.page_layout import page_bytes_for  # noqa: E402
+from kernels.score_update import accumulate_scores_ref, accumulate_scores_triton, choose_score_splits  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -38,6 +40,8 @@ def parse_args(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--score-splits", type=int, nargs="*", default=[1, 2, 4, 8, 16],
+                    help="diffkv rows: score-update split counts to time beside its automatic choice")
     ap.add_argument("--rep", type=float, default=20, help="do_bench_cudagraph rep (ms)")
     ap.add_argument("--bandwidth", type=float, default=3.0e12)
     ap.add_argument("--l2-bytes", type=float, default=50e6)
@@ -46,12 +50,41 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, lse, B, S, dev, cuda) -> dict:
+    """Score-update time per split count (kernels/score_update.py) on the logits the decode call just wrote."""
+    block_n = 64
+    auto = choose_score_splits(B, args.hkv, S, dev, block_n)
+    times = {}
+    for splits in sorted(set(args.score_splits) | {auto}):
+        def call(k, splits=splits):
+            if not cuda:  # --smoke: the torch reference (split counts are a kernel launch detail)
+                return accumulate_scores_ref(pools[k], fmt_hi, pt, lens, slots, 0, logits, lse, fmt_low=fmt_lo,
+                                             len_low=len_lo)
+            accumulate_scores_triton(pools[k], fmt_hi, pt, lens, slots, 0, logits, lse, fmt_low=fmt_lo,
+                                     len_low=len_lo, num_splits=splits, block_n=block_n)
+        if cuda:
+            import triton.testing
+            times[splits] = 1e3 * triton.testing.do_bench_cudagraph(rotating(call, len(pools)), rep=args.rep,
+                                                                     return_mode="median")
+        else:
+            import time
+            t0 = time.perf_counter()
+            call(0)
+            times[splits] = 1e6 * (time.perf_counter() - t0)
+    best = min(times, key=times.get)
+    print(f"{'score':>6} {B:>4} {S:>6} {auto:>5}  " + "  ".join(f"s={k}:{v:.1f}" for k, v in times.items())
+          + f"   {best:>4}", flush=True)
+    return {"auto_splits": auto, "us": {str(k): v for k, v in times.items()}, "best_splits": best,
+            "auto_us": times[auto], "best_us": times[best]}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if cuda else "cpu")
     if args.smoke:
         args.batches, args.seqs, args.splits, args.hq, args.hkv, args.head_dim = [2], [40], [1, 2], 4, 2, 32
+        args.score_splits = [1, 2]
     D, dt = args.head_dim, torch.float16
     page_bytes = page_bytes_for(args.block_size, D, 2)
     rows = []
@@ -106,6 +139,9 @@ def main(argv=None) -> int:
                              "best_pct_bw": 100 * (kv_bytes + qo) / (times[best] * 1e-6) / args.bandwidth})
                 print(f"{prec:>6} {B:>4} {S:>6} {auto:>5}  " + "  ".join(f"{times[s]:8.1f}" for s in args.splits)
                       + f"   {best:>4}  {gbs:8.0f}", flush=True)
+                if diffkv and args.score_splits:
+                    rows[-1]["score"] = score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, lse,
+                                                    B, S, dev, cuda)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     result = {"benchmark": "decode_splits", "device": device, "torch": torch.__version__,
               "command": "python benchmarks/decode_splits.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -16,6 +16,18 @@ from kernels.page_layout import PageFormat
 from kernels.sections import section_columns, section_page, split_range
 
 MAX_SPLITS = 64
+# Programs per SM the split count aims for. A program's loop is a chain of dependent loads (page id, then the
+# score row) with little work per tile, so it is latency-bound: one program per (sequence, KV head), as at
+# batch x KV heads >= SMs before, left ~1.5 programs per SM and made this update 10-16 us per layer at
+# SmolLM2's shape (benchmarks/decode_splits.py --score-splits sweeps it).
+TARGET_PROGRAMS_PER_SM = 16
+
+
+def choose_score_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
+    """Splits per (sequence, KV head): about TARGET_PROGRAMS_PER_SM programs per SM, at least one BLOCK_N tile
+    of max_len tokens per split, at most MAX_SPLITS."""
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms(device), max(1, batch * kv_heads))
+    return max(1, min(wanted, triton.cdiv(max(max_len, 1), block_n), MAX_SPLITS))
 
 
 @triton.jit
@@ -113,11 +125,8 @@ def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, 
     assert logits.stride(2) == 1 and page_table.stride(3) == 1 and Hq % Hkv == 0
     low = fmt_low if has_low else fmt
     lenlo = len_low if has_low else lengths
-    if num_splits is None:  # like decode: enough programs to fill the GPU
-        programs = B * Hkv
-        sms = num_sms(logits.device)
-        by_length = triton.cdiv(NMAX, 4 * block_n)
-        num_splits = 1 if programs >= sms else max(1, min(triton.cdiv(2 * sms, programs), by_length, MAX_SPLITS))
+    if num_splits is None:
+        num_splits = choose_score_splits(B, Hkv, NMAX, logits.device, block_n)
     group = Hq // Hkv
     _score_kernel[(B, Hkv, num_splits)](
         pool.view(torch.float32), page_table, lengths, lenlo, slots, logits, lse,
