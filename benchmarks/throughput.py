@@ -38,6 +38,9 @@ from engine.loader import load_checkpoint  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
 MODES = ("fp16", "int8", "int4", "diffkv")
+# engine.stats() fields a --trace sample records, after the step count and the seconds since the start
+TRACE_FIELDS = ("num_running", "num_waiting", "num_preemptions", "pages_used", "cached_tokens", "tokens_high",
+                "tokens_low", "tokens_pruned")
 
 
 def load_prompts(ckpt, n: int, source: str, seed: int) -> list[list[int]]:
@@ -76,7 +79,7 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) ->
         engine.step()
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, sp)
-    batches, ratios, generated, steps = [], [], 0, 0
+    batches, ratios, generated, steps, trace = [], [], 0, 0, []
     from tqdm import tqdm
 
     total = len(prompts) * args.max_tokens
@@ -93,6 +96,8 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) ->
                 batches.append(st["num_running"])
                 if st["compression_ratio"]:
                     ratios.append(st["compression_ratio"])
+                if args.trace:  # where the pool goes over the run (why a mode keeps the batch it keeps)
+                    trace.append([steps, round(time.perf_counter() - t0, 4)] + [st[k] for k in TRACE_FIELDS])
     if args.device != "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -103,6 +108,8 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) ->
            "mean_batch": statistics.mean(batches) if batches else None, "max_batch": max(batches, default=None),
            "compression_ratio": statistics.mean(ratios) if ratios else None,
            "preemptions": st["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
+    if args.trace:
+        res["trace"] = {"fields": ["step", "seconds"] + list(TRACE_FIELDS), "samples": trace}
     if hasattr(engine, "shutdown"):
         engine.shutdown()
     del engine
@@ -173,6 +180,8 @@ def parse_args(argv):
     ap.add_argument("--hf-prompts", type=int, default=32, help="prompts given to transformers (a subset)")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--stats-every", type=int, default=8, help="steps between batch/compression samples")
+    ap.add_argument("--trace", action="store_true",
+                    help="record every stats sample (batch, queue, pages, tokens high/low/pruned) per mode")
     ap.add_argument("--warmup", choices=("short", "full"), default="short",
                     help="untimed warm-up per mode: one batch of 2-token requests, or the whole workload once "
                          "(compiles every kernel variant the run meets; use on a fresh GPU machine)")
@@ -187,7 +196,7 @@ def parse_args(argv):
         args.num_prompts, args.max_tokens, args.kv_memory_gb = 4, 16, 0.001
         args.modes = [m for m in args.modes if m in ("fp16", "diffkv")]
         args.admission = ["worst_case", "learned"]
-        args.hf_prompts, args.hf_batch, args.stats_every = 2, 2, 1
+        args.hf_prompts, args.hf_batch, args.stats_every, args.trace = 2, 2, 1, True
     return args
 
 

@@ -34,7 +34,7 @@ class DistributedPages:
         self.page_bytes = first["page_bytes"]
         self._tokens_high = first["tokens_high"]
         self._extra = first["extra_prompt_pages"]
-        self._two_sided = first["two_sided"]
+        self.two_sided = first["two_sided"]
         self._heads = max(i["heads_per_seq"] for i in infos)  # the rank a sequence costs most pages on
         self.heads_total = sum(i["heads_per_seq"] for i in infos)
         self.pages_total = [i["num_pages"] for i in infos]
@@ -65,7 +65,7 @@ class DistributedPages:
 
     def pages_to_grow(self, old_len: int, new_len: int) -> int:
         """MemoryManager.pages_to_grow on the rank with the most heads."""
-        return worst_case_growth(self._heads, self._tokens_high, self._extra, self._two_sided, old_len, new_len)
+        return worst_case_growth(self._heads, self._tokens_high, self._extra, self.two_sided, old_len, new_len)
 
     def pages_held(self, slot: int) -> int:
         return min(h[slot] for h in self._held)

@@ -138,6 +138,12 @@ class MemoryManager:
             full |= self.len_low[slots] >= self.held_low[slots] * self.fmt_low.tokens
         return full.sum((1, 2), dtype=torch.int64)
 
+    @property
+    def two_sided(self) -> bool:
+        """diffkv: heads grow high and low sections (a step's worst case, a page per head, is far from its
+        exact need: the scheduler reads that with step_view)."""
+        return self.fmt_low is not None
+
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]:
         """Free pages and decode_growth of these slots, in one host sync (the scheduler's per-step read)."""
         s = torch.tensor(slots, dtype=torch.int64, device=self.device)
@@ -153,7 +159,7 @@ class MemoryManager:
         """What the driver's tensor-parallel page view (engine.distributed_pages) needs of this rank's pool."""
         return {"num_pages": self.num_pages, "page_bytes": self.page_bytes, "heads_per_seq": self.heads_per_seq,
                 "tokens_high": self.fmt_high.tokens, "extra_prompt_pages": self.extra_prompt_pages,
-                "two_sided": self.fmt_low is not None, "max_seqs": self.shape.max_seqs,
+                "two_sided": self.two_sided, "max_seqs": self.shape.max_seqs,
                 "prefix_block_tokens": self.prefix_block_tokens, "max_prefix_blocks": self.max_prefix_blocks,
                 "copies_prefix": self.copies_prefix}
 

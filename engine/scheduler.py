@@ -9,7 +9,8 @@ demands the largest rank's, and frees reach every rank (engine.distributed_pages
 
 Learned admission (SchedulerConfig.admission = "learned", engine.footprint): a prompt is admitted against a
 quantile of what prompts of its length kept so far, and decode steps are planned against each sequence's
-exact bound (a head needs a page only on a side whose section is full), read with the free count. A prefill
+exact bound (a head needs a page only on a side whose section is full), read with the free count (so are
+diffkv's decode steps under either rule: a page per head and step would keep ~5% of the pool idle). A prefill
 whose pages did not fit is detected on the device; its sequences go back to the head of the queue, the
 first of them marked for the worst-case rule, so it is admitted next, and fits.
 
@@ -39,6 +40,7 @@ class PagePool(Protocol):
 
     num_pages: int
     num_free_slots: int
+    two_sided: bool  # diffkv sections: decode steps are planned with step_view's exact growth
 
     def free_pages(self) -> int: ...
     def alloc_slot(self) -> int: ...
@@ -68,7 +70,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_overflows = 0  # learned admission: prefills redone because their pages did not fit
         self.footprint = FootprintEstimator(config) if config.admission == "learned" else None
-        self._growth_by_slot: Optional[dict[int, int]] = None  # learned: slot -> pages its next decode step may take
+        # Exact decode growth (step_view: a head needs a page only on a full side) for learned admission and for
+        # two-sided (diffkv) pools, whose host worst case (a page per head and step) kept ~5% of the pool idle.
+        self.exact_growth = self.footprint is not None or bool(getattr(mm, "two_sided", False))
+        self._growth_by_slot: Optional[dict[int, int]] = None  # exact: slot -> pages its next decode step may take
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,7 +107,7 @@ class Scheduler:
 
     def schedule(self) -> tuple[Optional[Batch], list[Sequence]]:
         """The next batch (or None when idle), and sequences that must finish because they cannot grow."""
-        if self.footprint is not None:
+        if self.exact_growth:
             slots = [s.slot for s in self.running]
             free, growth = self.mm.step_view(slots)
             self._growth_by_slot = dict(zip(slots, growth))

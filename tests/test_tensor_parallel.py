@@ -32,7 +32,10 @@ def ray_cluster():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # Logical CPUs (bookkeeping, not cores): the module's cached engines hold 2.25 of them in placement
+        # groups (two TP=2 pairs at 0.5, a Ray TP=1 at 0.25, two tiny TP=2 at 0.5), so 2 ran out when the
+        # module ran on its own (the full suite reuses an earlier, larger cluster).
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:  # a cluster someone else started stays up for them
         ray.shutdown()
