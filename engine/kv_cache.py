@@ -212,6 +212,7 @@ class KVCache:
                         dp.flatten(), dr.flatten())
             mm.len_high[slots] = new_high + active
             mm.len_low[slots] = new_low
+            mm.note_growth(slots)  # what the next step may take, for the scheduler's step_view
         else:
             new_high = mm.len_high[slots] + active
             need_high = (new_high > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)

@@ -83,7 +83,12 @@ class MemoryManager:
         self.pool = torch.empty(num_pages, self.page_bytes, dtype=torch.uint8, device=dev)
         self.free_list = torch.empty(num_pages + 1, dtype=torch.int32, device=dev)
         self.free_list[:num_pages] = torch.arange(num_pages, dtype=torch.int32, device=dev)
-        self.counters = torch.tensor([0, num_pages], dtype=torch.int64, device=dev)
+        # The free list's (start, end) and, for two-sided pools, each slot's next decode growth (note_growth), side
+        # by side: the scheduler reads both in one copy per step (step_view), with no launch of its own.
+        self._step_state = torch.zeros(2 + S + 1, dtype=torch.int64, device=dev)
+        self.counters = self._step_state[:2]
+        self.counters[1] = num_pages
+        self.next_growth = self._step_state[2:]  # [S + 1]: decode_growth as of the slot's last step
         self.dummy_slot = S
         self.page_table = torch.full((S + 1, L, H, P + 1), -1, dtype=torch.int32, device=dev)
         zeros = lambda: torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)  # noqa: E731
@@ -144,8 +149,16 @@ class MemoryManager:
         exact need: the scheduler reads that with step_view)."""
         return self.fmt_low is not None
 
+    def note_growth(self, slots: torch.Tensor) -> None:
+        """Two-sided pools: record decode_growth of these slots after a step changed their sections (prefill,
+        decode; in a decode step's CUDA graph), for step_view to read."""
+        self.next_growth[slots] = self.decode_growth(slots)
+
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]:
         """Free pages and decode_growth of these slots, in one host sync (the scheduler's per-step read)."""
+        if self.two_sided:  # kept up to date by note_growth: one copy, no launch
+            state = self._step_state.tolist()
+            return state[1] - state[0], [state[2 + s] for s in slots]
         s = torch.tensor(slots, dtype=torch.int64, device=self.device)
         flat = torch.cat([self.decode_growth(s), self.counters[1:] - self.counters[:1]]).tolist()
         return flat[-1], flat[:-1]
@@ -242,6 +255,7 @@ class MemoryManager:
         ok = (~overflow).view(-1, 1, 1)
         self.len_high[slots] = torch.where(ok, n_high.to(torch.int32), self.len_high[slots])
         self.len_low[slots] = torch.where(ok, n_low.to(torch.int32), self.len_low[slots])
+        self.note_growth(slots)
 
     def set_lengths(self, slots: torch.Tensor, lens: torch.Tensor) -> None:
         self.len_high[slots] = lens.view(-1, 1, 1).to(torch.int32).expand(-1, *self.len_high.shape[1:])
@@ -311,6 +325,8 @@ class MemoryManager:
         self.held_low[slots] = lo.to(torch.int32)
         self.len_high[slots] = n_high.to(torch.int32)
         self.len_low[slots] = n_low.to(torch.int32)
+        if self.two_sided:
+            self.note_growth(slots)
 
     # ---- batched recycling -------------------------------------------------------------------------
     def _recycle(self, pages: torch.Tensor, mask: torch.Tensor) -> None:

@@ -166,7 +166,10 @@ def _run(engine, requests):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        engine.mm.check_invariants([s.slot for s in engine.scheduler.running])
+        running = [s.slot for s in engine.scheduler.running]
+        engine.mm.check_invariants(running)
+        # step_view reads what note_growth recorded: it must be decode_growth as of now for every running slot
+        assert engine.mm.step_view(running)[1] == engine.mm.decode_growth(torch.tensor(running, dtype=torch.long)).tolist()
     return done
 
 
