@@ -103,7 +103,7 @@ def step_breakdown_section(name: str) -> list[str]:
            "category, by its name or else by the engine range that launched it (CUDA-graph replays included); "
            "`other` is device work outside every range (input copies, the scheduler's reads); host = step wall "
            "time - device busy time (the wall time without the profiler where the row has such steps). "
-           "Cells: ms per step (% of the step).", "", f"Command: `{d['command']}`", "",
+           "Cells: ms per step (% of the step). " + d.get("note", ""), "", f"Command: `{d['command']}`", "",
            "| mode | batch | seq | phase | step ms | " + " | ".join(cats) + " |",
            "|---|---:|---:|---|---:|" + "---:|" * len(cats)]
     rows = [r for r in d["rows"] if "skipped" not in r]
@@ -119,12 +119,20 @@ def step_breakdown_section(name: str) -> list[str]:
     return out + [""]
 
 
-STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json", "step_breakdown_smollm2_H200.json")
+STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
+                       "step_breakdown_smollm2_s6_before_H200.json", "step_breakdown_smollm2_s6_after_H200.json")
 
 # (file, title, plot label, how the run was taken: Triton compiles kernel variants (per KV format and split
 # count) the first time a shape appears and caches them on disk, so a mode's first run on a fresh machine pays
 # its compiles inside the timing)
 THROUGHPUT_RUNS = (
+    ("throughput_session6_H200.json", "Generation throughput after the session-6 step-cost fixes, with a trace",
+     "session 6, short warm-up", "Session 6: the score update split by work in flight (policy 0.49 -> 0.20 ms "
+     "per decode step at batch 64), a diffkv prompt layer's writes in one kernel (prompt step 41.5 -> 35.0 ms at "
+     "8 x 1024 tokens), diffkv decode steps planned with their exact page growth (recorded in the decode graph): "
+     "mean batch 53.5 -> 54.7. --trace sampled the run (docs/throughput_trace_H200.png): diffkv stores 80 B per "
+     "token and head in steady state against int4's 83 (SmolLM2's calibrated alpha_low is 0: nothing is pruned, "
+     "35% K8V4 + 65% K4V2 is int4's size), so both keep the same batch and the gap is diffkv's step cost."),
     ("throughput_session5_H200.json", "Generation throughput after the split-count fix, warm kernel cache",
      "split-count fix, warm", "Session 5: decode split count from work in flight per SM (SmolLM2's 3 KV heads "
      "and head_dim 64 left most SMs idle at batch 16-64; decode_splits_H200.json) and the diffkv prompt "
@@ -160,6 +168,7 @@ THROUGHPUT_RUNS = (
 
 
 TENSOR_PARALLEL_RUNS = ("tensor_parallel_H200.json",)
+TRACE_RUN = "throughput_session6_H200.json"  # the --trace run docs/throughput_trace_H200.png shows
 
 
 def tensor_parallel_section(name: str) -> list[str]:
@@ -298,7 +307,46 @@ def decode_splits_section(name: str) -> list[str]:
     out += [f"| {r['precision']} | {r['batch']} | {r['seq']} | {r['auto_splits']} | "
             + " | ".join(f"{r['us'][str(k)]:.1f}" if str(k) in r["us"] else "" for k in splits)
             + f" | {r['best_splits']} |" for r in d["rows"]]
+    scored = [r for r in d["rows"] if "score" in r]
+    if scored:  # --score-splits: the generation-phase score update per split count
+        ks = sorted({int(k) for r in scored for k in r["score"]["us"]})
+        out += ["", "Score update (kernels/score_update.py) on the logits of the same call, us per split count; "
+                "`auto` = choose_score_splits:", "",
+                "| precision | batch | seq | auto | " + " | ".join(f"s={k}" for k in ks) + " | best | auto / best |",
+                "|---|---:|---:|---:|" + "---:|" * (len(ks) + 2)]
+        out += [f"| {r['precision']} | {r['batch']} | {r['seq']} | {r['score']['auto_splits']} | "
+                + " | ".join(f"{r['score']['us'][str(k)]:.1f}" if str(k) in r["score"]["us"] else "" for k in ks)
+                + f" | {r['score']['best_splits']} | {r['score']['auto_us'] / r['score']['best_us']:.2f} |"
+                for r in scored]
     return out + [""]
+
+
+def trace_plot(name: str, path: Path) -> bool:
+    """A --trace throughput run: running batch and pages held over time, one line per KV mode."""
+    d = load(name)
+    runs = [r for r in (d or {}).get("rows", []) if "trace" in r]
+    if not runs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        f = r["trace"]["fields"]
+        cols = list(zip(*r["trace"]["samples"]))
+        t = cols[f.index("seconds")]
+        ax1.plot(t, cols[f.index("num_running")], label=r["mode"])
+        ax2.plot(t, [p / r["pages_total"] for p in cols[f.index("pages_used")]], label=r["mode"])
+    ax1.set(xlabel="seconds", ylabel="running sequences", title="batch")
+    ax2.set(xlabel="seconds", ylabel="fraction of the page pool held", title="pages", ylim=(0, 1.05))
+    ax1.legend()
+    fig.suptitle(f"{d['model']}, {d['device']}: {d['command'].split('throughput.py ')[-1]}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
 
 
 def results_sections() -> list[str]:
@@ -307,6 +355,8 @@ def results_sections() -> list[str]:
         lines += throughput_section(name, title)
     lines += attention_section("attention_H200.json")
     lines += decode_splits_section("decode_splits_H200.json")
+    lines += decode_splits_section("decode_splits_score_smollm2_H200.json")
+    lines += decode_splits_section("decode_splits_score_8b_H200.json")
     lines += mm_section("memory_manager_H200_eager.json", "memory management run eagerly (before CUDA graphs)")
     lines += mm_section("memory_manager_H200.json", "memory management captured in the decode CUDA graph")
     for name in STEP_BREAKDOWN_RUNS:
@@ -325,6 +375,7 @@ PERFORMANCE_INTRO = [
     "measured side by side in one run on one GPU. GPU runs happen on the lent H100/H200 machines from the "
     "repository root; CI runs each benchmark's `--smoke` mode on CPU.", "",
     "![tokens/s relative to fp16](throughput_H200.png)", "",
+    "![running batch and pages held over a throughput run](throughput_trace_H200.png)", "",
 ]
 PERFORMANCE_OPEN = [
     "## Not measured yet", "",
@@ -363,6 +414,7 @@ def main() -> None:
     (RESULTS / "README.md").write_text(readme)
     print(f"wrote {RESULTS / 'README.md'}")
     throughput_plot(DOCS / "throughput_H200.png")
+    trace_plot(TRACE_RUN, DOCS / "throughput_trace_H200.png")
     for name in SERVE_SWEEP_RUNS:
         serve_sweep_plot(name, DOCS / f"{Path(name).stem}.png")
     (DOCS / "PERFORMANCE.md").write_text(performance)
