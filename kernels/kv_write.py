@@ -40,6 +40,21 @@ def _store_side(x_ptr, stride_xn, stride_xh, n, h, d, page, slot, row_ok,
 
 
 @triton.jit
+def _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, page, slot, row_ok, pos, score,
+                 pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes, page_words,
+                 k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, D,
+                 KB: tl.constexpr, VB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token n's keys, values, position and scores [BLOCK_H] into rows `slot` of pages `page` (one format)."""
+    _store_side(k_ptr, stride_kn, stride_kh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
+                page_elems, page_bytes, k_off, k_meta_off, D, KB, BLOCK_H, BLOCK_D)
+    _store_side(v_ptr, stride_vn, stride_vh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
+                page_elems, page_bytes, v_off, v_meta_off, D, VB, BLOCK_H, BLOCK_D)
+    word = page * page_words + slot
+    tl.store(pool_i32 + word + pos_off, tl.zeros([BLOCK_H], tl.int32) + pos, mask=row_ok)
+    tl.store(pool_f32 + word + score_off, score, mask=row_ok)
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, page_ptr, slot_ptr, pos_ptr, score_ptr,
     pool_c, pool_u8, pool_h, pool_i32, pool_f32,
@@ -60,19 +75,13 @@ def _write_kv_kernel(
     row_ok = page >= 0  # negative page: skip this (token, head)
     page = tl.where(row_ok, page, 0).to(tl.int64)  # int64: the pool can exceed 2**31 elements
 
-    _store_side(k_ptr, stride_kn, stride_kh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, k_off, k_meta_off, D, KB, BLOCK_H, BLOCK_D)
-    _store_side(v_ptr, stride_vn, stride_vh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, v_off, v_meta_off, D, VB, BLOCK_H, BLOCK_D)
-
-    pos = tl.load(pos_ptr + n)
-    word = page * page_words + slot
-    tl.store(pool_i32 + word + pos_off, tl.zeros([BLOCK_H], tl.int32) + pos, mask=row_ok)
     if HAS_SCORES:
         score = tl.load(score_ptr + n * stride_scn + h, mask=row_ok, other=0.0).to(tl.float32)
     else:
         score = tl.zeros([BLOCK_H], tl.float32)
-    tl.store(pool_f32 + word + score_off, score, mask=row_ok)
+    _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, page, slot, row_ok,
+                 tl.load(pos_ptr + n), score, pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes,
+                 page_words, k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, D, KB, VB, BLOCK_H, BLOCK_D)
 
 
 def write_kv_ref(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, positions, scores=None):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_supported, next_pow2, pool_views, seg_offsets, use_triton
-from kernels.kv_write import _store_side, write_kv_ref
+from kernels.kv_write import _store_token, write_kv_ref
 from kernels.page_layout import PageFormat
 
 
@@ -67,21 +67,12 @@ def _write_sections_kernel(
     pos = tl.load(pos_ptr + n)
     score = tl.load(score_ptr + n * stride_scn + h, mask=hmask, other=0.0).to(tl.float32)
 
-    _store_side(k_ptr, stride_kn, stride_kh, n, h, d, hp, hr, hok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, hk_off, hk_meta, D, HKB, BLOCK_H, BLOCK_D)
-    _store_side(v_ptr, stride_vn, stride_vh, n, h, d, hp, hr, hok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, hv_off, hv_meta, D, HVB, BLOCK_H, BLOCK_D)
-    word = hp * page_words + hr
-    tl.store(pool_i32 + word + h_pos, tl.zeros([BLOCK_H], tl.int32) + pos, mask=hok)
-    tl.store(pool_f32 + word + h_score, score, mask=hok)
-
-    _store_side(k_ptr, stride_kn, stride_kh, n, h, d, lp, lr, lok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, lk_off, lk_meta, D, LKB, BLOCK_H, BLOCK_D)
-    _store_side(v_ptr, stride_vn, stride_vh, n, h, d, lp, lr, lok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, lv_off, lv_meta, D, LVB, BLOCK_H, BLOCK_D)
-    word = lp * page_words + lr
-    tl.store(pool_i32 + word + l_pos, tl.zeros([BLOCK_H], tl.int32) + pos, mask=lok)
-    tl.store(pool_f32 + word + l_score, score, mask=lok)
+    _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, hp, hr, hok, pos, score,
+                 pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes, page_words,
+                 hk_off, hk_meta, hv_off, hv_meta, h_score, h_pos, D, HKB, HVB, BLOCK_H, BLOCK_D)
+    _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, lp, lr, lok, pos, score,
+                 pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes, page_words,
+                 lk_off, lk_meta, lv_off, lv_meta, l_score, l_pos, D, LKB, LVB, BLOCK_H, BLOCK_D)
 
 
 def section_rows_ref(page_table, layer: int, token_slots, idx, tokens: int, right=None):
