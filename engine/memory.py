@@ -27,6 +27,7 @@ import torch
 
 from kernels.page_layout import PageFormat, page_bytes_for
 from kernels.prompt_page_fit import fit_prompt_pages
+from kernels.sections import section_targets
 
 
 @dataclass(frozen=True)
@@ -273,15 +274,7 @@ class MemoryManager:
                              from_right=right_of if right_of is not None else self.max_pages)
 
     def _targets(self, slots, idx, layer, T, from_right):
-        pt = self.page_table[slots] if layer is None else self.page_table[slots, layer]
-        col = (idx.clamp_min(0) // T).to(torch.int64)
-        if from_right is not None:
-            col = (from_right - 1 - col).clamp(0, self.max_pages)
-        page = pt.gather(-1, col.unsqueeze(-1)).squeeze(-1)
-        none = idx < 0
-        page = torch.where(none, torch.full_like(page, -1), page)
-        row = torch.where(none, torch.zeros_like(idx), idx % T).to(torch.int32)
-        return page, row
+        return section_targets(self.page_table, slots, idx, T, layer, from_right)
 
     def write_targets(self, token_slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Single-precision prefill: page and row of each new token for every (layer, head), [L, N, H]."""

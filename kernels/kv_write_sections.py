@@ -18,6 +18,7 @@ import triton.language as tl
 from kernels._common import check_supported, next_pow2, pool_views, seg_offsets, use_triton
 from kernels.kv_write import _store_token, write_kv_ref
 from kernels.page_layout import PageFormat
+from kernels.sections import section_targets
 
 
 @triton.jit
@@ -75,20 +76,6 @@ def _write_sections_kernel(
                  lk_off, lk_meta, lv_off, lv_meta, l_score, l_pos, D, LKB, LVB, BLOCK_H, BLOCK_D)
 
 
-def section_rows_ref(page_table, layer: int, token_slots, idx, tokens: int, right=None):
-    """Page (-1: none) and row [N, H] of section indices idx [N, H] of tokens in slots token_slots [N]; right:
-    None for the high section, else the low section's right end per token and head ([N, H] or a number)."""
-    pt = page_table[token_slots.long(), layer]  # [N, H, P + 1]
-    none = idx < 0
-    col = idx.clamp_min(0).long() // tokens
-    if right is not None:
-        col = (right - 1 - col).clamp(0, page_table.shape[-1] - 1)
-    page = pt.gather(-1, col.unsqueeze(-1)).squeeze(-1)
-    page = torch.where(none, torch.full_like(page, -1), page)
-    row = torch.where(none, torch.zeros_like(idx), idx % tokens).to(torch.int32)
-    return page, row
-
-
 def write_sections_ref(pool, fmt_high: PageFormat, fmt_low: PageFormat, cache_dtype, k, v, positions, scores,
                        page_table, layer, token_slots, idx_high, idx_low, right_of=None, drop=None,
                        seq_of_token=None):
@@ -98,7 +85,7 @@ def write_sections_ref(pool, fmt_high: PageFormat, fmt_low: PageFormat, cache_dt
     P = page_table.shape[-1] - 1
     right = P if right_of is None else right_of[token_slots.long(), layer].long()
     for fmt, idx, r in ((fmt_high, idx_high, None), (fmt_low, idx_low, right)):
-        page, row = section_rows_ref(page_table, layer, token_slots, idx, fmt.tokens, r)
+        page, row = section_targets(page_table, token_slots, idx, fmt.tokens, layer, r)
         write_kv_ref(pool, fmt, cache_dtype, k, v, page, row, positions, scores=scores)
 
 

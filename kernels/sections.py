@@ -29,3 +29,21 @@ def split_range(length, split, num_splits, BLOCK_N: tl.constexpr):
     per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits) * BLOCK_N
     lo = split * per_split
     return lo, tl.minimum(length, lo + per_split)
+
+
+def section_targets(page_table: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor, tokens: int,
+                    layer: int | None = None, right=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch: page (-1: none) and row (int32) of section indices idx (-1: none) of sequences in slots.
+
+    idx [B, L, H] (layer None) or [B, H] (one layer); slots [B]. right None: the high section (column
+    j // tokens); else the low section, whose pages end at column right - 1 (a number or per head like idx:
+    the table's right end P, or a prompt's all-high reservation while it is planned)."""
+    pt = page_table[slots.long()] if layer is None else page_table[slots.long(), layer]
+    none = idx < 0
+    col = idx.clamp_min(0).long() // tokens
+    if right is not None:
+        col = (right - 1 - col).clamp(0, page_table.shape[-1] - 1)
+    page = pt.gather(-1, col.unsqueeze(-1)).squeeze(-1)
+    page = torch.where(none, torch.full_like(page, -1), page)
+    row = torch.where(none, torch.zeros_like(idx), idx % tokens).to(torch.int32)
+    return page, row

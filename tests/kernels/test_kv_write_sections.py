@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from kernels.kv_write_sections import section_rows_ref, write_sections
+from kernels.kv_write_sections import write_sections
+from kernels.sections import section_targets
 from kernels.page_layout import PageFormat, page_bytes_for
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
@@ -50,7 +51,7 @@ def _case(cache_dtype, high, low, H, D, seed):
     return (fh, fl, *to(pool, k, v, pos, scores, table, token_slots, idx[0], idx[1], right_of, drop, seq_of_token))
 
 
-def test_section_rows_ref_matches_a_loop():
+def test_section_targets_match_a_loop():
     torch.manual_seed(0)
     H, T = 3, 4
     table = torch.randint(-1, 100, (S, L, H, P + 1), dtype=torch.int32)
@@ -58,7 +59,7 @@ def test_section_rows_ref_matches_a_loop():
     idx = torch.randint(-1, 30, (20, H))
     right = torch.randint(1, P + 1, (20, H))
     for r in (None, right, P):
-        page, row = section_rows_ref(table, 1, token_slots, idx, T, r)
+        page, row = section_targets(table, token_slots, idx, T, 1, r)
         for n in range(20):
             for h in range(H):
                 j = int(idx[n, h])
