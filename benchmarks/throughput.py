@@ -3,7 +3,8 @@
 N chat prompts (gsm_symbolic questions from evals/data/problems.jsonl, or synthetic token ids) are all submitted at
 once; the engine generates `--max-tokens` per prompt (`ignore_eos`, or natural stops with `--natural-stop`) for
 every `--modes` entry in one run, each with the same `--kv-memory-gb` page pool, so a mode that stores a token in
-fewer bytes keeps more sequences running. Reported per mode: generated tokens/s, mean and max running batch,
+fewer bytes keeps more sequences running. A mode may carry cache settings after a colon, e.g.
+`diffkv:alpha_low=0.06` (settings left out keep the model's calibrated values). Reported per mode: generated tokens/s, mean and max running batch,
 compression ratio (fp16 bytes / bytes held, averaged over steps), preemptions, steps; beside them Hugging Face
 transformers' `generate` on the same weights and prompts (static batches of --hf-batch, what a user without a
 server would run), unless --no-hf. `--admission worst_case learned` runs diffkv once per prompt admission rule
@@ -38,6 +39,8 @@ from engine.loader import load_checkpoint  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
 MODES = ("fp16", "int8", "int4", "diffkv")
+# CacheConfig fields a --modes entry may set after a colon, with their types
+MODE_SETTINGS = {"alpha_high": float, "alpha_low": float, "window": int, "high": str, "low": str}
 # engine.stats() fields a --trace sample records, after the step count and the seconds since the start
 TRACE_FIELDS = ("num_running", "num_waiting", "num_preemptions", "pages_used", "cached_tokens", "tokens_high",
                 "tokens_low", "tokens_pruned")
@@ -59,9 +62,30 @@ def load_prompts(ckpt, n: int, source: str, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) -> dict:
+def parse_mode(spec: str) -> tuple[str, dict]:
+    """'diffkv:alpha_low=0.06,window=32' -> ('diffkv', {'alpha_low': 0.06, 'window': 32}); ValueError naming
+    the bad part."""
+    mode, _, rest = spec.partition(":")
+    if mode not in MODES:
+        raise ValueError(f"--modes {spec!r}: kv mode {mode!r} is not one of {MODES}")
+    settings = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in MODE_SETTINGS or not eq:
+            raise ValueError(f"--modes {spec!r}: expected key=value with key in {sorted(MODE_SETTINGS)}, got {item!r}")
+        try:
+            settings[key] = MODE_SETTINGS[key](value)
+        except ValueError:
+            raise ValueError(f"--modes {spec!r}: {key}={value!r} is not a {MODE_SETTINGS[key].__name__}") from None
+    if settings and mode != "diffkv":
+        raise ValueError(f"--modes {spec!r}: only diffkv takes settings ({mode} has one fixed precision)")
+    return mode, settings
+
+
+def run_mode(ckpt, spec: str, prompts: list[list[int]], args, admission: str) -> dict:
+    mode, settings = parse_mode(spec)
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                       cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb},
+                       cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb, **settings},
                        scheduler={"max_num_seqs": args.max_num_seqs,
                                   "max_num_batched_tokens": args.max_num_batched_tokens, "admission": admission})
     engine = LLMEngine(cfg, checkpoint=ckpt)
@@ -84,7 +108,7 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) ->
 
     total = len(prompts) * args.max_tokens
     t0 = time.perf_counter()
-    with tqdm(total=total, desc=f"{_label(mode, admission, args):>6}", unit="tok", disable=args.quiet) as bar:
+    with tqdm(total=total, desc=f"{_label(spec, admission, args):>6}", unit="tok", disable=args.quiet) as bar:
         while engine.has_unfinished_requests():
             outs = engine.step()
             steps += 1
@@ -103,7 +127,9 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) ->
     wall = time.perf_counter() - t0
     st = engine.stats()
     adm = st["admission"]
-    res = {"mode": _label(mode, admission, args), "kv_mode": mode, "admission": admission,
+    cc = engine.config.cache  # after the model's calibrated settings were applied
+    res = {"mode": _label(spec, admission, args), "kv_mode": mode, "admission": admission,
+           "settings": {k: getattr(cc, k) for k in MODE_SETTINGS} if mode == "diffkv" else {},
            "overflows": adm["overflows"], "prompt_ratio": adm.get("prompt_ratio"), "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
            "mean_batch": statistics.mean(batches) if batches else None, "max_batch": max(batches, default=None),
            "compression_ratio": statistics.mean(ratios) if ratios else None,
@@ -119,14 +145,14 @@ def run_mode(ckpt, mode: str, prompts: list[list[int]], args, admission: str) ->
     return res
 
 
-def _label(mode: str, admission: str, args) -> str:
-    """A row's name: the KV mode, with the admission rule when several are compared."""
-    return f"{mode}/{admission}" if mode == "diffkv" and len(args.admission) > 1 else mode
+def _label(spec: str, admission: str, args) -> str:
+    """A row's name: the --modes entry, with the admission rule when several are compared."""
+    return f"{spec}/{admission}" if parse_mode(spec)[0] == "diffkv" and len(args.admission) > 1 else spec
 
 
-def _admissions(mode: str, args) -> list[str]:
+def _admissions(spec: str, args) -> list[str]:
     """Admission rules to run a mode under: only diffkv's footprint is unknown before its prefill."""
-    return args.admission if mode == "diffkv" else args.admission[:1]
+    return args.admission if parse_mode(spec)[0] == "diffkv" else args.admission[:1]
 
 
 def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
@@ -163,7 +189,8 @@ def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=list(MODES),
+                    help=f"KV modes {MODES}; diffkv may carry settings: diffkv:alpha_low=0.06,alpha_high=4")
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--prompts", default="gsm_symbolic", choices=("gsm_symbolic", "synthetic"))
     ap.add_argument("--max-tokens", type=int, default=4096)
@@ -190,11 +217,16 @@ def parse_args(argv):
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="random:tiny on CPU, a few short generations")
     args = ap.parse_args(argv)
+    for m in args.modes:
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            ap.error(str(e))
     if args.smoke:
         args.model = args.model or "random:tiny"
         args.device, args.prompts = "cpu", "synthetic"
         args.num_prompts, args.max_tokens, args.kv_memory_gb = 4, 16, 0.001
-        args.modes = [m for m in args.modes if m in ("fp16", "diffkv")]
+        args.modes = [m for m in args.modes if parse_mode(m)[0] in ("fp16", "diffkv")]
         args.admission = ["worst_case", "learned"]
         args.hf_prompts, args.hf_batch, args.stats_every, args.trace = 2, 2, 1, True
     return args

@@ -41,9 +41,11 @@ def test_memory_manager_smoke(tmp_path):
 def test_throughput_smoke(tmp_path):
     out = tmp_path / "throughput.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--smoke", "--quiet", "--out",
-                    str(out)], check=True, cwd=ROOT, timeout=300)
+                    str(out), "--modes", "fp16", "diffkv:alpha_low=0.01,window=8"], check=True, cwd=ROOT, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["fp16", "diffkv/worst_case", "diffkv/learned"]
+    spec = "diffkv:alpha_low=0.01,window=8"
+    assert [r["mode"] for r in rows] == ["fp16", f"{spec}/worst_case", f"{spec}/learned"]
+    assert rows[1]["settings"]["alpha_low"] == 0.01 and rows[1]["settings"]["window"] == 8
     for r in rows:
         assert r["tokens"] == 4 * 16 and r["tokens_per_s"] > 0 and r["steps"] > 0
         assert r["max_batch"] >= 1 and r["compression_ratio"] > 0 and r["preemptions"] >= 0
@@ -56,6 +58,25 @@ def test_throughput_smoke(tmp_path):
             s = dict(zip(tr["fields"], sample))
             assert s["num_running"] <= 4 and s["pages_used"] <= r["pages_total"]
             assert s["tokens_high"] + s["tokens_low"] + s["tokens_pruned"] > 0 or s["cached_tokens"] == 0
+
+
+def test_throughput_mode_settings():
+    """--modes entries: a KV mode, for diffkv optionally with cache settings; bad ones name what is wrong."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("throughput_bench", ROOT / "benchmarks" / "throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_mode("int4") == ("int4", {})
+    assert mod.parse_mode("diffkv:alpha_low=0.06,high=K8V8,window=32") == (
+        "diffkv", {"alpha_low": 0.06, "high": "K8V8", "window": 32})
+    for bad, words in (("int3", "kv mode"), ("diffkv:beta=1", "beta"), ("diffkv:alpha_low=x", "alpha_low"),
+                       ("int4:alpha_low=0.1", "only diffkv"), ("diffkv:window", "key=value")):
+        with pytest.raises(ValueError, match=words):
+            mod.parse_mode(bad)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--modes", "diffkv:beta=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "beta" in r.stderr
 
 
 def test_recorded_results_docs_are_generated_not_typed():
