@@ -27,7 +27,7 @@ import torch
 
 from kernels.page_layout import PageFormat, page_bytes_for
 from kernels.prompt_page_fit import fit_prompt_pages
-from kernels.sections import row_offsets, section_targets
+from kernels.sections import section_targets
 
 
 @dataclass(frozen=True)
@@ -210,9 +210,9 @@ class MemoryManager:
         right = P - 1 - hl.flatten().unsqueeze(1).to(torch.int64) - (j - nh)
         cols = torch.where(j < nh, left, right)
         cols = torch.where(valid, cols, torch.full_like(cols, P))  # invalid lanes -> trash column
-        # Only the new cells are written (invalid lanes hit their row's trash column): no copy of whole rows.
-        cells = row_offsets(self.page_table, slots, layer).view(-1, 1) + cols
-        self.page_table.view(-1)[cells.view(-1)] = pages.view(-1)
+        rows = self.page_table[at].view(-1, P + 1)
+        rows.scatter_(1, cols, pages)
+        self.page_table[at] = rows.view(*hh.shape, P + 1)
         self.held_high[at] = hh + need_high.to(torch.int32)
         self.held_low[at] = hl + need_low.to(torch.int32)
         self.counters[0] += need.sum()

@@ -31,20 +31,6 @@ def split_range(length, split, num_splits, BLOCK_N: tl.constexpr):
     return lo, tl.minimum(length, lo + per_split)
 
 
-def row_offsets(page_table: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-    """int64 offsets into page_table.view(-1) of the rows of sequences in slots: [B, L, H] (layer None) or
-    [B, H] (one layer). Indexing through them reads or writes only the cells a step needs; page_table[slots]
-    would copy whole rows (B x L x H x (P + 1) cells, tens of MB per call at 8B shapes and large batches)."""
-    assert page_table.is_contiguous()
-    s0, s1, s2, _ = page_table.stride()
-    dev = page_table.device
-    heads = torch.arange(page_table.shape[2], device=dev, dtype=torch.int64) * s2
-    if layer is None:
-        layers = torch.arange(page_table.shape[1], device=dev, dtype=torch.int64) * s1
-        return slots.long().view(-1, 1, 1) * s0 + layers.view(1, -1, 1) + heads
-    return slots.long().view(-1, 1) * s0 + (layer * s1 + heads)
-
-
 def section_targets(page_table: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor, tokens: int,
                     layer: int | None = None, right=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch: page (-1: none) and row (int32) of section indices idx (-1: none) of sequences in slots.
@@ -52,11 +38,12 @@ def section_targets(page_table: torch.Tensor, slots: torch.Tensor, idx: torch.Te
     idx [B, L, H] (layer None) or [B, H] (one layer); slots [B]. right None: the high section (column
     j // tokens); else the low section, whose pages end at column right - 1 (a number or per head like idx:
     the table's right end P, or a prompt's all-high reservation while it is planned)."""
+    pt = page_table[slots.long()] if layer is None else page_table[slots.long(), layer]
     none = idx < 0
     col = idx.clamp_min(0).long() // tokens
     if right is not None:
         col = (right - 1 - col).clamp(0, page_table.shape[-1] - 1)
-    page = page_table.view(-1)[row_offsets(page_table, slots, layer) + col]
+    page = pt.gather(-1, col.unsqueeze(-1)).squeeze(-1)
     page = torch.where(none, torch.full_like(page, -1), page)
     row = torch.where(none, torch.zeros_like(idx), idx % tokens).to(torch.int32)
     return page, row
