@@ -126,6 +126,18 @@ STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json", "step_breakdown_smollm2_H200.
 # count) the first time a shape appears and caches them on disk, so a mode's first run on a fresh machine pays
 # its compiles inside the timing)
 THROUGHPUT_RUNS = (
+    ("throughput_session7_H100.json", "Generation throughput with diffkv at int4's accuracy",
+     "session 7, diffkv at int4's accuracy", "Session 7, H100: `diffkv:alpha_low=0.06` is SmolLM2's calibrated "
+     "setting (alpha_high 4) with alpha_low raised to 0.06, which prunes ~15% of tokens. Its teacher-forced "
+     "fidelity on the eval split (12 x 96 tokens, the ACCURACY.md set) is int4's: top-1 agreement 0.8707 vs "
+     "k4v4's 0.8724 (paired difference -0.17 pts, 95% CI [-2.17, +1.82]), NLL +0.014 [-0.034, +0.063], at "
+     "28.1% of fp16's KV memory against k4v4's 31.7% (the calibrated alpha_low 0: 0.8785 at 31.9%). Every mode "
+     "ran the workload once untimed first (--warmup full); this run's preemption counts include that warm-up "
+     "(throughput.py reports the timed run only since)."),
+    ("throughput_session7_reversed_H100.json", "The same comparison, modes in reverse order",
+     "session 7, reverse order", "Same machine, minutes later, modes in reverse order: diffkv at int4's "
+     "accuracy 0.98x int4 here against 1.03x above, so the two are level within the ~5% run-to-run spread; the "
+     "calibrated diffkv (alpha_low 0, nothing pruned) stays behind (1.93-2.28x fp16)."),
     ("throughput_session6_H200.json", "Generation throughput after the session-6 step-cost fixes, with a trace",
      "session 6, short warm-up", "Session 6: the score update split by work in flight (policy 0.49 -> 0.20 ms "
      "per decode step at batch 64), a diffkv prompt layer's writes in one kernel (prompt step 41.5 -> 35.0 ms at "

@@ -101,6 +101,7 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, admission: str) ->
         engine.add_request(f"warmup{i}", ids, warm)
     while engine.has_unfinished_requests():
         engine.step()
+    before = engine.stats()  # counters start at the warm-up's values: the row reports the timed run only
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, sp)
     batches, ratios, generated, steps, trace = [], [], 0, 0, []
@@ -130,10 +131,10 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, admission: str) ->
     cc = engine.config.cache  # after the model's calibrated settings were applied
     res = {"mode": _label(spec, admission, args), "kv_mode": mode, "admission": admission,
            "settings": {k: getattr(cc, k) for k in MODE_SETTINGS} if mode == "diffkv" else {},
-           "overflows": adm["overflows"], "prompt_ratio": adm.get("prompt_ratio"), "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
+           "overflows": adm["overflows"] - before["admission"]["overflows"], "prompt_ratio": adm.get("prompt_ratio"), "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
            "mean_batch": statistics.mean(batches) if batches else None, "max_batch": max(batches, default=None),
            "compression_ratio": statistics.mean(ratios) if ratios else None,
-           "preemptions": st["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
+           "preemptions": st["num_preemptions"] - before["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
     if args.trace:
         res["trace"] = {"fields": ["step", "seconds"] + list(TRACE_FIELDS), "samples": trace}
     if hasattr(engine, "shutdown"):
