@@ -65,6 +65,29 @@ def mm_section(name: str, title: str) -> list[str]:
     return out + [""]
 
 
+# Teacher-forced fidelity of the settings a throughput run compares (evals/fidelity_compare.py), shown below it
+FIDELITY_FOR = {"throughput_session7_H100.json": DOCS.parent / "evals" / "results" / "smollm2-135m" /
+                                                 "fidelity_compare.json"}
+
+
+def fidelity_lines(path: Path) -> list[str]:
+    """Each configuration's KV memory and top-1 agreement, and its paired difference from the baseline."""
+    if not path.is_file():
+        return []
+    d = json.loads(path.read_text())
+    base = d["baseline"]
+    out = [f"Fidelity on the eval split ({d['settings']['fidelity_n']} generations x {d['settings']['gen_len']} "
+           f"tokens, teacher forced against the fp16 cache; `{d['command']}`):", ""]
+    for name, r in d["configs"].items():
+        b = r.get("vs_baseline")
+        vs = (f"; vs {base}: {100 * b['agreement_change']:+.2f} pts [95% CI {100 * b['agreement_change_ci'][0]:+.2f}, "
+              f"{100 * b['agreement_change_ci'][1]:+.2f}], NLL {b['nll_increase']:+.3f} "
+              f"[{b['nll_increase_ci'][0]:+.3f}, {b['nll_increase_ci'][1]:+.3f}]") if b else ""
+        out.append(f"- `{name}`: {100 * r['memory_fraction']:.1f}% of fp16's KV memory, top-1 agreement "
+                   f"{r['top1_agreement']:.4f}{vs}")
+    return out + [""]
+
+
 def throughput_section(name: str, title: str = "Generation throughput per KV mode") -> list[str]:
     t = load(name)
     if t is None:
@@ -87,7 +110,7 @@ def throughput_section(name: str, title: str = "Generation throughput per KV mod
                    f"{f(r.get('mean_batch'), '.1f')} | {f(r.get('max_batch'), 'd')} | "
                    f"{f(r.get('compression_ratio'), '.2f')} | {f(r.get('preemptions'), 'd')} | "
                    f"{f(r.get('overflows'), 'd')} |")
-    return out + [""]
+    return out + [""] + (fidelity_lines(FIDELITY_FOR[name]) if name in FIDELITY_FOR else [])
 
 
 def step_breakdown_section(name: str) -> list[str]:
@@ -128,16 +151,13 @@ STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json", "step_breakdown_smollm2_H200.
 THROUGHPUT_RUNS = (
     ("throughput_session7_H100.json", "Generation throughput with diffkv at int4's accuracy",
      "session 7, diffkv at int4's accuracy", "Session 7, H100: `diffkv:alpha_low=0.06` is SmolLM2's calibrated "
-     "setting (alpha_high 4) with alpha_low raised to 0.06, which prunes ~15% of tokens. Its teacher-forced "
-     "fidelity on the eval split (12 x 96 tokens, the ACCURACY.md set) is int4's: top-1 agreement 0.8707 vs "
-     "k4v4's 0.8724 (paired difference -0.17 pts, 95% CI [-2.17, +1.82]), NLL +0.014 [-0.034, +0.063], at "
-     "28.1% of fp16's KV memory against k4v4's 31.7% (the calibrated alpha_low 0: 0.8785 at 31.9%). Every mode "
-     "ran the workload once untimed first (--warmup full); this run's preemption counts include that warm-up "
-     "(throughput.py reports the timed run only since)."),
+     "setting (alpha_high 4) with alpha_low raised to 0.06, which prunes ~15% of tokens; its fidelity against "
+     "int4's is below the table. Every mode ran the workload once untimed first (--warmup full); this run's "
+     "preemption counts include that warm-up (throughput.py reports the timed run only since)."),
     ("throughput_session7_reversed_H100.json", "The same comparison, modes in reverse order",
      "session 7, reverse order", "Same machine, minutes later, modes in reverse order: diffkv at int4's "
-     "accuracy 0.98x int4 here against 1.03x above, so the two are level within the ~5% run-to-run spread; the "
-     "calibrated diffkv (alpha_low 0, nothing pruned) stays behind (1.93-2.28x fp16)."),
+     "accuracy and int4 trade places between the two runs (level within the run-to-run spread); the calibrated "
+     "diffkv (alpha_low 0, nothing pruned) stays behind both."),
     ("throughput_session6_H200.json", "Generation throughput after the session-6 step-cost fixes, with a trace",
      "session 6, short warm-up", "Session 6: the score update split by work in flight (policy 0.49 -> 0.20 ms "
      "per decode step at batch 64), a diffkv prompt layer's writes in one kernel (prompt step 41.5 -> 35.0 ms at "

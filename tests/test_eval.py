@@ -247,3 +247,26 @@ def test_diffkv_eval_of_fp16_itself(tmp_path):
     r = json.loads(out.read_text())
     assert r["tasks"]["chain_sum"]["n"] == 2 and r["fidelity"]["top1_agreement"] == 1.0
     assert r["fidelity"]["nll_increase"] == 0.0 and r["fidelity"]["memory_fraction"] > 1.0  # score + position rows
+
+
+def test_fidelity_compare_configs_and_run(tmp_path):
+    """evals/fidelity_compare.py: config names and diffkv:alpha_high=A,alpha_low=B parse (bad ones name the part),
+    and a tiny run writes each configuration's fidelity with its paired difference from the baseline."""
+    from evals.fidelity_compare import main, parse_config
+
+    assert parse_config("k4v4").cache == {"kv_mode": "int4"}
+    kvc = parse_config("diffkv:alpha_high=4,alpha_low=0.06")
+    assert kvc.cache == {"kv_mode": "diffkv", "alpha_high": 4.0, "alpha_low": 0.06}
+    for bad, words in (("k3v3", "expected one of"), ("diffkv:beta=1", "beta"), ("diffkv:alpha_high=4", "both"),
+                       ("diffkv:alpha_high=x,alpha_low=0", "not a number")):
+        with pytest.raises(ValueError, match=words):
+            parse_config(bad)
+    out = tmp_path / "fc.json"
+    assert main(["--configs", "diffkv:alpha_high=1,alpha_low=0.5", "--baseline", "k8v8", "--fidelity-n", "1",
+                 "--gen-len", "4", "--max-num-seqs", "4", "--kv-cache-memory-gb", "0.05", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert list(d["configs"]) == ["k8v8", "diffkv:alpha_high=1,alpha_low=0.5"]
+    row = d["configs"]["diffkv:alpha_high=1,alpha_low=0.5"]
+    assert 0 < row["memory_fraction"] < 1 and 0 <= row["top1_agreement"] <= 1
+    assert "vs_baseline" in row and "vs_baseline" not in d["configs"]["k8v8"]
+    assert row["cache"]["alpha_low"] == 0.5
