@@ -10,9 +10,10 @@ all-high reservation (high pages from its left, low pages from its right); after
 pages are recycled in one batched operation. With learned admission (SchedulerConfig.admission) nothing is
 reserved: each layer takes exactly its plan's pages, and flags a sequence they do not fit for (the scheduler
 retries it). Generation: before each step the token leaving the window
-is placed by Algorithm 1 (compression_plan), tokens move with move_tokens, each head gets at most one
-new page, and the new token is appended to the high section; the decode kernel returns each token's
-attention, which is added to its score. All of it is batched over (sequence, layer, head) on the device.
+is placed by Algorithm 1 (compression_plan); then each head gets at most one new page, the tokens move and
+the new token is appended to the high section (kernels/decode_pages.py, two launches); the decode kernel
+returns each token's attention, which is added to its score. All of it is batched over (sequence, layer, head)
+on the device.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from engine.config import CacheConfig
 from engine.memory import CacheShape, MemoryManager
 from engine.profiling import cost_range, costed
 from kernels.compression_plan import compression_plan
+from kernels.decode_pages import decode_pages
 from kernels.decode_attention import paged_decode_attention
-from kernels.kv_move import move_tokens
 from kernels.kv_write import write_kv
 from kernels.kv_write_sections import write_sections
 from kernels.prompt_classify import classify_prompt, prompt_mean_significance, segment_index
@@ -185,8 +186,7 @@ class KVCache:
         mm = self.mm
         if timed:
             self._mm_begin()
-        # Padding rows of a CUDA-graph batch (dummy slot, seq_len 0) must neither grow nor move anything.
-        active = (seq_len > 0).to(torch.int32).view(-1, 1, 1)
+        plan = None
         if self.diffkv:
             with cost_range("policy"):
                 plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
@@ -194,31 +194,9 @@ class KVCache:
                                         num_queries=self.config.significance_queries,
                                         budget=self.config.budget if self.config.policy == "budget" else None,
                                         layer_scale=self.layer_scale)
-            new_high, new_low = plan["new_len_high"], plan["new_len_low"]
-            need_low = (new_low > mm.held_low[slots] * mm.fmt_low.tokens).to(torch.int32)
-            need_high = (new_high + active > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
-            mm.grow(slots, need_high, need_low, 2)
-            # Requantize the token that moves down (before its high row can be overwritten) ...
-            sp, sr = mm.high_targets(slots, plan["to_low_src"])
-            dp, dr = mm.low_targets(slots, plan["low_dst"])
-            move_tokens(mm.pool, mm.fmt_high, mm.fmt_low, mm.cache_dtype, sp.flatten(), sr.flatten(),
-                        dp.flatten(), dr.flatten())
-            # ... then close the hole in the high section with its last token.
-            hole, last = plan["high_hole"], mm.len_high[slots] - 1
-            fill = (hole >= 0) & (hole != last)
-            sp, sr = mm.high_targets(slots, torch.where(fill, last, -1))
-            dp, dr = mm.high_targets(slots, torch.where(fill, hole, -1))
-            move_tokens(mm.pool, mm.fmt_high, mm.fmt_high, mm.cache_dtype, sp.flatten(), sr.flatten(),
-                        dp.flatten(), dr.flatten())
-            mm.len_high[slots] = new_high + active
-            mm.len_low[slots] = new_low
-            mm.note_growth(slots)  # what the next step may take, for the scheduler's step_view
-        else:
-            new_high = mm.len_high[slots] + active
-            need_high = (new_high > mm.held_high[slots] * mm.fmt_high.tokens).to(torch.int32)
-            mm.grow(slots, need_high, torch.zeros_like(need_high), 1)
-            mm.len_high[slots] = new_high
-        out = mm.append_targets(slots)
+        # Pages, the two token moves, lengths and write targets: two launches on the GPU (kernels/decode_pages.py).
+        out = decode_pages(mm.page_state, mm.fmt_high, mm.fmt_low if self.diffkv else None, mm.cache_dtype, slots,
+                           seq_len, plan)
         if timed:
             self._mm_end()
         return out

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from kernels.decode_pages import PageState
+from kernels.page_alloc import grow_pages
 from kernels.page_layout import PageFormat, page_bytes_for
 from kernels.prompt_page_fit import fit_prompt_pages
 from kernels.sections import section_targets
@@ -98,6 +100,12 @@ class MemoryManager:
         self._cols = torch.arange(P, device=dev, dtype=torch.int32)
         self._init_prefix_blocks()
 
+    @property
+    def page_state(self) -> PageState:
+        """The device tensors a decode step updates (kernels/decode_pages.py)."""
+        return PageState(self.pool, self.page_table, self.held_high, self.held_low, self.len_high, self.len_low,
+                         self.free_list, self.counters, self.next_growth)
+
     # Single-precision names used by the fp16 path and the kernels' first arguments.
     @property
     def fmt(self) -> PageFormat:
@@ -151,8 +159,8 @@ class MemoryManager:
         return self.fmt_low is not None
 
     def note_growth(self, slots: torch.Tensor) -> None:
-        """Two-sided pools: record decode_growth of these slots after a step changed their sections (prefill,
-        decode; in a decode step's CUDA graph), for step_view to read."""
+        """Two-sided pools: record decode_growth of these slots after a prefill changed their sections, for
+        step_view to read (a decode step records it in its own kernel: kernels/decode_pages.py)."""
         self.next_growth[slots] = self.decode_growth(slots)
 
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]:
@@ -195,27 +203,9 @@ class MemoryManager:
         slots int [B]; need_* int [B, L, H] >= 0 ([B, H] for one `layer`); max_new_pages: host bound on
         need_high + need_low of any head.
         """
-        if max_new_pages <= 0:
-            return
-        P = self.max_pages
         at = slots if layer is None else (slots, layer)
-        hh, hl = self.held_high[at], self.held_low[at]
-        need = (need_high + need_low).flatten()
-        offsets = torch.cumsum(need, 0) - need  # exclusive prefix sum: each head's range in the list
-        j = torch.arange(max_new_pages, device=self.device, dtype=torch.int64)
-        valid = j < need.unsqueeze(1)  # [BLH, m]
-        pages = self.free_list[(self.counters[0] + offsets.unsqueeze(1) + j) % self.num_pages]
-        nh = need_high.flatten().unsqueeze(1).to(torch.int64)
-        left = hh.flatten().unsqueeze(1).to(torch.int64) + j
-        right = P - 1 - hl.flatten().unsqueeze(1).to(torch.int64) - (j - nh)
-        cols = torch.where(j < nh, left, right)
-        cols = torch.where(valid, cols, torch.full_like(cols, P))  # invalid lanes -> trash column
-        rows = self.page_table[at].view(-1, P + 1)
-        rows.scatter_(1, cols, pages)
-        self.page_table[at] = rows.view(*hh.shape, P + 1)
-        self.held_high[at] = hh + need_high.to(torch.int32)
-        self.held_low[at] = hl + need_low.to(torch.int32)
-        self.counters[0] += need.sum()
+        grow_pages(self.page_table, self.held_high, self.held_low, self.free_list, self.counters, self.num_pages,
+                   at, need_high, need_low, max_new_pages)
 
     def reserve(self, slots: torch.Tensor, new_lens: torch.Tensor, max_new_pages: int) -> None:
         """Grow every head's high side to hold new_lens[b] tokens at high precision (the prompt's worst case)."""
@@ -284,11 +274,6 @@ class MemoryManager:
             3, cols.view(-1, 1, 1, 1).expand(-1, *self.page_table.shape[1:3], 1)).squeeze(3)  # [N, L, H]
         rows = (positions % T).to(torch.int32).view(-1, 1, 1).expand_as(pages)
         return pages.permute(1, 0, 2).contiguous(), rows.permute(1, 0, 2).contiguous()
-
-    def append_targets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode: each head's newest high token (index len_high - 1): page and row, [L, B, H]."""
-        page, row = self.high_targets(slots, self.len_high[slots] - 1)
-        return page.permute(1, 0, 2).contiguous(), row.permute(1, 0, 2).contiguous()
 
     # ---- prompt planning: keep what each head needs, recycle the rest ---------------------------------
     def finish_prompt(self, slots: torch.Tensor, n_high: torch.Tensor, n_low: torch.Tensor) -> None:
