@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
+from engine.config import SchedulerConfig, parse_settings  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
@@ -65,18 +65,9 @@ def load_prompts(ckpt, n: int, source: str, seed: int) -> list[list[int]]:
 def parse_mode(spec: str) -> tuple[str, dict]:
     """'diffkv:alpha_low=0.06,window=32' -> ('diffkv', {'alpha_low': 0.06, 'window': 32}); ValueError naming
     the bad part."""
-    mode, _, rest = spec.partition(":")
+    mode, settings = parse_settings(spec, MODE_SETTINGS, "--modes")
     if mode not in MODES:
         raise ValueError(f"--modes {spec!r}: kv mode {mode!r} is not one of {MODES}")
-    settings = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if key not in MODE_SETTINGS or not eq:
-            raise ValueError(f"--modes {spec!r}: expected key=value with key in {sorted(MODE_SETTINGS)}, got {item!r}")
-        try:
-            settings[key] = MODE_SETTINGS[key](value)
-        except ValueError:
-            raise ValueError(f"--modes {spec!r}: {key}={value!r} is not a {MODE_SETTINGS[key].__name__}") from None
     if settings and mode != "diffkv":
         raise ValueError(f"--modes {spec!r}: only diffkv takes settings ({mode} has one fixed precision)")
     return mode, settings

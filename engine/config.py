@@ -18,6 +18,24 @@ def parse_precision(text: str, field: str = "precision") -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
+def parse_settings(spec: str, keys: dict[str, type], what: str = "spec") -> tuple[str, dict]:
+    """'diffkv:alpha_low=0.06,window=32' -> ('diffkv', {'alpha_low': 0.06, 'window': 32}), each value converted
+    by keys[name] (the command-line form of a cache configuration in the benchmarks and evals); a ValueError
+    names the bad part, `what` the option it came from."""
+    head, _, rest = spec.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in keys or not eq:
+            raise ValueError(f"{what} {spec!r}: expected key=value with key in {sorted(keys)}, got {item!r}")
+        try:
+            settings[key] = keys[key](value)
+        except ValueError:
+            kind = "number" if keys[key] in (int, float) else keys[key].__name__
+            raise ValueError(f"{what} {spec!r}: {key}={value!r} is not a {kind}") from None
+    return head, settings
+
+
 class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kv_mode: KVMode = Field("fp16", description="fp16 (16-bit cache), int8 (K8V8), int4 (K4V4) or diffkv")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config import parse_settings
 from evals.configs import KVConfig, baseline_configs, diffkv_config
 from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
 from evals.harness import evaluate_config
@@ -32,19 +33,10 @@ def parse_config(spec: str) -> KVConfig:
         return known[spec]
     if spec == "diffkv":
         return diffkv_config(None, None)
-    head, _, rest = spec.partition(":")
-    if head != "diffkv" or not rest:
+    head, alphas = parse_settings(spec, {"alpha_high": float, "alpha_low": float}, "config")
+    if head != "diffkv" or ":" not in spec:
         raise ValueError(f"config {spec!r}: expected one of {sorted(known) + ['diffkv']} or "
                          "diffkv:alpha_high=A,alpha_low=B")
-    alphas = {}
-    for item in rest.split(","):
-        key, _, value = item.partition("=")
-        if key not in ("alpha_high", "alpha_low"):
-            raise ValueError(f"config {spec!r}: unknown setting {key!r} (alpha_high, alpha_low)")
-        try:
-            alphas[key] = float(value)
-        except ValueError:
-            raise ValueError(f"config {spec!r}: {key}={value!r} is not a number") from None
     if set(alphas) != {"alpha_high", "alpha_low"}:
         raise ValueError(f"config {spec!r}: give both alpha_high and alpha_low")
     return diffkv_config(alphas["alpha_high"], alphas["alpha_low"], name=spec)
