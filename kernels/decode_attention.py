@@ -5,7 +5,9 @@ key/value tile, so every page is read once. With one split it writes the output 
 partial (max, sum, acc) and kernel 2 merges the splits (flash-decoding).
 
 Pages of any precision (DiffKV): 16-bit sides load the cache dtype; 8/4/2-bit sides load packed bytes and fp16
-scale/zero and dequantize on the fly (planar layout, kernels/quant.py). A (sequence, head) may own a high
+scale/zero and dequantize on the fly (planar layout, kernels/quant.py). Two full-width kernels take the common
+single-precision caches (decode_kernel): 16-bit pages (kernels/decode_attention_f16.py) and K8V8 pages
+(kernels/decode_attention_q8.py); the quartered kernel here takes everything else. A (sequence, head) may own a high
 section (fmt, pages from the left of its page-table row) and a low section (fmt_low, pages from the right);
 each program walks its share of high tokens, then of low tokens. Optional per-token logits and per-head lse
 feed the generation-phase significance update (kernels/score_update.py). All of it hides behind constexpr
@@ -25,6 +27,7 @@ from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, se
 from kernels.page_layout import PageFormat
 from kernels.quant import read_pages_ref
 from kernels.decode_attention_f16 import decode_f16_kernel
+from kernels.decode_attention_q8 import decode_q8_kernel
 from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
@@ -404,15 +407,33 @@ class LaunchConfig(NamedTuple):
     v_early: bool = False  # value loads issued before the key math
 
 
-def launch_config(fmt: PageFormat, fmt_low: PageFormat | None) -> LaunchConfig:
-    """Launch parameters from the H200 variant sweep (benchmarks/results/decode_kernel_variants_H200.json).
+KERNELS = ("f16", "q8", "quartered")
+
+
+def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
+    """Which kernel serves a call: "f16" (16-bit pages only), "q8" (K8V8 pages, no low section;
+    kernels/decode_attention_q8.py) or "quartered" (any precision, high + low sections)."""
+    if fmt_low is None and fmt.key_bits == fmt.value_bits == 16:
+        return "f16"
+    if fmt_low is None and fmt.key_bits == fmt.value_bits == 8:
+        return "q8"
+    return "quartered"
+
+
+def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | None = None) -> LaunchConfig:
+    """Launch parameters of `kernel` (default: decode_kernel's pick), from the H200 variant sweep
+    (benchmarks/results/decode_kernel_variants_H200.json).
     16-bit only: the full-width kernel (kernels/decode_attention_f16.py), 128-token tiles, 4 warps, 2 stages.
-    Quantized, head_dim >= 128: freely scheduled unpacking, 4 warps, 2 stages. Smaller heads: quarters of 16
+    Quartered, head_dim >= 128: freely scheduled unpacking, 4 warps, 2 stages. Smaller heads: quarters of 16
     leave the value dots too narrow for 4 warps (they would repeat them), so 2 warps, one stage, value loads
-    first and the unpacking kept before the shared-memory transpose."""
-    quantized = any(b < 16 for f in (fmt, fmt_low) if f is not None for b in (f.key_bits, f.value_bits))
-    if not quantized:
+    first and the unpacking kept before the shared-memory transpose.
+    q8 (swept on an H100 at the 8B shape): 128-token tiles, 4 warps, 5 stages, the fewest that double-buffer
+    its cp.async tiles (see kernels/decode_attention_q8.py); 64-token tiles or 8 warps were much slower."""
+    kernel = kernel or decode_kernel(fmt, fmt_low)
+    if kernel == "f16":
         return LaunchConfig(128, 4, 2)
+    if kernel == "q8":
+        return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
         return LaunchConfig(128, 4, 2, pure_k=True, pure_v=True)
     return LaunchConfig(128, 2, 1, v_early=True)
@@ -527,10 +548,31 @@ def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_a
     )
 
 
+def _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse, layer, scale, num_splits, fmt,
+               block_n, dot_fp32, warps, stages, write_logits, write_lse):
+    """The full-width 8-bit kernel (K8V8 pages, no low section)."""
+    (B, Hq, D), Hkv = q.shape, page_table.shape[2]
+    group = Hq // Hkv
+    decode_q8_kernel[(B, Hkv, num_splits)](
+        q, pool, pool.view(torch.int32), page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), page_table.stride(1), page_table.stride(2),
+        lengths.stride(0), lengths.stride(1), lengths.stride(2), logits.stride(0), logits.stride(1),
+        lse.stride(0), lse.stride(1),
+        layer, scale * LOG2E, scale, Hq, num_splits, fmt.page_bytes,
+        fmt.k_off, fmt.k_meta_off // 4, fmt.v_off, fmt.v_meta_off // 4,
+        GROUP=group, T=fmt.tokens, SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, D=D,
+        DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits, WRITE_LSE=write_lse,
+        num_warps=warps, num_stages=stages,
+    )
+
+
 def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer,
                                   scale, num_splits=None, max_len=None, block_n=None, out=None,
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
-                                  num_warps=None, num_stages=None):
+                                  num_warps=None, num_stages=None, kernel=None):
+    """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: decode_kernel's pick.
+    block_n / num_warps / num_stages override launch_config's."""
     check_supported(fmt, cache_dtype, for_triton=True)
     has_low = _check_low(fmt, fmt_low, len_low, cache_dtype, True)
     B, Hq, D = q.shape
@@ -545,7 +587,12 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if B == 0:
         return out
     pc = pool.view(cache_dtype)
-    cfg = launch_config(fmt, fmt_low if has_low else None)
+    picked = decode_kernel(fmt, fmt_low if has_low else None)
+    kernel = kernel or picked
+    if kernel not in (picked, "quartered"):
+        low_note = " with a low section" if has_low else ""
+        raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}")
+    cfg = launch_config(fmt, fmt_low if has_low else None, kernel)
     block_n = block_n or cfg.block_n
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
@@ -564,7 +611,10 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     logits = logits_out if logits_out is not None else out  # unused when absent
     lse = lse_out if lse_out is not None else out
     dot_fp32 = dot_in_fp32(q, pool) or q.dtype == torch.float32 or cache_dtype == torch.float32
-    if not has_low and fmt.key_bits == fmt.value_bits == 16:
+    if kernel == "q8":
+        _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse, layer, scale, num_splits,
+                   fmt, block_n, dot_fp32, warps, stages, logits_out is not None, lse_out is not None)
+    elif kernel == "f16":
         decode_f16_kernel[(B, Hkv, num_splits)](
             q, pc, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),

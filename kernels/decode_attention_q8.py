@@ -1,0 +1,137 @@
+"""Decode attention over K8V8 pages without a low section (kv_mode int8): the full head dimension in one tile
+per token block, like kernels/decode_attention_f16.py.
+
+Scale and zero (x = c * scale + zero per token) act outside the dots, on [G, N]; the dots run on the codes:
+    q . k_n       = scale_n * (q . c_n) + zero_n * sum(q)
+    sum_n p_n v_n = top * ((p * scale / top) @ C) + sum_n p_n zero_n
+top is the tile's largest value scale: it keeps the fp16 value weights in [0, 1]. On the GPU the codes reach the
+dots as the fp16 numbers 1024 + c (0x64XX, one prmt per two codes); the 1024 comes off in the same [G, N] terms.
+
+What makes it fast (on an H100): the [BLOCK_N, D] byte tiles are plain loads, which Triton's pipeliner streams
+through shared memory with cp.async; num_stages 5 gives two buffers per tile (its stage count is split between
+the page-table load and the loads it addresses). Value codes are unpacked before the shared-memory transpose that
+feeds the value dot (ldmatrix.trans on fp16), not after it (one byte per shared load). The running sums (softmax
+denominator, zero-point terms) stay [G, N] across the loop and are reduced once at the end, and the tile's top
+scale rides in a padding row of the logit max: one cross-warp reduction per tile instead of five.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.sections import section_page, split_range
+
+# Four codes (bytes of $2) -> fp16 pairs 1024 + c: each byte under an 0x64 exponent byte.
+_PRMT = tl.constexpr("{\n.reg .b32 r_m;\nmov.b32 r_m, 0x64646464;\nprmt.b32 $0, $2, r_m, 0x4140;\n"
+                     "prmt.b32 $1, $2, r_m, 0x4342;\n}")
+
+
+@triton.jit
+def _codes(x, DOT_FP32: tl.constexpr, PURE: tl.constexpr):
+    """uint8 tile -> dot operand: c in fp32 (interpreter), else 1024 + c in fp16. PURE lets Triton unpack after
+    its shared-memory layout change (the keys: their dot reads rows as they lie); not pure keeps it before
+    (the values: the dot needs them transposed, which ldmatrix.trans does on 16-bit data only)."""
+    if DOT_FP32:
+        return x.to(tl.float32)
+    else:
+        return tl.inline_asm_elementwise(_PRMT, "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
+
+
+@triton.jit
+def _meta(pool_w, page, row, tmask, page_words, meta_w):
+    """(scale, zero) float32 [N] of rows `row` of pages `page`: one 4-byte word per token (fp16 scale in the low
+    half), which cp.async can copy (it moves 4 bytes or more). Masked rows give 0, 0."""
+    w = tl.load(pool_w + page * page_words + meta_w + row, mask=tmask, other=0)
+    scale = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    zero = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
+def decode_q8_kernel(
+    q_ptr, pool_u8, pool_w, pt_ptr, len_ptr, slots_ptr, o_ptr, mid_acc, mid_ml, logits_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh,
+    stride_gb, stride_gh, stride_eb, stride_eh,
+    layer, qk_scale, sm_scale, Hq, num_splits, page_bytes, k_off, k_meta_w, v_off, v_meta_w,
+    GROUP: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_LOGITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """k_off, v_off in bytes; k_meta_w, v_meta_w in 4-byte words; D a power of two (a row is D bytes)."""
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
+    pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
+    lo, hi = split_range(length, split, num_splits, BLOCK_N)
+    page_words = page_bytes // 4
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    hq = h * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    QT = tl.float32 if DOT_FP32 else tl.float16
+    q = q.to(QT)  # fp16 whatever the cache dtype: the codes are exact in it
+    qsum = tl.sum(q.to(tl.float32), 1)  # the dots' view of sum(q): folds key zero points (and the bias)
+    BIAS: tl.constexpr = 0.0 if DOT_FP32 else 1024.0
+    TOP_ROW: tl.constexpr = BLOCK_G - 1 if BLOCK_G > GROUP else -1  # a padding row that carries the top scale
+    logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite, so empty splits merge without NaN
+    l_n = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # softmax denominator, per column until the end
+    z_n = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # value zero-point and bias terms, likewise
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < hi
+        page = section_page(pt_row, 0, t, tmask, T, False)
+        row = t % T
+        rows = (page * page_bytes + row * D)[:, None] + d[None, :]
+        kc = tl.load(pool_u8 + k_off + rows, mask=tmask[:, None], other=0)
+        s = _dot(q, tl.trans(_codes(kc, DOT_FP32, True)), DOT_FP32)  # q . c + BIAS * sum(q)
+        ks, kz = _meta(pool_w, page, row, tmask, page_words, k_meta_w)
+        s = s * ks[None, :] + qsum[:, None] * (kz - BIAS * ks)[None, :]
+        if WRITE_LOGITS:
+            tl.store(logit_rows[:, None] + t[None, :], s * sm_scale, mask=gmask[:, None] & tmask[None, :])
+        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain: exp2 below
+        vs, vz = _meta(pool_w, page, row, tmask, page_words, v_meta_w)
+        if TOP_ROW >= 0:
+            s = tl.where(g[:, None] == TOP_ROW, vs[None, :], s)  # its max is the top scale
+        tile_max = tl.max(s, 1)
+        if TOP_ROW >= 0:
+            top = tl.max(tl.where(g == TOP_ROW, tile_max, 0.0), 0)  # within a warp: rows are not split
+        else:
+            top = tl.max(vs, 0)
+        top = tl.where(top > 0, top, 1.0)
+        m_new = tl.maximum(m_i, tile_max)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_n = l_n * alpha[:, None] + p
+        pv = (p * (vs * (1.0 / top))[None, :]).to(QT)
+        vc = tl.load(pool_u8 + v_off + rows, mask=tmask[:, None], other=0)
+        acc = acc * alpha[:, None] + _dot(pv, _codes(vc, DOT_FP32, False), DOT_FP32) * top
+        z_n = z_n * alpha[:, None] + (p * vz[None, :] - (BIAS * top) * pv.to(tl.float32))
+        m_i = m_new
+
+    acc = acc + tl.sum(z_n, 1)[:, None]
+    l_i = tl.sum(l_n, 1)
+    omask = gmask[:, None]
+    if SPLIT:
+        idx = (b * Hq + hq) * num_splits + split  # mid_* are contiguous [B, Hq, num_splits, ...]
+        tl.store(mid_acc + idx[:, None] * D + d[None, :], acc, mask=omask)
+        tl.store(mid_ml + idx * 2, m_i, mask=gmask)
+        tl.store(mid_ml + idx * 2 + 1, l_i, mask=gmask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # length 0 -> zeros
+        tl.store(o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=omask)
+        if WRITE_LSE:
+            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))  # natural-log lse; -inf without tokens
+            tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
