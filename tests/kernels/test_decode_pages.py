@@ -24,11 +24,11 @@ TOL = 0
 L, H, D, S = 2, 3, 16, 6
 
 
-def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2):
+def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2, layers=L, heads=H):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    shape = CacheShape(num_layers=L, num_kv_heads=H, head_dim=D, max_seqs=S, max_model_len=64, block_size=4)
-    mm = MemoryManager(shape, 200, torch.float32, DEVICE, high=high, low=low)
+    shape = CacheShape(num_layers=layers, num_kv_heads=heads, head_dim=D, max_seqs=S, max_model_len=64, block_size=4)
+    mm = MemoryManager(shape, 35 * layers * heads, torch.float32, DEVICE, high=high, low=low)
     T_hi = mm.fmt_high.tokens
     T_lo = mm.fmt_low.tokens if low else 1
     # Move the free list's pointers near its end, so this step's pages wrap around.
@@ -38,9 +38,9 @@ def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2):
     slots = [mm.alloc_slot() for _ in range(batch)]
     st = torch.tensor(slots, device=DEVICE)
     lh = torch.tensor([[[rng.choice([1, T_hi - 1, T_hi, T_hi + 1, 2 * T_hi, rng.randint(1, 3 * T_hi)])
-                         for _ in range(H)] for _ in range(L)] for _ in slots], dtype=torch.int32)
+                         for _ in range(heads)] for _ in range(layers)] for _ in slots], dtype=torch.int32)
     ll = torch.tensor([[[rng.choice([0, 1, T_lo, T_lo - 1, rng.randint(0, 2 * T_lo)]) if low else 0
-                         for _ in range(H)] for _ in range(L)] for _ in slots], dtype=torch.int32)
+                         for _ in range(heads)] for _ in range(layers)] for _ in slots], dtype=torch.int32)
     need_h = ((lh + T_hi - 1) // T_hi).to(DEVICE)
     need_l = ((ll + T_lo - 1) // T_lo).to(DEVICE)
     mm.grow(st, need_h, need_l, int((need_h + need_l).max()))
@@ -50,8 +50,8 @@ def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2):
         if fmt is None:
             continue
         for s in slots:
-            for layer in range(L):
-                for h in range(H):
+            for layer in range(layers):
+                for h in range(heads):
                     for c in range(int(held[s, layer, h])):
                         col = mm.max_pages - 1 - c if from_right else c
                         page = mm.page_table[s, layer, h, col]
@@ -71,7 +71,7 @@ def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2):
 def _random_plan(mm, slots, seq_len, seed):
     """A plan with every outcome of Algorithm 1 (random per head); padding rows do nothing."""
     rng = random.Random(seed)
-    B = slots.numel()
+    B, L, H = slots.numel(), mm.shape.num_layers, mm.shape.num_kv_heads
     f = {k: torch.full((B, L, H), -1, dtype=torch.int32) for k in ("high_hole", "to_low_src", "low_dst")}
     lh, ll = mm.len_high[slots.long()].cpu(), mm.len_low[slots.long()].cpu()
     new_h, new_l = lh.clone(), ll.clone()
@@ -132,9 +132,10 @@ def _check_equal(mm, slots, seq_len, plan, grows=True):
     return ref
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_plan_matches_reference(seed):
-    mm, slots, seq_len = _state(seed)
+@pytest.mark.parametrize("seed,layers,heads", [(0, L, H), (1, L, H), (2, L, H), (3, 3, 20)])
+def test_random_plan_matches_reference(seed, layers, heads):
+    """(3 layers x 20 heads: a layer's heads span two of the kernel's 16-head blocks.)"""
+    mm, slots, seq_len = _state(seed, layers=layers, heads=heads)
     _check_equal(mm, slots, seq_len, _random_plan(mm, slots, seq_len, seed))
 
 
