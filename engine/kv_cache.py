@@ -174,7 +174,6 @@ class KVCache:
             self.mm.finish_prompt(info.slots, info.n_high, info.n_low)
 
     # ---- generation ----------------------------------------------------------------------------------
-    @costed("memory")  # Algorithm 1 (policy) marked inside
     def prepare_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
                        alpha_high: torch.Tensor, alpha_low: torch.Tensor,
                        timed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,18 +182,30 @@ class KVCache:
         slots int32 [B]; seq_len int32 [B] = tokens after this step's token; returns write targets [L, B, H].
         No host synchronization: a CUDA graph can capture it (timed=False there; the graph runner times it).
         """
+        plan = self.plan_decode(slots, seq_len, prompt_len, alpha_high, alpha_low)
+        return self.decode_pages(slots, seq_len, plan, timed)
+
+    @costed("policy")
+    def plan_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
+                    alpha_high: torch.Tensor, alpha_low: torch.Tensor) -> Optional[dict]:
+        """diffkv: Algorithm 1 for the token leaving each head's window (None for one precision)."""
+        if not self.diffkv:
+            return None
+        mm = self.mm
+        return compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low, slots,
+                                prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
+                                num_queries=self.config.significance_queries,
+                                budget=self.config.budget if self.config.policy == "budget" else None,
+                                layer_scale=self.layer_scale)
+
+    @costed("memory")
+    def decode_pages(self, slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict],
+                     timed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's pages and token moves, lengths and the new tokens' write targets: the memory management of
+        a decode step (two launches on the GPU, kernels/decode_pages.py), timed for stats unless in a graph."""
         mm = self.mm
         if timed:
             self._mm_begin()
-        plan = None
-        if self.diffkv:
-            with cost_range("policy"):
-                plan = compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low,
-                                        slots, prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
-                                        num_queries=self.config.significance_queries,
-                                        budget=self.config.budget if self.config.policy == "budget" else None,
-                                        layer_scale=self.layer_scale)
-        # Pages, the two token moves, lengths and write targets: two launches on the GPU (kernels/decode_pages.py).
         out = decode_pages(mm.page_state, mm.fmt_high, mm.fmt_low if self.diffkv else None, mm.cache_dtype, slots,
                            seq_len, plan)
         if timed:
