@@ -142,7 +142,7 @@ def step_breakdown_section(name: str) -> list[str]:
     return out + [""]
 
 
-STEP_BREAKDOWN_RUNS = ("step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
+STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_s8_H100.json", "step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
                        "step_breakdown_smollm2_s6_before_H200.json", "step_breakdown_smollm2_s6_after_H200.json")
 
 # (file, title, plot label, how the run was taken: Triton compiles kernel variants (per KV format and split
@@ -389,6 +389,8 @@ def results_sections() -> list[str]:
     lines += decode_splits_section("decode_splits_H200.json")
     lines += decode_splits_section("decode_splits_score_smollm2_H200.json")
     lines += decode_splits_section("decode_splits_score_8b_H200.json")
+    lines += mm_section("memory_manager_H100.json", "session 8: the decode step's page work in two launches "
+                        "(kernels/decode_pages.py), timed apart from Algorithm 1 (policy)")
     lines += mm_section("memory_manager_H200_eager.json", "memory management run eagerly (before CUDA graphs)")
     lines += mm_section("memory_manager_H200.json", "memory management captured in the decode CUDA graph")
     for name in STEP_BREAKDOWN_RUNS:
