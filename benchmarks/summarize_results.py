@@ -66,8 +66,8 @@ def mm_section(name: str, title: str) -> list[str]:
 
 
 # Teacher-forced fidelity of the settings a throughput run compares (evals/fidelity_compare.py), shown below it
-FIDELITY_FOR = {"throughput_session7_H100.json": DOCS.parent / "evals" / "results" / "smollm2-135m" /
-                                                 "fidelity_compare.json"}
+_FIDELITY = DOCS.parent / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
+FIDELITY_FOR = {"throughput_session8_H100.json": _FIDELITY, "throughput_session7_H100.json": _FIDELITY}
 
 
 def fidelity_lines(path: Path) -> list[str]:
@@ -149,6 +149,14 @@ STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_s8_H100.json", "step_breakdown_H200.js
 # count) the first time a shape appears and caches them on disk, so a mode's first run on a fresh machine pays
 # its compiles inside the timing)
 THROUGHPUT_RUNS = (
+    ("throughput_session8_H100.json", "Generation throughput after the fused decode-step page work",
+     "session 8", "Session 8, H100, the same workload as session 7 plus int8 (now served by the full-width K8V8 "
+     "decode kernel): the decode step's page work runs in two launches (kernels/decode_pages.py) instead of ~40, "
+     "with the step inputs staged in pinned buffers. `diffkv:alpha_low=0.06` is the setting measured at int4's "
+     "fidelity (session 7, below the session-7 table); the calibrated diffkv prunes nothing. --warmup full; "
+     "preemptions count the timed run only."),
+    ("throughput_session8_reversed_H100.json", "The same comparison, modes in reverse order", "session 8, reverse "
+     "order", "Same machine, minutes later, modes in reverse order."),
     ("throughput_session7_H100.json", "Generation throughput with diffkv at int4's accuracy",
      "session 7, diffkv at int4's accuracy", "Session 7, H100: `diffkv:alpha_low=0.06` is SmolLM2's calibrated "
      "setting (alpha_high 4) with alpha_low raised to 0.06, which prunes ~15% of tokens; its fidelity against "
