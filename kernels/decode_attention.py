@@ -27,7 +27,7 @@ from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, se
 from kernels.page_layout import PageFormat
 from kernels.quant import read_pages_ref
 from kernels.decode_attention_f16 import decode_f16_kernel
-from kernels.decode_attention_q8 import decode_q8_kernel
+from kernels.decode_attention_q8 import _meta, decode_q8_kernel
 from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
@@ -145,21 +145,19 @@ def _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, off, 
 
 
 @triton.jit
-def _load_meta(pool_h, page, row, tmask, page_bytes, meta_off):
-    meta = page * (page_bytes // 2) + meta_off + row * 2
-    scale = tl.load(pool_h + meta, mask=tmask, other=0.0).to(tl.float32)
-    zero = tl.load(pool_h + meta + 1, mask=tmask, other=0.0).to(tl.float32)
-    return scale, zero
+def _sum3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
 
 
 @triton.jit
 def _attend_section(
     q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo, hi, pt_row, col0,
-    pool_c, pool_u8, pool_h, page_elems, page_bytes, k_off, k_meta, v_off, v_meta,
+    pool_c, pool_u8, pool_w, page_elems, page_bytes, k_off, k_meta, v_off, v_meta,
     qk_scale, sm_scale, gmask, logit_rows, logit_base,
     KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, LOW: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, PURE_K: tl.constexpr = False, PURE_V: tl.constexpr = False, V_EARLY: tl.constexpr = False,
+    RED: tl.constexpr = 0,
 ):
     """Online softmax over tokens [lo, hi) of one section (the high one, or the low one read from the right).
 
@@ -173,12 +171,22 @@ def _attend_section(
         q . k_n      = scale_n * (q . c_n) + zero_n * sum(q)
         sum_n p_n v_n = sum_n (p_n scale_n) c_n + sum_n p_n zero_n
     so the dots run on the integer codes (exact in fp16; q0..q3 are fp16 then) and scale/zero act on [G, N]
-    only. The value weights p_n scale_n are divided by the tile's largest scale before the fp16 cast."""
+    only. The value weights p_n scale_n are divided by the tile's largest scale before the fp16 cast.
+
+    RED picks how a tile's per-row sums (softmax denominator, value zero points, the value codes' bias) and
+    its top value scale are taken; each reduction across the warps costs a shared-memory round trip and a
+    barrier. 0: one reduction each (five per tile, with the logit max); 1: the top scale rides in a padding row
+    of the logit max and the three sums are one tuple reduction (two per tile). (Keeping the sums [G, N] until
+    the section ends, as kernels/decode_attention_q8.py does, took 168-255 registers here and was slower.)"""
     DT = pool_c.dtype.element_ty
     KR: tl.constexpr = 1 if KB == 16 else 8 // KB  # planes per chunk
     KC: tl.constexpr = 4 // KR  # chunks per row
     VR: tl.constexpr = 1 if VB == 16 else 8 // VB
     VC: tl.constexpr = 4 // VR
+    # A padding row of the [G, N] logits that carries the value scales, so their max comes with the logits'.
+    TOP_ROW: tl.constexpr = BLOCK_G - 1 if RED == 1 and VB != 16 and BLOCK_G > GROUP else -1
+    page_words = page_bytes // 4
+    g = tl.arange(0, BLOCK_G)
     s0 = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
     if KB != 16:
         # Quarter i holds plane i // KC, whose biased codes are 1024 + c * 2^s: q's quarter is scaled by 2^-s
@@ -217,16 +225,26 @@ def _attend_section(
                 k = _operand(chunk, p, KB, DT, DOT_FP32, PURE_K)
                 s = _dot(_pick(q0, q1, q2, q3, p * KC + c), tl.trans(k), s, DOT_FP32)
         if KB != 16:
-            ks, kz = _load_meta(pool_h, page, row, tmask, page_bytes, k_meta)
+            ks, kz = _meta(pool_w, page, row, tmask, page_words, k_meta)
             s = s * ks[None, :] + qsum[:, None] * kz[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + (logit_base + t)[None, :], s * sm_scale,
                      mask=gmask[:, None] & tmask[None, :])
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain: exp2 below
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if VB != 16:
+            vs, vz = _meta(pool_w, page, row, tmask, page_words, v_meta)
+            if TOP_ROW >= 0:
+                s = tl.where(g[:, None] == TOP_ROW, vs[None, :], s)  # its max is the top scale
+        tile_max = tl.max(s, 1)
+        if VB != 16:
+            if TOP_ROW >= 0:
+                top = tl.max(tl.where(g == TOP_ROW, tile_max, 0.0), 0)  # within a warp: rows are not split
+            else:
+                top = tl.max(vs, 0)
+            top = tl.where(top > 0, top, 1.0)
+        m_new = tl.maximum(m_i, tile_max)
         p_ = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p_, 1)
         a0 = a0 * alpha[:, None]
         a1 = a1 * alpha[:, None]
         a2 = a2 * alpha[:, None]
@@ -234,15 +252,21 @@ def _attend_section(
         if VB == 16:
             pv = p_.to(tl.float32) if DOT_FP32 else p_.to(DT)
         else:
-            vs, vz = _load_meta(pool_h, page, row, tmask, page_bytes, v_meta)
-            top = tl.max(vs, 0)
-            top = tl.where(top > 0, top, 1.0)
             pv = p_ * (vs / top)[None, :]
             pv = pv.to(tl.float32) if DOT_FP32 else pv.to(tl.float16)
-            # Plane p's dot gives 1024 * sum(pv) + 2^s * (pv . c); starting it from 2^s * zsum / top - 1024 *
-            # sum(pv) leaves 2^s * (pv . c + zsum / top), which one multiply by top * 2^-s turns into p . v.
-            zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (tl.sum(p_ * vz[None, :], 1) / top)[:, None]
-            zb = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) - _bias(DOT_FP32) * tl.sum(pv.to(tl.float32), 1)[:, None]
+        # Plane p's dot gives 1024 * sum(pv) + 2^s * (pv . c); with zb = -1024 * sum(pv) and zt = sum(p * zero)
+        # / top, starting it from zb + 2^s * zt leaves 2^s * (pv . c + zt), which one multiply by top * 2^-s
+        # turns into p . v.
+        if RED == 1 and VB != 16:
+            ls, zs, ws = tl.reduce((p_, p_ * vz[None, :], pv.to(tl.float32)), 1, _sum3)
+            l_i = l_i * alpha + ls
+            zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (zs / top)[:, None]
+            zb = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) - _bias(DOT_FP32) * ws[:, None]
+        else:
+            l_i = l_i * alpha + tl.sum(p_, 1)
+            if VB != 16:
+                zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (tl.sum(p_ * vz[None, :], 1) / top)[:, None]
+                zb = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) - _bias(DOT_FP32) * tl.sum(pv.to(tl.float32), 1)[:, None]
         for c in tl.static_range(VC):
             if V_EARLY:
                 chunk = _pick(w0, w1, w2, w3, c)
@@ -297,14 +321,14 @@ def _store_quarters(ptr, rows, gmask, a0, a1, a2, a3, D: tl.constexpr, BLOCK_Q: 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
 def _decode_split_kernel(
-    q_ptr, pool_c, pool_u8, pool_h, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, o_ptr, mid_acc, mid_ml,
+    q_ptr, pool_c, pool_u8, pool_w, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, o_ptr, mid_acc, mid_ml,
     logits_ptr, lse_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh,
     stride_lls, stride_lll, stride_llh, stride_gb, stride_gh, stride_eb, stride_eh,
     layer, qk_scale, sm_scale, Hq, low_col0, num_splits,
     page_elems, page_bytes,
-    k_off, k_meta, v_off, v_meta,  # high section format (16 bits: cache-dtype elements; else bytes / fp16)
+    k_off, k_meta, v_off, v_meta,  # high section format (16 bits: cache-dtype elements; else bytes / 4-byte words)
     lk_off, lk_meta, lv_off, lv_meta,  # low section format
     GROUP: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -312,6 +336,7 @@ def _decode_split_kernel(
     HAS_LOW: tl.constexpr = False, KB_LO: tl.constexpr = 16, VB_LO: tl.constexpr = 16, T_LO: tl.constexpr = 1,
     WRITE_LOGITS: tl.constexpr = False, WRITE_LSE: tl.constexpr = False,
     PURE_K: tl.constexpr = False, PURE_V: tl.constexpr = False, V_EARLY: tl.constexpr = False,
+    RED: tl.constexpr = 0,
 ):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -345,18 +370,19 @@ def _decode_split_kernel(
     a2 = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32)
     a3 = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32)
     m_i, l_i, a0, a1, a2, a3 = _attend_section(
-        q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo, hi, pt_row, 0, pool_c, pool_u8, pool_h,
+        q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo, hi, pt_row, 0, pool_c, pool_u8, pool_w,
         page_elems, page_bytes, k_off, k_meta, v_off, v_meta, qk_scale, sm_scale, gmask, logit_rows, 0,
-        KB, VB, T, False, WRITE_LOGITS, BLOCK_G, BLOCK_N, D, BLOCK_Q, DOT_FP32, PURE_K, PURE_V, V_EARLY)
+        KB, VB, T, False, WRITE_LOGITS, GROUP, BLOCK_G, BLOCK_N, D, BLOCK_Q, DOT_FP32, PURE_K, PURE_V, V_EARLY,
+        RED)
     if HAS_LOW:
         # The low section (its own format, pages from the right end of the row), split the same way.
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
         lo_lo, hi_lo = split_range(length_lo, split, num_splits, BLOCK_N)
         m_i, l_i, a0, a1, a2, a3 = _attend_section(
             q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8,
-            pool_h, page_elems, page_bytes, lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, gmask,
-            logit_rows, length, KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, BLOCK_G, BLOCK_N, D, BLOCK_Q,
-            DOT_FP32, PURE_K, PURE_V, V_EARLY)
+            pool_w, page_elems, page_bytes, lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, gmask,
+            logit_rows, length, KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, GROUP, BLOCK_G, BLOCK_N, D, BLOCK_Q,
+            DOT_FP32, PURE_K, PURE_V, V_EARLY, RED)
 
     if SPLIT:
         idx = (b * Hq + hq) * num_splits + split  # mid_* are contiguous [B, Hq, num_splits, ...]
@@ -405,6 +431,8 @@ class LaunchConfig(NamedTuple):
     pure_k: bool = False  # unpacking may be scheduled freely (see _ptx_codes)
     pure_v: bool = False
     v_early: bool = False  # value loads issued before the key math
+    red: int = 0  # how _attend_section reduces a tile's rows (0: five reductions, 1: two; see there)
+    maxnreg: int | None = None  # register cap per thread (ptxas), for more programs per SM
 
 
 KERNELS = ("f16", "q8", "quartered")
@@ -422,11 +450,20 @@ def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
 
 def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | None = None) -> LaunchConfig:
     """Launch parameters of `kernel` (default: decode_kernel's pick), from the H200 variant sweep
-    (benchmarks/results/decode_kernel_variants_H200.json).
-    16-bit only: the full-width kernel (kernels/decode_attention_f16.py), 128-token tiles, 4 warps, 2 stages.
-    Quartered, head_dim >= 128: freely scheduled unpacking, 4 warps, 2 stages. Smaller heads: quarters of 16
-    leave the value dots too narrow for 4 warps (they would repeat them), so 2 warps, one stage, value loads
-    first and the unpacking kept before the shared-memory transpose.
+    (benchmarks/results/decode_kernel_variants_H200.json) and, for the 8B shape, H100 sweeps
+    (.carry/gpu/quarter_bench.py; 32 query / 8 KV heads, head_dim 128, fp16; us at B=128 S=4096 / B=32 S=16384).
+    16-bit only: the full-width kernel (kernels/decode_attention_f16.py), 128-token tiles, 4 warps, 2 stages:
+    722 / 719 us (99% of 3.0 TB/s); 3, 5 or 7 stages and 64-token tiles were within 1% at B=128 (715-726 us).
+    Quartered, head_dim >= 128: 128-token tiles, 4 warps, freely scheduled unpacking, 5 stages, row sums as one
+    tuple reduction (red 1, see _attend_section): K8V4 353 / 362 us, K4V2 265 / 293, K8V4+K4V2 350 / 376
+    (2 stages and red 0: 477 / 547, 304 / 452, 375 / 553). Like q8's, 5 stages are the fewest that give two
+    cp.async buffers per tile (4 and 6 compile to the same code as 3 and 5). 2 stages were 3% faster for K8V4 at
+    B=128 (341 us: 128 registers, four programs per SM) but 15% slower at B=32 (414: with two programs per SM
+    only the deeper pipeline keeps loads in flight); 7 stages (three buffers), 64-token tiles, 8 warps, value
+    codes unpacked before the transpose (pure_v False) and q8's sums kept [G, N] (168-255 registers) were
+    slower. Smaller heads: quarters of 16 leave the value dots too narrow for 4 warps (they would repeat
+    them), so 2 warps, one stage, value loads first and the unpacking kept before the shared-memory transpose
+    (H200 sweep, not re-measured).
     q8 (swept on an H100 at the 8B shape): 128-token tiles, 4 warps, 5 stages, the fewest that double-buffer
     its cp.async tiles (see kernels/decode_attention_q8.py); 64-token tiles or 8 warps were much slower."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
@@ -435,7 +472,7 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     if kernel == "q8":
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
-        return LaunchConfig(128, 4, 2, pure_k=True, pure_v=True)
+        return LaunchConfig(128, 4, 5, pure_k=True, pure_v=True, red=1)
     return LaunchConfig(128, 2, 1, v_early=True)
 
 
@@ -521,13 +558,20 @@ def paged_decode_attention_ref(q, pool, fmt: PageFormat, cache_dtype, page_table
     return (probs @ vals).view(B, Hq, D).to(q.dtype)
 
 
+def _word_meta(fmt: PageFormat, which: str) -> tuple[int, int]:
+    """seg_offsets with the scale/zero offset in 4-byte words: a token's (scale, zero) is one word, which
+    cp.async can stream (it copies 4 bytes or more)."""
+    off, meta = seg_offsets(fmt, which)
+    return off, meta // 2
+
+
 def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_acc, mid_ml, logits, lse, layer, scale,
                       num_splits, fmt, low, has_low, block_n, dot_fp32, cfg, warps, stages, write_logits, write_lse):
     """The quartered kernel (any precision, high + low sections)."""
     (B, Hq, D), Hkv, T = q.shape, page_table.shape[2], fmt.tokens
     group = Hq // Hkv
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, pc, pool, pool.view(torch.float16), page_table, lengths, lenlo, slots, out, mid_acc, mid_ml,
+        q, pc, pool, pool.view(torch.int32), page_table, lengths, lenlo, slots, out, mid_acc, mid_ml,
         logits, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), page_table.stride(1), page_table.stride(2),
@@ -536,15 +580,15 @@ def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_a
         lse.stride(0), lse.stride(1),
         layer, scale * LOG2E, scale, Hq, page_table.shape[3] - 2, num_splits,
         fmt.page_bytes // fmt.full_itemsize, fmt.page_bytes,
-        *seg_offsets(fmt, "k"), *seg_offsets(fmt, "v"), *seg_offsets(low, "k"), *seg_offsets(low, "v"),
+        *_word_meta(fmt, "k"), *_word_meta(fmt, "v"), *_word_meta(low, "k"), *_word_meta(low, "v"),
         GROUP=group, T=T, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, D=D, BLOCK_Q=max(16, D // 4),
         DOT_FP32=dot_fp32,
         KB=fmt.key_bits, VB=fmt.value_bits,
         HAS_LOW=has_low, KB_LO=low.key_bits, VB_LO=low.value_bits, T_LO=low.tokens if has_low else 1,
         WRITE_LOGITS=write_logits, WRITE_LSE=write_lse,
-        PURE_K=cfg.pure_k, PURE_V=cfg.pure_v, V_EARLY=cfg.v_early,
-        num_warps=warps, num_stages=stages,
+        PURE_K=cfg.pure_k, PURE_V=cfg.pure_v, V_EARLY=cfg.v_early, RED=cfg.red,
+        num_warps=warps, num_stages=stages, **({} if cfg.maxnreg is None else dict(maxnreg=cfg.maxnreg)),
     )
 
 
@@ -570,9 +614,10 @@ def _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits
 def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer,
                                   scale, num_splits=None, max_len=None, block_n=None, out=None,
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
-                                  num_warps=None, num_stages=None, kernel=None):
+                                  num_warps=None, num_stages=None, kernel=None, config=None):
     """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: decode_kernel's pick.
-    block_n / num_warps / num_stages override launch_config's."""
+    config: a LaunchConfig in place of launch_config's (tests, benchmarks); block_n / num_warps / num_stages
+    override either."""
     check_supported(fmt, cache_dtype, for_triton=True)
     has_low = _check_low(fmt, fmt_low, len_low, cache_dtype, True)
     B, Hq, D = q.shape
@@ -592,7 +637,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if kernel not in (picked, "quartered"):
         low_note = " with a low section" if has_low else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}")
-    cfg = launch_config(fmt, fmt_low if has_low else None, kernel)
+    cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
     block_n = block_n or cfg.block_n
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)

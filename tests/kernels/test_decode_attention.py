@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from kernels.decode_attention import choose_num_splits, paged_decode_attention, paged_decode_attention_triton
+from kernels.decode_attention import (choose_num_splits, launch_config, paged_decode_attention,
+                                     paged_decode_attention_triton)
 from kernels.page_layout import PageFormat, page_bytes_for
 from kernels.quant import dequantize_ref
 
@@ -190,7 +191,7 @@ def _naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, le
 
 
 def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, layer, seed, block_n=None,
-                  max_len=None):
+                  max_len=None, red=None):
     isz = torch.empty((), dtype=dtype).element_size()
     fmt_hi, fmt_lo = formats(spec, D, isz)
     pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE, seed)
@@ -202,6 +203,7 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
     nmax = int(total.max()) + NMAX_PAD
     args = (q, pool, fmt_hi, dtype, page_table, len_hi, slots, layer, scale)
     kw = dict(fmt_low=fmt_lo, len_low=len_lo, max_len=max_len)
+    tkw = {} if red is None else dict(config=launch_config(fmt_hi, fmt_lo)._replace(red=red))
     res = {}
     for impl in ("triton", "ref"):
         out = torch.full_like(q, float("nan"))  # poison: every (batch, head) row must be written
@@ -209,7 +211,7 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
         lse = torch.full((B, Hq), float("nan"), device=DEVICE)
         if impl == "triton":
             paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, out=out,
-                                          logits_out=logits, lse_out=lse, **kw)
+                                          logits_out=logits, lse_out=lse, **kw, **tkw)
         else:
             paged_decode_attention(*args, num_splits=num_splits, impl=impl, out=out, logits_out=logits,
                                    lse_out=lse, **kw)
@@ -217,7 +219,7 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
         res[impl] = (out, logits, lse)
     # Plain call (no logits/lse) gives the same output, up to the compiler contracting the scale/zero
     # fold into FMAs differently when the logits are also stored (fp32 rounding, ~1e-7 relative).
-    plain = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, **kw)
+    plain = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, **kw, **tkw)
     torch.testing.assert_close(plain, res["triton"][0], atol=1e-6, rtol=1e-5)
 
     n_out, n_logits, n_lse = _naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
@@ -272,6 +274,20 @@ def test_decode_quantized_long_multi_split(spec, D, block_n, num_splits):
     for dtype in DTYPES:
         _run_sections(spec, dtype, 8, 2, D, lens_hi, lens_lo, [1, 0], num_splits, layer=1, seed=D + len(spec),
                       block_n=block_n)
+
+
+@pytest.mark.parametrize("red", [0, 1])
+@pytest.mark.parametrize("spec,Hq,Hkv,D,block_n,num_splits", [("K8V4+K4V2", 8, 2, 64, 16, 3),
+                                                               ("K16V16+K4V2", 16, 1, 32, 16, None)])
+def test_decode_row_sum_modes(red, spec, Hq, Hkv, D, block_n, num_splits):
+    """Both ways of reducing a tile's rows (LaunchConfig.red): several tiles per split, both sections; GQA 16
+    fills the dot's rows (no padding row for the top value scale), a 16-bit high section has no value scales."""
+    lens_hi = [[90, 37], [45, 0]]
+    lens_lo = [[70, 3], [0, 41]]
+    for dtype in DTYPES:
+        _run_sections(spec, dtype, Hq, Hkv, D, [r[:Hkv] for r in lens_hi],
+                      [r[:Hkv] for r in lens_lo], [1, 0], num_splits, layer=1, seed=D + red, block_n=block_n,
+                      red=red)
 
 
 def test_decode_low_section_needs_format():
