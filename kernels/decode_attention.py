@@ -27,7 +27,8 @@ from kernels._common import check_supported, dot_in_fp32, next_pow2, num_sms, se
 from kernels.page_layout import PageFormat
 from kernels.quant import read_pages_ref
 from kernels.decode_attention_f16 import decode_f16_kernel
-from kernels.decode_attention_q8 import _meta, decode_q8_kernel
+from kernels.decode_attention_q8 import decode_q8_kernel
+from kernels.decode_tiles import load_scale_zero, max_and_top_scale
 from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
@@ -225,23 +226,17 @@ def _attend_section(
                 k = _operand(chunk, p, KB, DT, DOT_FP32, PURE_K)
                 s = _dot(_pick(q0, q1, q2, q3, p * KC + c), tl.trans(k), s, DOT_FP32)
         if KB != 16:
-            ks, kz = _meta(pool_w, page, row, tmask, page_words, k_meta)
+            ks, kz = load_scale_zero(pool_w, page, row, tmask, page_words, k_meta)
             s = s * ks[None, :] + qsum[:, None] * kz[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + (logit_base + t)[None, :], s * sm_scale,
                      mask=gmask[:, None] & tmask[None, :])
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain: exp2 below
         if VB != 16:
-            vs, vz = _meta(pool_w, page, row, tmask, page_words, v_meta)
-            if TOP_ROW >= 0:
-                s = tl.where(g[:, None] == TOP_ROW, vs[None, :], s)  # its max is the top scale
-        tile_max = tl.max(s, 1)
-        if VB != 16:
-            if TOP_ROW >= 0:
-                top = tl.max(tl.where(g == TOP_ROW, tile_max, 0.0), 0)  # within a warp: rows are not split
-            else:
-                top = tl.max(vs, 0)
-            top = tl.where(top > 0, top, 1.0)
+            vs, vz = load_scale_zero(pool_w, page, row, tmask, page_words, v_meta)
+            s, tile_max, top = max_and_top_scale(s, vs, g, TOP_ROW)
+        else:
+            tile_max = tl.max(s, 1)
         m_new = tl.maximum(m_i, tile_max)
         p_ = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)

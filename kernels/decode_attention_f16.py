@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.decode_tiles import store_result
 from kernels.sections import section_page, split_range
 
 
@@ -67,17 +68,5 @@ def decode_f16_kernel(
             acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
         m_i = m_new
 
-    omask = gmask[:, None] & dmask[None, :]
-    if SPLIT:
-        idx = (b * Hq + hq) * num_splits + split  # mid_* are contiguous [B, Hq, num_splits, ...]
-        tl.store(mid_acc + idx[:, None] * D + d[None, :], acc, mask=omask)
-        tl.store(mid_ml + idx * 2, m_i, mask=gmask)
-        tl.store(mid_ml + idx * 2 + 1, l_i, mask=gmask)
-    else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # length 0 -> zeros
-        tl.store(o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=omask)
-        if WRITE_LSE:
-            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
-                           float("-inf"))  # natural-log lse; -inf without tokens
-            tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
+    store_result(acc, m_i, l_i, b, hq, gmask, gmask[:, None] & dmask[None, :], d, split, num_splits, Hq, o_ptr,
+                 stride_ob, stride_oh, mid_acc, mid_ml, lse_ptr, stride_eb, stride_eh, D, SPLIT, WRITE_LSE)

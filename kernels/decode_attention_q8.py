@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.decode_tiles import load_scale_zero, max_and_top_scale, store_result
 from kernels.sections import section_page, split_range
 
 # Four codes (bytes of $2) -> fp16 pairs 1024 + c: each byte under an 0x64 exponent byte.
@@ -35,16 +36,6 @@ def _codes(x, DOT_FP32: tl.constexpr, PURE: tl.constexpr):
         return x.to(tl.float32)
     else:
         return tl.inline_asm_elementwise(_PRMT, "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
-
-
-@triton.jit
-def _meta(pool_w, page, row, tmask, page_words, meta_w):
-    """(scale, zero) float32 [N] of rows `row` of pages `page`: one 4-byte word per token (fp16 scale in the low
-    half), which cp.async can copy (it moves 4 bytes or more). Masked rows give 0, 0."""
-    w = tl.load(pool_w + page * page_words + meta_w + row, mask=tmask, other=0)
-    scale = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    zero = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return scale, zero
 
 
 @triton.jit
@@ -95,20 +86,13 @@ def decode_q8_kernel(
         rows = (page * page_bytes + row * D)[:, None] + d[None, :]
         kc = tl.load(pool_u8 + k_off + rows, mask=tmask[:, None], other=0)
         s = _dot(q, tl.trans(_codes(kc, DOT_FP32, True)), DOT_FP32)  # q . c + BIAS * sum(q)
-        ks, kz = _meta(pool_w, page, row, tmask, page_words, k_meta_w)
+        ks, kz = load_scale_zero(pool_w, page, row, tmask, page_words, k_meta_w)
         s = s * ks[None, :] + qsum[:, None] * (kz - BIAS * ks)[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + t[None, :], s * sm_scale, mask=gmask[:, None] & tmask[None, :])
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain: exp2 below
-        vs, vz = _meta(pool_w, page, row, tmask, page_words, v_meta_w)
-        if TOP_ROW >= 0:
-            s = tl.where(g[:, None] == TOP_ROW, vs[None, :], s)  # its max is the top scale
-        tile_max = tl.max(s, 1)
-        if TOP_ROW >= 0:
-            top = tl.max(tl.where(g == TOP_ROW, tile_max, 0.0), 0)  # within a warp: rows are not split
-        else:
-            top = tl.max(vs, 0)
-        top = tl.where(top > 0, top, 1.0)
+        vs, vz = load_scale_zero(pool_w, page, row, tmask, page_words, v_meta_w)
+        s, tile_max, top = max_and_top_scale(s, vs, g, TOP_ROW)
         m_new = tl.maximum(m_i, tile_max)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -121,17 +105,5 @@ def decode_q8_kernel(
 
     acc = acc + tl.sum(z_n, 1)[:, None]
     l_i = tl.sum(l_n, 1)
-    omask = gmask[:, None]
-    if SPLIT:
-        idx = (b * Hq + hq) * num_splits + split  # mid_* are contiguous [B, Hq, num_splits, ...]
-        tl.store(mid_acc + idx[:, None] * D + d[None, :], acc, mask=omask)
-        tl.store(mid_ml + idx * 2, m_i, mask=gmask)
-        tl.store(mid_ml + idx * 2 + 1, l_i, mask=gmask)
-    else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # length 0 -> zeros
-        tl.store(o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=omask)
-        if WRITE_LSE:
-            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
-                           float("-inf"))  # natural-log lse; -inf without tokens
-            tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
+    store_result(acc, m_i, l_i, b, hq, gmask, gmask[:, None], d, split, num_splits, Hq, o_ptr, stride_ob, stride_oh,
+                 mid_acc, mid_ml, lse_ptr, stride_eb, stride_eh, D, SPLIT, WRITE_LSE)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import next_pow2, pool_views, seg_offsets, use_triton
-from kernels.kv_move import _check as _check_move, _move_side, move_tokens_ref
+from kernels.kv_move import _check as _check_move, move_rows, move_tokens_ref
 from kernels.page_alloc import grow_pages
 from kernels.page_layout import PageFormat
 from kernels.sections import section_targets
@@ -192,15 +192,9 @@ def _apply_kernel(
         dp = dp.to(tl.int64)
         sr = src % T_HI
         dr = dst % T_LO
-        _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
-                   hk_off, hk_meta, lk_off, lk_meta, D, HKB, LKB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R)
-        _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
-                   hv_off, hv_meta, lv_off, lv_meta, D, HVB, LVB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R)
-        words = page_bytes // 4
-        tl.store(pool_i32 + dp * words + lo_score + dr, tl.load(pool_i32 + sp * words + hi_score + sr, mask=ok),
-                 mask=ok)
-        tl.store(pool_i32 + dp * words + lo_pos + dr, tl.load(pool_i32 + sp * words + hi_pos + sr, mask=ok),
-                 mask=ok)
+        move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
+                  hk_off, hk_meta, hv_off, hv_meta, lk_off, lk_meta, lv_off, lv_meta, hi_score, hi_pos, lo_score,
+                  lo_pos, D, HKB, HVB, LKB, LVB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R)
         tl.debug_barrier()  # ... then the hole it leaves is filled with the section's last token
         hole = tl.load(hole_ptr + b * LH + h, mask=m, other=-1)
         last = len_hi - 1
@@ -212,14 +206,9 @@ def _apply_kernel(
         dp = dp.to(tl.int64)
         sr = last % T_HI
         dr = hole % T_HI
-        _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, fill, d, page_elems, page_bytes,
-                   hk_off, hk_meta, hk_off, hk_meta, D, HKB, HKB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R)
-        _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, fill, d, page_elems, page_bytes,
-                   hv_off, hv_meta, hv_off, hv_meta, D, HVB, HVB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R)
-        tl.store(pool_i32 + dp * words + hi_score + dr, tl.load(pool_i32 + sp * words + hi_score + sr, mask=fill),
-                 mask=fill)
-        tl.store(pool_i32 + dp * words + hi_pos + dr, tl.load(pool_i32 + sp * words + hi_pos + sr, mask=fill),
-                 mask=fill)
+        move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, fill, d, page_elems, page_bytes,
+                  hk_off, hk_meta, hv_off, hv_meta, hk_off, hk_meta, hv_off, hv_meta, hi_score, hi_pos, hi_score,
+                  hi_pos, D, HKB, HVB, HKB, HVB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R)
         len_hi = tl.load(nlh_ptr + b * LH + h, mask=m, other=0) + active
         len_lo = tl.load(nll_ptr + b * LH + h, mask=m, other=0)
         tl.store(ll_ptr + cell, len_lo, mask=m)

@@ -63,6 +63,22 @@ def _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_
 
 
 @triton.jit
+def move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
+              sk_off, sk_meta, sv_off, sv_meta, dk_off, dk_meta, dv_off, dv_meta, s_score, s_pos, d_score, d_pos, D,
+              SKB: tl.constexpr, SVB: tl.constexpr, DKB: tl.constexpr, DVB: tl.constexpr, ISZ: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Token rows (sp, sr) -> (dp, dr) where ok (BLOCK_M of them; pages int64): keys and values (re-quantized where
+    the bits differ), then score and position (offsets in 4-byte words)."""
+    _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
+               sk_off, sk_meta, dk_off, dk_meta, D, SKB, DKB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
+    _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
+               sv_off, sv_meta, dv_off, dv_meta, D, SVB, DVB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
+    words = page_bytes // 4
+    tl.store(pool_i32 + dp * words + d_score + dr, tl.load(pool_i32 + sp * words + s_score + sr, mask=ok), mask=ok)
+    tl.store(pool_i32 + dp * words + d_pos + dr, tl.load(pool_i32 + sp * words + s_pos + sr, mask=ok), mask=ok)
+
+
+@triton.jit
 def _move_kernel(
     pool_c, pool_u8, pool_h, pool_i32, src_page_ptr, src_row_ptr, dst_page_ptr, dst_row_ptr, M, D,
     page_elems, page_bytes,
@@ -80,14 +96,9 @@ def _move_kernel(
     dp = tl.where(ok, dp, 0).to(tl.int64)
     sr = tl.load(src_row_ptr + m, mask=ok, other=0)
     dr = tl.load(dst_row_ptr + m, mask=ok, other=0)
-    d = tl.arange(0, BLOCK_D)
-    _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
-               sk_off, sk_meta, dk_off, dk_meta, D, SKB, DKB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
-    _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
-               sv_off, sv_meta, dv_off, dv_meta, D, SVB, DVB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
-    words = page_bytes // 4
-    tl.store(pool_i32 + dp * words + d_score + dr, tl.load(pool_i32 + sp * words + s_score + sr, mask=ok), mask=ok)
-    tl.store(pool_i32 + dp * words + d_pos + dr, tl.load(pool_i32 + sp * words + s_pos + sr, mask=ok), mask=ok)
+    move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, ok, tl.arange(0, BLOCK_D), page_elems, page_bytes,
+              sk_off, sk_meta, sv_off, sv_meta, dk_off, dk_meta, dv_off, dv_meta, s_score, s_pos, d_score, d_pos, D,
+              SKB, SVB, DKB, DVB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
 
 
 def _check(fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype, for_triton: bool) -> None:
