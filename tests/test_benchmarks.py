@@ -38,6 +38,20 @@ def test_memory_manager_smoke(tmp_path):
     assert all(r["prompt_mm_ms"] > 0 and r["gen_mm_ms"] > 0 for r in rows)
 
 
+def test_host_overhead_smoke(tmp_path):
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    d = json.loads(out.read_text())
+    assert [(r["mode"], r["batch"]) for r in d["rows"]] == [("int4", 2), ("int4", 4), ("diffkv", 2), ("diffkv", 4)]
+    for r in d["rows"]:
+        ms = r["ms"]
+        assert r["running"] == r["batch"] and ms["step"] > 0 and ms["wait"] > 0  # every sequence decoded
+        parts = sum(ms[p] for p in ("schedule", "inputs", "launch", "wait", "outputs"))
+        assert abs(parts - ms["step"]) < 1e-6 and abs(ms["host"] - (ms["step"] - ms["wait"])) < 1e-6
+        assert all(ms[p] >= 0 for p in ("schedule", "inputs", "launch", "outputs"))
+
+
 def test_throughput_smoke(tmp_path):
     out = tmp_path / "throughput.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--smoke", "--quiet", "--out",
