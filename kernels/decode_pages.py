@@ -30,7 +30,7 @@ from kernels._common import next_pow2, pool_views, seg_offsets, use_triton
 from kernels.kv_move import _check as _check_move, move_rows, move_tokens_ref
 from kernels.page_alloc import grow_pages
 from kernels.page_layout import PageFormat
-from kernels.sections import section_targets
+from kernels.sections import section_page, section_targets
 
 
 class PageState(NamedTuple):
@@ -185,11 +185,9 @@ def _apply_kernel(
         src = tl.load(src_ptr + b * LH + h, mask=m, other=-1)
         dst = tl.load(dst_ptr + b * LH + h, mask=m, other=-1)
         ok = m & (src >= 0) & (dst >= 0)
-        sp = tl.load(row + src // T_HI, mask=ok, other=-1)
-        dp = tl.load(row + (P - 1 - dst // T_LO), mask=ok, other=-1)
+        sp = section_page(row, P - 1, src, ok, T_HI, False)
+        dp = section_page(row, P - 1, dst, ok, T_LO, True)
         ok = ok & (sp >= 0) & (dp >= 0)  # every access below is masked by ok: no clamping of rows
-        sp = sp.to(tl.int64)
-        dp = dp.to(tl.int64)
         sr = src % T_HI
         dr = dst % T_LO
         move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
@@ -199,11 +197,9 @@ def _apply_kernel(
         hole = tl.load(hole_ptr + b * LH + h, mask=m, other=-1)
         last = len_hi - 1
         fill = m & (hole >= 0) & (hole != last)
-        sp = tl.load(row + last // T_HI, mask=fill, other=-1)
-        dp = tl.load(row + hole // T_HI, mask=fill, other=-1)
+        sp = section_page(row, P - 1, last, fill, T_HI, False)
+        dp = section_page(row, P - 1, hole, fill, T_HI, False)
         fill = fill & (sp >= 0) & (dp >= 0)
-        sp = sp.to(tl.int64)
-        dp = dp.to(tl.int64)
         sr = last % T_HI
         dr = hole % T_HI
         move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, fill, d, page_elems, page_bytes,
