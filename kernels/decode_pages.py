@@ -94,8 +94,7 @@ def decode_pages_ref(st: PageState, fmt_high: PageFormat, fmt_low: Optional[Page
 @triton.jit
 def _head_need(b, slot, h, m, active, lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr, LH,
                T_HI: tl.constexpr, T_LO: tl.constexpr, PLAN: tl.constexpr):
-    """Pages heads h of sequence b need on their high and low side (0 or 1 each), and the high length after
-    the plan (without the new token)."""
+    """Pages heads h of sequence b need on their high and low side (0 or 1 each), and the pages they hold."""
     cell = slot * LH + h
     held_hi = tl.load(hh_ptr + cell, mask=m, other=0)
     if PLAN:
@@ -105,11 +104,10 @@ def _head_need(b, slot, h, m, active, lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr, 
         need_lo = (new_lo > held_lo * T_LO).to(tl.int32)
     else:
         new_hi = tl.load(lh_ptr + cell, mask=m, other=0)
-        new_lo = new_hi * 0
         held_lo = new_hi * 0
         need_lo = new_hi * 0
     need_hi = (new_hi + active > held_hi * T_HI).to(tl.int32)
-    return tl.where(m, need_hi, 0), tl.where(m, need_lo, 0), new_hi, new_lo, held_hi, held_lo
+    return tl.where(m, need_hi, 0), tl.where(m, need_lo, 0), held_hi, held_lo
 
 
 @triton.jit
@@ -126,7 +124,7 @@ def _need_kernel(lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr, slots_ptr, seq_ptr, a
     for c0 in range(0, NC, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         h = c[:, None] * BLOCK_H + j[None, :]
-        nh, nl, _, _, _, _ = _head_need(b, slot, h, h < LH, active, lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr, LH,
+        nh, nl, _, _ = _head_need(b, slot, h, h < LH, active, lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr, LH,
                                         T_HI, T_LO, PLAN)
         per_chunk = tl.sum(nh + nl, 1)
         tl.store(aux_ptr + b * NC + c, per_chunk, mask=c < NC)
@@ -164,7 +162,7 @@ def _apply_kernel(
     h = c * BLOCK_H + tl.arange(0, BLOCK_H)  # (layer, head) flattened
     m = h < LH
     row = pt_ptr + slot * stride_pts + h * (P + 1)  # the heads' page-table rows
-    nh, nl, _, _, held_hi, held_lo = _head_need(b, slot, h, m, active, lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr,
+    nh, nl, held_hi, held_lo = _head_need(b, slot, h, m, active, lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr,
                                                 LH, T_HI, T_LO, PLAN)
     n = (nh + nl).to(tl.int64)
     at = cell0 + tl.cumsum(n, 0) - n  # exclusive prefix sum: high page first, then low
