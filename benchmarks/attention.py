@@ -21,6 +21,10 @@ Timing: triton.testing.do_bench median (it flushes L2 before every call); caches
 rotated among copies so no call starts with its data in L2. "graph us" (unless --no-graph) is
 triton.testing.do_bench_cudagraph median over a graph of back-to-back calls that rotate among the copies: no
 launch gaps and no L2 flush (closer to a CUDA-graph decode step).
+The targets are judged on the graph times where there are any: the engine replays decode attention inside a
+CUDA graph, and do_bench's time at small shapes is mostly the Python launch of two Triton kernels (~120-160 us
+per call on an H100 with Triton 3.6, more than the kernel itself below ~B=32 S=4096), which a decode step never
+pays. do_bench's figures stay in the table and JSON beside them.
 
 Usage (GPU):  python benchmarks/attention.py [--batches 8 32 128] [--seqs 1024 4096 16384] [--out PATH]
 Smoke (CPU):  python benchmarks/attention.py --smoke --out /tmp/attention.json   (impl="ref" + SDPA, seconds)
@@ -435,36 +439,47 @@ def main(argv=None) -> int:
               f"{fmt_x(r['speedup_vs_sdpa']):>8}")
 
     # Targets (seq >= 4096): fraction of --bandwidth on compressed bytes, K8V8 speedup over fp16.
-    print(f"\ntargets at seq >= {TARGET_MIN_SEQ} (do_bench times; bytes = K/V data + scale/zero + q + out):")
-    targets = {}
+    # Targets (seq >= 4096): fraction of --bandwidth on compressed bytes, K8V8 speedup over fp16; judged on the
+    # CUDA-graph times when there are any (see the module doc), do_bench's beside them.
+    graphs = all(r.get("graph_us") for r in rows)
+    timing = "CUDA-graph" if graphs else "do_bench"
+    print(f"\ntargets at seq >= {TARGET_MIN_SEQ} ({timing} times; bytes = K/V data + scale/zero + q + out):")
+    targets = {"timing": timing}
+    for r in rows:
+        r["target_frac_bw"] = r["graph_gb_s"] * 1e9 / args.bandwidth if graphs else r["frac_bw"]
+        r["target_speedup_vs_fp16"] = r["graph_speedup_vs_fp16"] if graphs else r["speedup_vs_fp16"]
     for prec in args.precisions:
-        fr = [r["frac_bw"] for r in rows if r["precision"] == prec and r["seq"] >= TARGET_MIN_SEQ]
-        if not fr:
+        sel = [r for r in rows if r["precision"] == prec and r["seq"] >= TARGET_MIN_SEQ]
+        if not sel:
             continue
+        fr = [r["target_frac_bw"] for r in sel]
+        db = [r["frac_bw"] for r in sel]
+        worst = min(sel, key=lambda r: r["target_frac_bw"])
         ok = min(fr) >= TARGET_FRAC
-        gr = [r["graph_gb_s"] * 1e9 / args.bandwidth for r in rows
-              if r["precision"] == prec and r["seq"] >= TARGET_MIN_SEQ and r.get("graph_gb_s")]
         targets[f"frac_bw_{prec}"] = {"min": min(fr), "median": statistics.median(fr), "target": TARGET_FRAC,
-                                      "pass": ok, "graph_min": min(gr) if gr else None}
-        extra = f"  [graph timing: {100 * min(gr):5.1f}% min]" if gr else ""
-        print(f"  {prec:>5}: {100 * min(fr):5.1f}% min, {100 * statistics.median(fr):5.1f}% median of "
-              f"{args.bandwidth / 1e12:.1f} TB/s  (target >= {100 * TARGET_FRAC:.0f}%)  {'PASS' if ok else 'FAIL'}"
-              f"{extra}")
-    sp = [r["speedup_vs_fp16"] for r in rows
-          if r["precision"] == "K8V8" and r["seq"] >= TARGET_MIN_SEQ and r["speedup_vs_fp16"]]
-    if sp:
+                                      "pass": ok, "worst_at": [worst["batch"], worst["seq"]],
+                                      "do_bench_min": min(db), "do_bench_median": statistics.median(db)}
+        print(f"  {prec:>5}: {100 * min(fr):5.1f}% min (B={worst['batch']} S={worst['seq']}), "
+              f"{100 * statistics.median(fr):5.1f}% median of {args.bandwidth / 1e12:.1f} TB/s  "
+              f"(target >= {100 * TARGET_FRAC:.0f}%)  {'PASS' if ok else 'FAIL'}"
+              f"  [do_bench: {100 * min(db):5.1f}% min, {100 * statistics.median(db):5.1f}% median]")
+    sel = [r for r in rows if r["precision"] == "K8V8" and r["seq"] >= TARGET_MIN_SEQ and r["target_speedup_vs_fp16"]]
+    if sel:
+        sp = [r["target_speedup_vs_fp16"] for r in sel]
+        db = [r["speedup_vs_fp16"] for r in sel if r["speedup_vs_fp16"]]
         ok = min(sp) >= TARGET_K8V8
         gm = math.exp(statistics.mean(math.log(x) for x in sp))
         ideal = token_bytes(parse_spec("K16V16", D, page_bytes, isz)[0]) / token_bytes(
             parse_spec("K8V8", D, page_bytes, isz)[0])
-        gsp = [r["graph_speedup_vs_fp16"] for r in rows
-               if r["precision"] == "K8V8" and r["seq"] >= TARGET_MIN_SEQ and r["graph_speedup_vs_fp16"]]
+        worst = min(sel, key=lambda r: r["target_speedup_vs_fp16"])
         targets["k8v8_speedup_vs_fp16"] = {"min": min(sp), "geomean": gm, "target": TARGET_K8V8,
-                                           "bytes_ratio": ideal, "pass": ok, "graph_min": min(gsp) if gsp else None}
-        extra = f"  [graph timing: {min(gsp):.2f}x min]" if gsp else ""
-        print(f"  K8V8 speedup over fp16: {min(sp):.2f}x min, {gm:.2f}x geomean (target >= {TARGET_K8V8}x, "
-              f"bytes ratio {ideal:.2f}x)  {'PASS' if ok else 'FAIL'}{extra}")
-    if not targets:
+                                           "bytes_ratio": ideal, "pass": ok,
+                                           "worst_at": [worst["batch"], worst["seq"]],
+                                           "do_bench_min": min(db) if db else None}
+        print(f"  K8V8 speedup over fp16: {min(sp):.2f}x min (B={worst['batch']} S={worst['seq']}), {gm:.2f}x "
+              f"geomean (target >= {TARGET_K8V8}x, bytes ratio {ideal:.2f}x)  {'PASS' if ok else 'FAIL'}"
+              + (f"  [do_bench: {min(db):.2f}x min]" if db else ""))
+    if len(targets) == 1:  # only the timing label
         print(f"  (no timed rows at seq >= {TARGET_MIN_SEQ})")
     if skipped:
         print(f"skipped: {len(skipped)} (see JSON)")
