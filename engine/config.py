@@ -109,6 +109,11 @@ class SchedulerConfig(BaseModel):
     footprint_min_samples: int = Field(
         8, ge=1, description="learned: prefills a length bucket needs before its estimate replaces the worst case")
     footprint_max_samples: int = Field(256, ge=1, description="learned: most recent samples kept per bucket")
+    # Async scheduling (engine.llm_engine): decode step N+1 is scheduled and launched before step N's tokens are
+    # read, so the host's per-step work (scheduling, inputs, outputs) overlaps the GPU instead of idling it.
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto", description="launch the next decode step before processing this one's tokens: 'auto' (on for the "
+                            "local executor on CUDA), 'on' (local executor, any device), 'off'")
 
 
 class EngineConfig(BaseModel):
@@ -133,6 +138,9 @@ class EngineConfig(BaseModel):
     def _check_device(self) -> "EngineConfig":
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device={self.device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.scheduler.async_scheduling == "on" and self.executor_kind != "local":
+            raise ValueError("scheduler.async_scheduling='on' needs the local executor (tensor_parallel_size 1): "
+                             "Ray ranks run their steps synchronously")
         if self.distributed_executor == "local" and self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs distributed_executor 'ray' "
                              "or 'auto'; the 'local' executor runs a single rank")

@@ -29,8 +29,12 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, attn: PagedAttention, max_batch: int, max_model_len: int):
+    def __init__(self, model: CausalLM, attn: PagedAttention, max_batch: int, max_model_len: int,
+                 token_table: torch.Tensor | None = None):
         self.model, self.attn, self.kv = model, attn, attn.kv
+        # Async scheduling: the forward gathers each row's input id from the slot's last sampled token on the
+        # device (ModelRunner.token_table) instead of the staged ids, which the host may not know yet.
+        self.token_table = token_table
         self.dummy = self.kv.mm.dummy_slot
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.buckets = graph_buckets(max_batch)
@@ -66,6 +70,8 @@ class DecodeGraphs:
 
     def _forward(self, b: int, dst_page: torch.Tensor, dst_row: torch.Tensor) -> torch.Tensor:
         ids, pos, slots = self.ints[0, :b], self.ints[1, :b], self.ints[2, :b]
+        if self.token_table is not None:
+            ids = self.token_table[slots]
         self.attn.meta = StepMetadata(False, pos.int(), dst_page, dst_row, slots.int(), self.max_model_len)
         return self.model.logits(self.model(ids, pos, self.attn))
 
@@ -94,8 +100,10 @@ class DecodeGraphs:
         self.graphs[b] = (g_plan, g_mm, g_fwd, plan, dst)  # keep plan and dst alive: later graphs read them
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], new_lens: list[int],
-            prompt_lens: list[int], alphas: tuple[list[float], list[float]] | None) -> torch.Tensor:
-        """One decode step of n <= max_batch sequences -> logits [n, V]."""
+            prompt_lens: list[int], alphas: tuple[list[float], list[float]] | None,
+            snapshot: bool = False) -> torch.Tensor:
+        """One decode step of n <= max_batch sequences -> logits [n, V]. snapshot: copy the memory manager's
+        step state to the host right after the memory-management graph (async scheduling)."""
         n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
@@ -124,6 +132,8 @@ class DecodeGraphs:
         with cost_range("memory"):  # kernels replayed inside a graph are attributed to the range of its launch
             g_mm.replay()
         end.record()
+        if snapshot:
+            self.kv.mm.snapshot_step_state()
         with cost_range("model"):
             g_fwd.replay()
         self.kv.set_mm_events(start, end)

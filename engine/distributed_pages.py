@@ -59,6 +59,10 @@ class DistributedPages:
     def free_pages(self) -> int:
         return min(self._free)
 
+    def planning_free_pages(self) -> int:
+        """Ray ranks step synchronously: the last step's read is current."""
+        return self.free_pages()
+
     def pages_for_tokens(self, num_tokens: int) -> int:
         """MemoryManager.pages_for_tokens on the rank with the most heads."""
         return worst_case_pages(self._heads, self._tokens_high, self._extra, num_tokens)

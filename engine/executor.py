@@ -5,6 +5,8 @@ The engine (scheduler, sequences, detokenizing, stop checks) talks to one execut
     mm                     the page pool the scheduler plans against (free_pages, alloc_slot, free, ...):
                            the rank's MemoryManager locally, a driver-side view of every rank's for Ray
     execute(batch)         run one step on every rank -> sampled tokens (+ logprobs) of rank 0
+    launch(batch), collect(handle)
+                           async scheduling (when async_steps): enqueue a decode step, later read its tokens
     prompt_logits(ids)     next-token logits after a prompt, through the serving path
     slot_usage(slot)       pages, high and low tokens one sequence holds now, summed over ranks
     token_counts(slots, n) tokens kept high / low / pruned over running sequences, summed over ranks
@@ -23,13 +25,14 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import LoadedCheckpoint
-from engine.model_runner import Batch, ModelRunner
+from engine.model_runner import Batch, InFlight, ModelRunner
 from engine.sequence import Sequence
 
 
 class Executor(ABC):
     world_size: int = 1
     mm: Any  # engine.scheduler.PagePool
+    async_steps: bool = False  # launch/collect available (the engine then runs decode steps one ahead)
 
     @abstractmethod
     def execute(self, batch: Batch) -> tuple[list[int], Optional[list[float]]]: ...
@@ -68,9 +71,16 @@ class LocalExecutor(Executor):
                              "the local executor needs them")
         self.runner = ModelRunner(config, ckpt.arch, ckpt.weights, max_model_len)
         self.mm = self.runner.mm
+        self.async_steps = self.runner.async_steps
 
     def execute(self, batch: Batch) -> tuple[list[int], Optional[list[float]]]:
         return self.runner.execute(batch)
+
+    def launch(self, batch: Batch) -> InFlight:
+        return self.runner.launch(batch)
+
+    def collect(self, step: InFlight) -> tuple[list[int], Optional[list[float]]]:
+        return self.runner.collect(step)
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         from engine.sampling_params import SamplingParams

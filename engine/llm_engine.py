@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, make_executor
+from engine.model_runner import Batch, InFlight
 from engine.loader import LoadedCheckpoint, load_checkpoint
 from engine.model_settings import apply_model_settings
 from engine.parallel import check_tensor_parallel
@@ -52,6 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.mm, prefix_cache, min_computed)
         self.requests: dict[str, Sequence] = {}
         self._last_step_time = 0.0
+        self._pending: Optional[InFlight] = None  # async scheduling: the launched decode step not yet read
         self._num_generated = 0
         self._dead: Optional[str] = None  # why the engine cannot serve any more
         self._shut_down = False
@@ -130,20 +132,55 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests waiting or running, or a launched step still to be read (async scheduling)."""
+        return self.scheduler.has_work() or self._pending is not None
 
     # ---- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step. A worker lost or failing raises EngineDeadError (the engine is then dead)."""
+        """One scheduler step. A worker lost or failing raises EngineDeadError (the engine is then dead).
+
+        Async scheduling (executor.async_steps): a decode step is launched before the previous one's tokens are
+        read, so the returned outputs are the previous step's while the GPU already runs this one. Sequences
+        that stop at step N (EOS, stop strings, max_tokens) were already scheduled into N + 1: that row is
+        computed and dropped, and their pages go back after it (frees are stream-ordered). Prefills, stuck
+        sequences and teacher-forced rows run synchronously, after the step in flight is read."""
         self._check_alive()
         t0 = time.perf_counter()
         batch, stuck = self.scheduler.schedule()
+        pending, self._pending = self._pending, None
+        pipelined = (batch is not None and not batch.is_prefill and not stuck and self.executor.async_steps
+                     and not any(s.params.teacher_tokens is not None for s in batch.seqs))
+        outputs: list[RequestOutput] = []
+        try:
+            if pipelined:
+                self._pending = self.executor.launch(batch)
+            if pending is not None:
+                outputs += self._process(pending.batch, *self.executor.collect(pending))
+        except EngineDeadError as e:
+            self._pending = None
+            self._die(str(e))
+            raise
+        except BaseException:
+            self._pending = None
+            raise
+        if not pipelined:
+            outputs += self._step_sync(batch, stuck, after_collect=pending is not None)
+        self._last_step_time = time.perf_counter() - t0
+        return outputs
+
+    def _step_sync(self, batch: Optional[Batch], stuck: list[Sequence], after_collect: bool) -> list[RequestOutput]:
+        """Run a scheduled batch to its tokens. after_collect: the step in flight was read after this batch was
+        scheduled, so sequences it finished leave the batch first."""
         outputs: list[RequestOutput] = []
         for seq in stuck:
+            if seq.finished:  # stopped by the step just read
+                continue
             log.warning("request %s exceeds the KV cache; finishing it with 'length'", seq.request_id)
             self._finish(seq, "length")
             outputs.append(self.output(seq))
-        if batch is None:
+        if batch is not None and after_collect and not batch.is_prefill:
+            batch.seqs = [s for s in batch.seqs if not s.finished]
+        if batch is None or not batch.seqs:
             return outputs
         try:
             tokens, logprobs = self.executor.execute(batch)
@@ -153,9 +190,16 @@ class LLMEngine:
         if batch.is_prefill:
             self.scheduler.after_prefill(batch)  # before settle_prefill may release a sequence
         redo = self.scheduler.settle_prefill(batch) if batch.is_prefill else set()
+        return outputs + self._process(batch, tokens, logprobs, redo)
+
+    def _process(self, batch: Batch, tokens: list[int], logprobs: Optional[list[float]],
+                 redo: frozenset[int] | set[int] = frozenset()) -> list[RequestOutput]:
+        """Append each row's token, check stops, make outputs. Rows of finished sequences are skipped (async
+        scheduling ran them one step past their stop, or they were aborted while the step was in flight)."""
+        outputs: list[RequestOutput] = []
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(batch.seqs, tokens)):
-            if i in redo:  # its prompt did not fit the pool: queued again, no token from this step
+            if i in redo or seq.finished:  # redo: its prompt did not fit the pool: queued again, no token
                 continue
             seq.output_token_ids.append(tok)
             if logprobs is not None and seq.params.logprobs:
@@ -168,7 +212,6 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(self.output(seq))
-        self._last_step_time = time.perf_counter() - t0
         return outputs
 
     def _append_text(self, seq: Sequence, tok: int) -> None:

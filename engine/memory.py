@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from engine.host_copy import to_device
 from kernels.decode_pages import PageState
 from kernels.page_alloc import grow_pages
 from kernels.page_layout import PageFormat, page_bytes_for
@@ -92,6 +93,12 @@ class MemoryManager:
         self.counters = self._step_state[:2]
         self.counters[1] = num_pages
         self.next_growth = self._step_state[2:]  # [S + 1]: decode_growth as of the slot's last step
+        # Async scheduling reads the step state as a decode step's memory work left it (snapshot_step_state), in
+        # a copy that completes early in the step, instead of a read that waits for the whole step.
+        cuda = dev.type == "cuda"
+        self._view_host = torch.zeros(2 + S + 1, dtype=torch.int64, pin_memory=cuda)
+        self._view_event = torch.cuda.Event() if cuda else None
+        self._view_ready = False
         self.dummy_slot = S
         self.page_table = torch.full((S + 1, L, H, P + 1), -1, dtype=torch.int32, device=dev)
         zeros = lambda: torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)  # noqa: E731
@@ -139,9 +146,33 @@ class MemoryManager:
                                  self.fmt_low is not None, old_len, new_len)
 
     def free_pages(self) -> int:
-        """Free pages on the device (one host sync; the scheduler calls it once per step)."""
+        """Free pages on the device (one host sync)."""
         start, end = self.counters.tolist()
         return end - start
+
+    def snapshot_step_state(self) -> None:
+        """Copy the free list's counters and next_growth to the host without waiting (async scheduling: called
+        between a decode step's memory work and its forward). The scheduler's next planning read uses it."""
+        self._view_host.copy_(self._step_state, non_blocking=True)
+        if self._view_event is not None:
+            self._view_event.record()
+        self._view_ready = True
+
+    def _planning_state(self) -> list[int]:
+        """The step state for the scheduler's plan: the pending snapshot if there is one (it waits only for the
+        step's memory work; frees enqueued after it are missing, so free pages are under- never overstated),
+        else a fresh read."""
+        if not self._view_ready:
+            return self._step_state.tolist()
+        self._view_ready = False
+        if self._view_event is not None:
+            self._view_event.synchronize()
+        return self._view_host.tolist()
+
+    def planning_free_pages(self) -> int:
+        """Free pages for the scheduler's once-per-step plan (see _planning_state)."""
+        state = self._planning_state()
+        return state[1] - state[0]
 
     def decode_growth(self, slots: torch.Tensor) -> torch.Tensor:
         """Most pages each sequence's next decode step can take (int64 [B], on the device): a head needs a
@@ -166,9 +197,10 @@ class MemoryManager:
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]:
         """Free pages and decode_growth of these slots, in one host sync (the scheduler's per-step read)."""
         if self.two_sided:  # kept up to date by note_growth: one copy, no launch
-            state = self._step_state.tolist()
+            state = self._planning_state()
             return state[1] - state[0], [state[2 + s] for s in slots]
-        s = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self._view_ready = False
+        s = to_device(slots, torch.int64, self.device)
         flat = torch.cat([self.decode_growth(s), self.counters[1:] - self.counters[:1]]).tolist()
         return flat[-1], flat[:-1]
 
@@ -322,11 +354,11 @@ class MemoryManager:
         if not slots:
             return
         P = self.max_pages
-        s = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        s = to_device(slots, torch.int64, self.device)
         hh = self.held_high[s].flatten().unsqueeze(1)
         hl = self.held_low[s].flatten().unsqueeze(1)
         # Columns [0, shared) point at prefix-cache pages: the cache recycles them when it evicts the block.
-        shared = torch.tensor([self.shared_cols[x] for x in slots], device=self.device)
+        shared = to_device([self.shared_cols[x] for x in slots], torch.int64, self.device)
         shared = shared.repeat_interleave(self.heads_per_seq).unsqueeze(1)
         cols = self._cols.unsqueeze(0)
         mask = ((cols >= shared) & (cols < hh)) | (cols >= P - hl)

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import PagedAttention, StepMetadata
 from engine.config import EngineConfig
+from engine.host_copy import to_device
 from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
 from engine.memory import CacheShape, MemoryManager
 from engine.model import CausalLM
@@ -50,6 +51,15 @@ class Batch:
     pages_total: Optional[list[int]] = None
 
 
+@dataclass
+class InFlight:
+    """A decode step launched by ModelRunner.launch whose tokens are still on their way to the host."""
+    batch: Batch
+    tokens: torch.Tensor  # host int64 [n]: filled by a non-blocking copy once `done` has passed
+    logprobs: Optional[torch.Tensor]  # host float32 [n], or None
+    done: Optional[torch.cuda.Event]  # None on CPU (the copies were synchronous)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, weights: dict | None, max_model_len: int,
                  pc: ParallelContext = SINGLE):
@@ -81,12 +91,28 @@ class ModelRunner:
         self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
         self.max_model_len = max_model_len
         self.num_prefill_tokens = 0  # prompt tokens prefills computed (prefix-cache hits are read, not computed)
+        # Async scheduling (LLMEngine): a decode step is launched before the previous step's tokens reach the host,
+        # so its input ids come from the device: every sampled token is also written to its slot's row here.
+        mode = config.scheduler.async_scheduling
+        self.async_steps = mode == "on" or (mode == "auto" and self.device.type == "cuda"
+                                            and config.executor_kind == "local")
+        self.token_table = None
+        if self.async_steps:
+            S = config.scheduler.max_num_seqs
+            self.token_table = torch.zeros(self.mm.dummy_slot + 1, dtype=torch.int64, device=self.device)
+            pin = self.device.type == "cuda"
+            # Two sets: the step being launched copies into one while the previous step's is still to be read.
+            self._host_tokens = [torch.zeros(S, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+            self._host_logprobs = [torch.zeros(S, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+            self._host_set = 0
+        self._decode_slots: Optional[torch.Tensor] = None  # device slots of the last decode step's rows
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.attn,
-                                       min(config.max_graph_batch_size, config.scheduler.max_num_seqs), max_model_len)
+                                       min(config.max_graph_batch_size, config.scheduler.max_num_seqs), max_model_len,
+                                       self.token_table)
         log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.kv_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
@@ -115,7 +141,7 @@ class ModelRunner:
         cc = self.config.cache
         a = torch.tensor([[s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
                           [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs]],
-                         dtype=torch.float32)
+                         dtype=torch.float32, pin_memory=self.device.type == "cuda")
         a = a.to(self.device, non_blocking=True)
         return a[0], a[1]
 
@@ -138,6 +164,46 @@ class ModelRunner:
                 return [], None
             return _scatter(tokens, keep, len(seqs), -1), _scatter(logprobs, keep, len(seqs), 0.0)
         return self._sample(batch, logits, sample_tokens)
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> InFlight:
+        """Async scheduling: enqueue a decode step (inputs, graphs, sampling, the tokens' copy to the host) and
+        return without waiting; collect() reads its tokens. Input ids come from token_table, so the previous
+        step's tokens need not have reached the host. Not for prefills or teacher-forced rows (execute)."""
+        seqs = batch.seqs
+        logits = self._decode(seqs, snapshot=True)
+        with cost_range("model"):
+            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            self.token_table[self._decode_slots] = tokens
+        for s in seqs:
+            s.num_cached += 1
+        n, k = len(seqs), self._host_set
+        self._host_set ^= 1
+        tok_h = self._host_tokens[k][:n]
+        tok_h.copy_(tokens, non_blocking=True)
+        lp_h = None
+        if logprobs is not None:
+            lp_h = self._host_logprobs[k][:n]
+            lp_h.copy_(logprobs, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return InFlight(batch, tok_h, lp_h, done)
+
+    @costed("model")
+    def collect(self, step: InFlight) -> tuple[list[int], list[float] | None]:
+        """Wait for a launched step's tokens (and logprobs)."""
+        if step.done is not None:
+            step.done.synchronize()
+        return step.tokens.tolist(), (step.logprobs.tolist() if step.logprobs is not None else None)
+
+    def _remember_tokens(self, seqs: list[Sequence], tokens: torch.Tensor, decode: bool) -> None:
+        """Async scheduling: each row's sampled token into its slot's row of token_table."""
+        if self.token_table is None:
+            return
+        slots = self._decode_slots if decode else to_device([s.slot for s in seqs], torch.int64, self.device)
+        self.token_table[slots] = tokens
 
     @costed("memory")
     def _settle_prefill(self, batch: Batch) -> None:
@@ -175,6 +241,7 @@ class ModelRunner:
                 logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         else:
             tokens, logprobs = sample(logits, params, [s.generator for s in seqs])
+        self._remember_tokens(seqs, tokens, decode=not batch.is_prefill)
         for s in seqs:
             s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
         return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)
@@ -249,8 +316,12 @@ class ModelRunner:
         with cost_range("model"):
             return self.model.logits(hidden[cu_q_t[1:].long() - 1])
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        ids = [(s.output_token_ids or s.prompt_token_ids)[-1] for s in seqs]  # all_token_ids would copy both lists
+    def _decode(self, seqs: list[Sequence], snapshot: bool = False) -> torch.Tensor:
+        """Logits of one decode step. snapshot: copy the memory manager's step state to the host as soon as
+        the step's memory work is done (async scheduling plans the next step with it)."""
+        # all_token_ids would copy both lists; async scheduling reads the ids from token_table instead (the
+        # host may not have the last token yet)
+        ids = [0] * len(seqs) if self.async_steps else [(s.output_token_ids or s.prompt_token_ids)[-1] for s in seqs]
         pos = [s.num_cached for s in seqs]
         slots = [s.slot for s in seqs]
         new_lens = [s.num_cached + 1 for s in seqs]
@@ -261,11 +332,18 @@ class ModelRunner:
             alphas = ([s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
                       [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs])
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            return self.graphs.run(ids, pos, slots, new_lens, prompt_lens, alphas)
+            logits = self.graphs.run(ids, pos, slots, new_lens, prompt_lens, alphas, snapshot)
+            self._decode_slots = self.graphs.ints[2, :len(seqs)]
+            return logits
         input_ids, positions, slots_t, seq_len, prompt_len = self._to_device([ids, pos, slots, new_lens, prompt_lens])
+        self._decode_slots = slots_t
+        if self.token_table is not None:
+            input_ids = self.token_table[slots_t]
         positions, slots_t = positions.int(), slots_t.int()
         ah, al = self._alphas(seqs) if self.kv.diffkv else (None, None)
         dst_page, dst_row = self.kv.prepare_decode(slots_t, seq_len.int(), prompt_len.int(), ah, al)
+        if snapshot:
+            self.mm.snapshot_step_state()
         self.attn.meta = StepMetadata(False, positions, dst_page, dst_row, slots_t, max(new_lens))
         with cost_range("model"):
             return self.model.logits(self.model(input_ids, positions.long(), self.attn))

@@ -5,6 +5,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
 
 
@@ -31,10 +32,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     dev = logits.device
     tokens = logits.argmax(-1)
     if not all(p.greedy for p in params):  # decided on the host: no device sync
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        greedy = to_device([p.greedy for p in params], torch.bool, dev)
+        temp = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, dev)
+        top_k = to_device([p.top_k for p in params], torch.int64, dev)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
         scaled = _mask_top_k_top_p(logits / temp.unsqueeze(1), top_k, top_p)
         probs = scaled.softmax(-1)
         # Exponential race (argmax p / E, E ~ Exp(1)) samples from probs; each row draws its own noise so a

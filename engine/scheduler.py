@@ -43,6 +43,7 @@ class PagePool(Protocol):
     two_sided: bool  # diffkv sections: decode steps are planned with step_view's exact growth
 
     def free_pages(self) -> int: ...
+    def planning_free_pages(self) -> int: ...  # the step's plan: may be a snapshot taken early in the last step
     def alloc_slot(self) -> int: ...
     def free(self, slots: list[int]) -> None: ...
     def pages_for_tokens(self, num_tokens: int) -> int: ...
@@ -112,7 +113,7 @@ class Scheduler:
             free, growth = self.mm.step_view(slots)
             self._growth_by_slot = dict(zip(slots, growth))
         else:
-            free = self.mm.free_pages()
+            free = self.mm.planning_free_pages()
         demand = self._decode_demand()  # once per step: a per-sequence sum is the scheduler's main host cost
         prefill = self._admit(free, demand)
         if prefill:
