@@ -12,7 +12,9 @@ engine's own methods (no profiler), per (mode, batch):
   wait          ModelRunner._sample: the sampling launches and the wait for the tokens (the GPU's share)
   outputs       the rest of LLMEngine.step: per-sequence tokens, stop checks, outputs
   host          step - wait: what a step costs beyond the GPU (step_breakdown.py measures the same from the
-                device side: wall - busy)
+                device side: wall - busy). With async scheduling (--async-scheduling on) the host's work overlaps
+                the step in flight, "wait" is ModelRunner.collect and host is the host's own work, not GPU idle
+                time (step_breakdown.py measures that).
 
 Usage (GPU):  python benchmarks/host_overhead.py --preset llama3-8b --modes int4 diffkv --batches 64 256
 Smoke (CPU):  python benchmarks/host_overhead.py --smoke   (eager steps: "wait" then includes the forward)
@@ -40,7 +42,8 @@ from engine.scheduler import Scheduler  # noqa: E402
 
 # (class, method, timer): the time inside each call is added to its timer.
 TIMED = ((Scheduler, "schedule", "schedule"), (ModelRunner, "_decode", "decode"), (DecodeGraphs, "run", "graphs"),
-         (torch.cuda.CUDAGraph, "replay", "launch"), (ModelRunner, "_sample", "wait"), (LLMEngine, "step", "step"))
+         (torch.cuda.CUDAGraph, "replay", "launch"), (ModelRunner, "_sample", "wait"), (ModelRunner, "collect", "wait"),
+         (LLMEngine, "step", "step"))
 PHASES = ("schedule", "inputs", "launch", "wait", "outputs", "host")
 
 
@@ -107,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024, help="prompt length")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per (mode, batch)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--async-scheduling", nargs="+", default=["off", "on"], choices=["auto", "on", "off"],
+                    help="engine settings measured, each on its own engine")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host_overhead_<gpu>.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     args = ap.parse_args(argv)
@@ -117,18 +122,23 @@ def main(argv=None) -> int:
     args.dtype, args.eager, args.prefix_caching = "auto", False, "auto"
     args.num_pages, args.kv_cache_gb, args.max_batched_tokens = (64 if args.smoke else None), None, 8192
     rows, gpu = [], "cpu"
+    settings = args.async_scheduling
     for mode in args.modes:
-        engine = build_engine(mode, args, args.seq + args.steps + 32)
-        gpu = torch.cuda.get_device_name(engine.runner.device) if engine.runner.device.type == "cuda" else "cpu"
-        rows += [measure(engine, mode, b, args.seq, args.steps) for b in args.batches]
-        engine.shutdown()
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    print(f"{'mode':>7} {'batch':>5} {'step ms':>8} " + " ".join(f"{p:>15}" for p in PHASES))
+        for setting in settings:
+            args.async_scheduling = setting  # read by build_engine
+            engine = build_engine(mode, args, args.seq + args.steps + 32)
+            gpu = torch.cuda.get_device_name(engine.runner.device) if engine.runner.device.type == "cuda" else "cpu"
+            rows += [{**measure(engine, mode, b, args.seq, args.steps), "async_scheduling": setting,
+                      "async_steps": engine.executor.async_steps} for b in args.batches]
+            engine.shutdown()
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    args.async_scheduling = settings
+    print(f"{'mode':>7} {'async':>5} {'batch':>5} {'step ms':>8} " + " ".join(f"{p:>15}" for p in PHASES))
     for r in rows:
         cells = " ".join(f"{r['ms'][p]:7.3f} ({r['pct'][p]:4.1f}%)" for p in PHASES)
-        print(f"{r['mode']:>7} {r['batch']:>5} {r['ms']['step']:8.3f} {cells}")
+        print(f"{r['mode']:>7} {str(r['async_steps']):>5} {r['batch']:>5} {r['ms']['step']:8.3f} {cells}")
     result = {"benchmark": "host_overhead", "device": gpu, "preset": args.preset, "torch": torch.__version__,
               "command": " ".join(["python", "benchmarks/host_overhead.py", *(argv or sys.argv[1:])]),
               "phases": list(PHASES), "rows": rows}

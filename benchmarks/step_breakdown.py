@@ -7,7 +7,9 @@ that was open on the host when it was launched. A CUDA-graph replay launches its
 range around the replay, so captured steps are covered too; kernels outside every range count as "other"
 (input copies, the scheduler's reads). Host overhead = step wall time - device busy time (the union of the
 step's kernel intervals); the wall time is taken without the profiler where the run has such steps
-(all generation steps; prompt steps after the profiled ones), else from the profiled step.
+(all generation steps; prompt steps after the profiled ones), else from the profiled step. A step's kernels
+are the ones its call launched, counted whole: with async scheduling (engine default on CUDA) they run while
+the host is in the next call, so host overhead is then the part of a step's period the GPU waits for the host.
 
 Usage (GPU):  python benchmarks/step_breakdown.py --preset llama3-8b --modes fp16 diffkv --batches 8 64 256 \\
                   --seq 1024 4096 --steps 8 --out step_breakdown.json
@@ -178,9 +180,9 @@ def step_breakdown(events: list[Event]) -> tuple[list[dict], dict[str, dict], di
         u = table.setdefault(w.name, {"category": cat, "us": 0.0, "count": 0})
         u["us"] += w.end - w.start
         u["count"] += 1
-        lo, hi = max(w.start, s.start), min(w.end, s.end)
-        if hi > lo:
-            per_step[i][cat].append((lo, hi))
+        # Counted whole, not clipped to the step's window: with async scheduling a step's kernels run while the
+        # host is already in the next step's call (serialized on one stream, so steps' intervals do not overlap).
+        per_step[i][cat].append((w.start, w.end))
     rows = []
     for s, cats, lost in zip(steps, per_step, no_launch):
         row = {"phase": s.name.removeprefix(STEP_PREFIX), "wall_ms": (s.end - s.start) / 1e3,
@@ -324,7 +326,8 @@ def build_engine(mode: str, args, max_len: int) -> LLMEngine:
         cache["kv_cache_memory_gb"] = args.kv_cache_gb
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len, enforce_eager=args.eager,
                        cache=cache, scheduler={"max_num_seqs": max(args.batches),
-                                               "max_num_batched_tokens": args.max_batched_tokens})
+                                               "max_num_batched_tokens": args.max_batched_tokens,
+                                               "async_scheduling": getattr(args, "async_scheduling", "auto")})
     return LLMEngine(cfg, checkpoint=load_checkpoint(f"random:{args.preset}"))
 
 

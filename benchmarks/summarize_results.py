@@ -124,6 +124,23 @@ def throughput_section(name: str, title: str = "Generation throughput per KV mod
     return out + [""] + (fidelity_lines(FIDELITY_FOR[name]) if name in FIDELITY_FOR else [])
 
 
+def host_overhead_section(name: str) -> list[str]:
+    """benchmarks/host_overhead.py: host time per decode step by phase, synchronous vs async steps."""
+    d = load(name)
+    if d is None:
+        return []
+    phases = d["phases"]
+    out = [f"### Host time per decode step, {d['device']} (`{name}`)", "",
+           f"Random-weight `{d['preset']}`, perf_counter around the engine's own methods (no profiler). Synchronous "
+           "steps: the GPU idles for all of `host`. Async steps: `wait` is the wait for the previous step's tokens "
+           "while the GPU runs this one, and `host` is the host's own work, overlapped with the GPU.", "",
+           f"Command: `{d['command']}`", "",
+           "| mode | async | batch | step ms | " + " | ".join(phases) + " |", "|---|---|---:|---:|" + "---:|" * len(phases)]
+    out += [f"| {r['mode']} | {'on' if r.get('async_steps') else 'off'} | {r['batch']} | {r['ms']['step']:.2f} | "
+            + " | ".join(f"{r['ms'][p]:.2f} ({r['pct'][p]:.1f}%)" for p in phases) + " |" for r in d["rows"]]
+    return out + [""]
+
+
 def step_breakdown_section(name: str) -> list[str]:
     """benchmarks/step_breakdown.py: per prompt / generation step, device time per category and host overhead."""
     d = load(name)
@@ -137,7 +154,8 @@ def step_breakdown_section(name: str) -> list[str]:
            "category, by its name or else by the engine range that launched it (CUDA-graph replays included); "
            "`other` is device work outside every range (input copies, the scheduler's reads); host = step wall "
            "time - device busy time (the wall time without the profiler where the row has such steps). "
-           "Cells: ms per step (% of the step). " + d.get("note", ""), "", f"Command: `{d['command']}`", "",
+           "Cells: ms per step (% of the step). " + d.get("note", "") + STEP_BREAKDOWN_NOTES.get(name, ""), "",
+           f"Command: `{d['command']}`", "",
            "| mode | batch | seq | phase | step ms | " + " | ".join(cats) + " |",
            "|---|---:|---:|---|---:|" + "---:|" * len(cats)]
     rows = [r for r in d["rows"] if "skipped" not in r]
@@ -153,7 +171,13 @@ def step_breakdown_section(name: str) -> list[str]:
     return out + [""]
 
 
-STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_s8_H100.json", "step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
+STEP_BREAKDOWN_NOTES = {
+    "step_breakdown_8b_async_H100.json": " Session 9: async scheduling (the engine's default on CUDA) launches "
+    "each decode step before the previous one's tokens are read; a step's kernels are counted whole, so host is "
+    "the part of a step's period the GPU waits for the host. The same shape with synchronous steps: "
+    "`step_breakdown_8b_s8_H100.json` below.",
+}
+STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_async_H100.json", "step_breakdown_8b_s8_H100.json", "step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
                        "step_breakdown_smollm2_s6_before_H200.json", "step_breakdown_smollm2_s6_after_H200.json")
 
 # (file, title, plot label, how the run was taken: Triton compiles kernel variants (per KV format and split
@@ -415,6 +439,7 @@ def results_sections() -> list[str]:
     lines += mm_section("memory_manager_H200.json", "memory management captured in the decode CUDA graph")
     for name in STEP_BREAKDOWN_RUNS:
         lines += step_breakdown_section(name)
+    lines += host_overhead_section("host_overhead_H100.json")
     for name in SERVE_SWEEP_RUNS:
         lines += serve_sweep_section(name)
     for name in TENSOR_PARALLEL_RUNS:
