@@ -78,7 +78,7 @@ def mm_section(name: str, title: str) -> list[str]:
 
 # Teacher-forced fidelity of the settings a throughput run compares (evals/fidelity_compare.py), shown below it
 _FIDELITY = DOCS.parent / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
-FIDELITY_FOR = {"throughput_session8_H100.json": _FIDELITY, "throughput_session7_H100.json": _FIDELITY}
+FIDELITY_FOR = {"throughput_session9_H100.json": _FIDELITY, "throughput_session8_H100.json": _FIDELITY, "throughput_session7_H100.json": _FIDELITY}
 
 
 def fidelity_lines(path: Path) -> list[str]:
@@ -184,6 +184,11 @@ STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_async_H100.json", "step_breakdown_8b_s
 # count) the first time a shape appears and caches them on disk, so a mode's first run on a fresh machine pays
 # its compiles inside the timing)
 THROUGHPUT_RUNS = (
+    ("throughput_session9_H100.json", "Generation throughput with async scheduling",
+     "session 9, async steps", "Session 9, H100, the session-8 workload and order: decode steps are launched "
+     "before the previous step's tokens are read (async scheduling, the engine's default on CUDA), so the host's "
+     "per-step work overlaps the GPU; decode attention splits aim for two programs per SM. --warmup full; "
+     "preemptions count the timed run only."),
     ("throughput_session8_H100.json", "Generation throughput after the fused decode-step page work",
      "session 8", "Session 8, H100, the same workload as session 7 plus int8 (now served by the full-width K8V8 "
      "decode kernel): the decode step's page work runs in two launches (kernels/decode_pages.py) instead of ~40, "

@@ -151,7 +151,8 @@ def test_cuda_graphs_equal_eager_and_keep_pages_exact(mode):
     for eager in (False, True):
         cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=eager, dtype="float32",
                            scheduler={"max_num_seqs": 8}, cache={"kv_mode": mode, "block_size": 4, "window": 4,
-                                                                 "alpha_high": 2.0, "alpha_low": 0.5})
+                                                                 "alpha_high": 2.0, "alpha_low": 0.5,
+                                                                 "num_pages": 20000})  # not the whole GPU
         eng = LLMEngine(cfg, checkpoint=TINY)
         prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]  # 3 rows pad to the 4-wide graph
         outs.append([o.token_ids for o in run_all(eng, prompts, SamplingParams(temperature=0, max_tokens=30,
