@@ -176,8 +176,10 @@ STEP_BREAKDOWN_NOTES = {
     "each decode step before the previous one's tokens are read; a step's kernels are counted whole, so host is "
     "the part of a step's period the GPU waits for the host. The same shape with synchronous steps: "
     "`step_breakdown_8b_s8_H100.json` below.",
+    "step_breakdown_8b_s4096_async_H100.json": " Session 9, async scheduling as above, 4096-token prompts (batch "
+    "256 does not fit an fp16 cache of this shape on one H100).",
 }
-STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_async_H100.json", "step_breakdown_8b_s8_H100.json", "step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
+STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_async_H100.json", "step_breakdown_8b_s4096_async_H100.json", "step_breakdown_8b_s8_H100.json", "step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
                        "step_breakdown_smollm2_s6_before_H200.json", "step_breakdown_smollm2_s6_after_H200.json")
 
 # (file, title, plot label, how the run was taken: Triton compiles kernel variants (per KV format and split

@@ -367,6 +367,7 @@ class LLMEngine:
         self._shut_down = True
         for rid in list(self.requests):
             self.abort(rid)
+        self._pending = None  # async scheduling: every row of a step in flight belongs to an aborted request
         self.executor.shutdown()
         if self._dead is None:
             self._dead = "the engine was shut down"

@@ -33,8 +33,9 @@ async def collect(aeng, request_id, prompt, sampling=GREEDY):
     return [out async for out in aeng.generate(request_id, prompt, sampling)]
 
 
-def test_concurrent_generation_equals_run_all_and_deltas_concatenate(make_engine):
-    engine = make_engine()
+@pytest.mark.parametrize("async_steps", ["off", "on"])
+def test_concurrent_generation_equals_run_all_and_deltas_concatenate(make_engine, async_steps):
+    engine = make_engine(scheduler={"async_scheduling": async_steps})
     ref = reference(engine)
 
     async def main():
@@ -55,8 +56,9 @@ def test_concurrent_generation_equals_run_all_and_deltas_concatenate(make_engine
         assert len(outs) == GREEDY.max_tokens  # one output per step that produced a token
 
 
-def test_consumer_leaving_early_aborts_and_others_continue(make_engine):
-    engine = make_engine()
+@pytest.mark.parametrize("async_steps", ["off", "on"])
+def test_consumer_leaving_early_aborts_and_others_continue(make_engine, async_steps):
+    engine = make_engine(scheduler={"async_scheduling": async_steps})
     ref = reference(engine)[1]
 
     async def main():
