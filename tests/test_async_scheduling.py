@@ -1,16 +1,13 @@
 """Async scheduling (SchedulerConfig.async_scheduling): decode step N+1 is launched before step N's tokens are
 read. It must change nothing a client sees: the same tokens, texts, stop reasons and logprobs as synchronous
-steps, with preemption, aborts in flight and every kind of stop, and no page lost."""
+steps, with preemption, aborts in flight and every kind of stop, and no page lost (random interleavings with
+async steps: tests/test_diffkv.py)."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
 
-from engine_helpers import PROMPTS, TEST_DEVICE, apply_op, assert_all_pages_free, run_all
+from engine_helpers import PROMPTS, run_all
 
 
 def _requests(engine, stop_token):
@@ -115,37 +112,3 @@ def test_planning_snapshot_is_consumed_once_and_never_overstates(make_engine):
     assert mm.planning_free_pages() == mm.free_pages()  # no new snapshot: a fresh read
     while engine.has_unfinished_requests():
         engine.step()
-
-
-# ---- property test on a tiny random model, async steps: nothing lost, nothing double-freed ---------------
-TINY = None
-
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 30)),
-    st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
-    st.tuples(st.just("abort"), st.integers(0, 9), st.just(0)),
-    st.tuples(st.just("preempt"), st.just(0), st.just(0)),
-), max_size=25)
-
-
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops, st.integers(120, 400), st.sampled_from(["fp16", "diffkv"]))
-def test_random_interleavings_with_async_steps_never_lose_pages(op_list, num_pages, mode):
-    global TINY
-    if TINY is None:
-        TINY = load_checkpoint("random:tiny")
-    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=True,
-                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 256, "async_scheduling": "on"},
-                       cache={"kv_mode": mode, "num_pages": num_pages, "block_size": 4, "window": 4,
-                              "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
-    engine = LLMEngine(cfg, checkpoint=TINY)
-    g = torch.Generator().manual_seed(num_pages)
-    ids = []
-    for op, a, b in op_list:
-        prompt = torch.randint(1, 500, (a,), generator=g).tolist() if op == "add" else None
-        apply_op(engine, ids, op, a, prompt, b)
-        live = [s.slot for s in engine.scheduler.running if s.slot is not None]
-        engine.mm.check_invariants(live)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_all_pages_free(engine)

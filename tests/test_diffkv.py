@@ -103,13 +103,14 @@ def test_uniform_quantized_modes_generate(make_engine, mode):
 TINY = None
 
 
-def tiny_engine(num_pages):
+def tiny_engine(num_pages, mode="diffkv", async_scheduling="off"):
     global TINY
     if TINY is None:
         TINY = load_checkpoint("random:tiny")
     cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=True,
-                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 256},
-                       cache={"kv_mode": "diffkv", "num_pages": num_pages, "block_size": 4, "window": 4,
+                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 256,
+                                  "async_scheduling": async_scheduling},
+                       cache={"kv_mode": mode, "num_pages": num_pages, "block_size": 4, "window": 4,
                               "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
     return LLMEngine(cfg, checkpoint=TINY)
 
@@ -122,10 +123,11 @@ ops = st.lists(st.one_of(
 ), max_size=25)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops, st.integers(120, 400))
-def test_random_interleavings_never_lose_pages(op_list, num_pages):
-    engine = tiny_engine(num_pages)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.integers(120, 400), st.sampled_from(["diffkv", "fp16"]), st.sampled_from(["off", "on"]))
+def test_random_interleavings_never_lose_pages(op_list, num_pages, mode, async_scheduling):
+    """async_scheduling "on": aborts and preemptions also hit sequences of the decode step in flight."""
+    engine = tiny_engine(num_pages, mode, async_scheduling)
     g = torch.Generator().manual_seed(num_pages)
     ids = []
     for op, a, b in op_list:
