@@ -463,6 +463,11 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     slower. Smaller heads: quarters of 16 leave the value dots too narrow for 4 warps (they would repeat
     them), so 2 warps, one stage, value loads first and the unpacking kept before the shared-memory transpose
     (H200 sweep, not re-measured).
+    Tried and dropped (session 9, H100, CUDA-graph timing): a full-width path for quantized pages ([N, D] code
+    tiles unpacked before shared memory, transposed dots so both take 128 rows and become Hopper warpgroup
+    MMAs, 8 softmax columns for GQA groups up to 7): 25% fewer SASS instructions per tile and no register
+    shuffles, but 0.68-0.86x the speed of this kernel for K8V4 / K4V2 / mix at B=8-128, S=4096-16384 at 2, 3
+    or 5 stages (more shared memory per program: two programs per SM instead of three).
     q8 (swept on an H100 at the 8B shape): 128-token tiles, 4 warps, 5 stages, the fewest that double-buffer
     its cp.async tiles (see kernels/decode_attention_q8.py); 64-token tiles or 8 warps were much slower."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
