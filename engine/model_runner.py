@@ -139,10 +139,9 @@ class ModelRunner:
 
     def _alphas(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         cc = self.config.cache
-        a = torch.tensor([[s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
-                          [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs]],
-                         dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        a = a.to(self.device, non_blocking=True)
+        a = to_device([[s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
+                       [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs]], torch.float32,
+                      self.device)
         return a[0], a[1]
 
     @torch.inference_mode()
