@@ -122,11 +122,9 @@ def main(argv=None) -> int:
     args.dtype, args.eager, args.prefix_caching = "auto", False, "auto"
     args.num_pages, args.kv_cache_gb, args.max_batched_tokens = (64 if args.smoke else None), None, 8192
     rows, gpu = [], "cpu"
-    settings = args.async_scheduling
     for mode in args.modes:
-        for setting in settings:
-            args.async_scheduling = setting  # read by build_engine
-            engine = build_engine(mode, args, args.seq + args.steps + 32)
+        for setting in args.async_scheduling:
+            engine = build_engine(mode, args, args.seq + args.steps + 32, setting)
             gpu = torch.cuda.get_device_name(engine.runner.device) if engine.runner.device.type == "cuda" else "cpu"
             rows += [{**measure(engine, mode, b, args.seq, args.steps), "async_scheduling": setting,
                       "async_steps": engine.executor.async_steps} for b in args.batches]
@@ -134,7 +132,6 @@ def main(argv=None) -> int:
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    args.async_scheduling = settings
     print(f"{'mode':>7} {'async':>5} {'batch':>5} {'step ms':>8} " + " ".join(f"{p:>15}" for p in PHASES))
     for r in rows:
         cells = " ".join(f"{r['ms'][p]:7.3f} ({r['pct'][p]:4.1f}%)" for p in PHASES)

@@ -318,7 +318,7 @@ def measure(engine: LLMEngine, mode: str, batch: int, seq: int, args, cuda: bool
     return [prompt, decode]
 
 
-def build_engine(mode: str, args, max_len: int) -> LLMEngine:
+def build_engine(mode: str, args, max_len: int, async_scheduling: str = "auto") -> LLMEngine:
     cache = {"kv_mode": mode, "enable_prefix_caching": args.prefix_caching}
     if args.num_pages:
         cache["num_pages"] = args.num_pages
@@ -327,7 +327,7 @@ def build_engine(mode: str, args, max_len: int) -> LLMEngine:
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len, enforce_eager=args.eager,
                        cache=cache, scheduler={"max_num_seqs": max(args.batches),
                                                "max_num_batched_tokens": args.max_batched_tokens,
-                                               "async_scheduling": getattr(args, "async_scheduling", "auto")})
+                                               "async_scheduling": async_scheduling})
     return LLMEngine(cfg, checkpoint=load_checkpoint(f"random:{args.preset}"))
 
 
