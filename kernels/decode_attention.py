@@ -432,6 +432,7 @@ class LaunchConfig(NamedTuple):
     v_early: bool = False  # value loads issued before the key math
     red: int = 0  # how _attend_section reduces a tile's rows (0: five reductions, 1: two; see there)
     maxnreg: int | None = None  # register cap per thread (ptxas), for more programs per SM
+    min_rows: int = 8  # the query group's tile has max(min_rows, next_pow2(group)) rows (see launch_config)
 
 
 KERNELS = ("f16", "q8", "quartered")
@@ -469,10 +470,21 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     shuffles, but 0.68-0.86x the speed of this kernel for K8V4 / K4V2 / mix at B=8-128, S=4096-16384 at 2, 3
     or 5 stages (more shared memory per program: two programs per SM instead of three).
     q8 (swept on an H100 at the 8B shape): 128-token tiles, 4 warps, 5 stages, the fewest that double-buffer
-    its cp.async tiles (see kernels/decode_attention_q8.py); 64-token tiles or 8 warps were much slower."""
+    its cp.async tiles (see kernels/decode_attention_q8.py); 64-token tiles or 8 warps were much slower.
+    Rows of the query-group tile (min_rows; session 10, H100, CUDA-graph timing, .carry/gpu/rows_plan.json): a
+    GQA group of 4 padded to 8 rows instead of 16 quarters the padding the softmax works on (per-tile SASS
+    1201 -> 1011 instructions for K4V2; ncu: 162M -> 136M executed). Quartered at B=128 S=4096: K8V4 351 -> 330
+    us, K4V2 266 -> 226, mix 350 -> 311; B=32 S=16384: 362 -> 333, 291 -> 249, 375 -> 331; B=8 S=4096: K8V4
+    35.7 -> 32.0. 4 rows (no padding row for the top value scale) was the same at B=128 and slower at B=8; q8
+    gains ~1% (B=8 S=4096 35.2 -> 34.7 us), f16 nothing (kept at 16). SmolLM2's shape (9 query / 3 KV heads,
+    head_dim 64: the small-head config below) gains most: B=128 S=2048 K8V4 97.0 -> 54.4 us, K4V2 79.6 -> 41.9,
+    mix 89.4 -> 51.1, q8 61.8 -> 45.6; B=16 S=4096 K4V2 24.0 -> 13.9.
+    Tried and dropped (session 10, same runs): the transposed quartered dots (logits [N, G], key codes as the
+    left operand, q as an 8-column right operand): 1.2-1.7x slower at every shape, as session 9 found for its
+    full-width variant."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
-        return LaunchConfig(128, 4, 2)
+        return LaunchConfig(128, 4, 2, min_rows=16)
     if kernel == "q8":
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
@@ -586,7 +598,7 @@ def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_a
         fmt.page_bytes // fmt.full_itemsize, fmt.page_bytes,
         *_word_meta(fmt, "k"), *_word_meta(fmt, "v"), *_word_meta(low, "k"), *_word_meta(low, "v"),
         GROUP=group, T=T, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, D=D, BLOCK_Q=max(16, D // 4),
+        BLOCK_G=max(cfg.min_rows, next_pow2(group)), BLOCK_N=block_n, D=D, BLOCK_Q=max(16, D // 4),
         DOT_FP32=dot_fp32,
         KB=fmt.key_bits, VB=fmt.value_bits,
         HAS_LOW=has_low, KB_LO=low.key_bits, VB_LO=low.value_bits, T_LO=low.tokens if has_low else 1,
@@ -597,7 +609,7 @@ def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_a
 
 
 def _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse, layer, scale, num_splits, fmt,
-               block_n, dot_fp32, warps, stages, write_logits, write_lse):
+               block_n, dot_fp32, cfg, warps, stages, write_logits, write_lse):
     """The full-width 8-bit kernel (K8V8 pages, no low section)."""
     (B, Hq, D), Hkv = q.shape, page_table.shape[2]
     group = Hq // Hkv
@@ -609,7 +621,8 @@ def _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits
         lse.stride(0), lse.stride(1),
         layer, scale * LOG2E, scale, Hq, num_splits, fmt.page_bytes,
         fmt.k_off, fmt.k_meta_off // 4, fmt.v_off, fmt.v_meta_off // 4,
-        GROUP=group, T=fmt.tokens, SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, D=D,
+        GROUP=group, T=fmt.tokens, SPLIT=num_splits > 1, BLOCK_G=max(cfg.min_rows, next_pow2(group)),
+        BLOCK_N=block_n, D=D,
         DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits, WRITE_LSE=write_lse,
         num_warps=warps, num_stages=stages,
     )
@@ -662,7 +675,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     dot_fp32 = dot_in_fp32(q, pool) or q.dtype == torch.float32 or cache_dtype == torch.float32
     if kernel == "q8":
         _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse, layer, scale, num_splits,
-                   fmt, block_n, dot_fp32, warps, stages, logits_out is not None, lse_out is not None)
+                   fmt, block_n, dot_fp32, cfg, warps, stages, logits_out is not None, lse_out is not None)
     elif kernel == "f16":
         decode_f16_kernel[(B, Hkv, num_splits)](
             q, pc, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse,
@@ -672,7 +685,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
             lse.stride(0), lse.stride(1),
             layer, scale * LOG2E, scale, Hq, D, num_splits, fmt.page_bytes // fmt.full_itemsize,
             seg_offsets(fmt, "k")[0], seg_offsets(fmt, "v")[0],
-            GROUP=group, T=T, SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n,
+            GROUP=group, T=T, SPLIT=num_splits > 1, BLOCK_G=max(cfg.min_rows, next_pow2(group)), BLOCK_N=block_n,
             BLOCK_D=BLOCK_D, DOT_FP32=dot_fp32, WRITE_LOGITS=logits_out is not None, WRITE_LSE=lse_out is not None,
             num_warps=warps, num_stages=stages,
         )

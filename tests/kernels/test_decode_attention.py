@@ -191,7 +191,7 @@ def _naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, le
 
 
 def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, layer, seed, block_n=None,
-                  max_len=None, red=None):
+                  max_len=None, red=None, min_rows=None):
     isz = torch.empty((), dtype=dtype).element_size()
     fmt_hi, fmt_lo = formats(spec, D, isz)
     pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE, seed)
@@ -203,7 +203,8 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
     nmax = int(total.max()) + NMAX_PAD
     args = (q, pool, fmt_hi, dtype, page_table, len_hi, slots, layer, scale)
     kw = dict(fmt_low=fmt_lo, len_low=len_lo, max_len=max_len)
-    tkw = {} if red is None else dict(config=launch_config(fmt_hi, fmt_lo)._replace(red=red))
+    over = {k: v for k, v in dict(red=red, min_rows=min_rows).items() if v is not None}
+    tkw = dict(config=launch_config(fmt_hi, fmt_lo)._replace(**over)) if over else {}
     res = {}
     for impl in ("triton", "ref"):
         out = torch.full_like(q, float("nan"))  # poison: every (batch, head) row must be written
@@ -288,6 +289,20 @@ def test_decode_row_sum_modes(red, spec, Hq, Hkv, D, block_n, num_splits):
         _run_sections(spec, dtype, Hq, Hkv, D, [r[:Hkv] for r in lens_hi],
                       [r[:Hkv] for r in lens_lo], [1, 0], num_splits, layer=1, seed=D + red, block_n=block_n,
                       red=red)
+
+
+@pytest.mark.parametrize("min_rows", [1, 4, 16])
+@pytest.mark.parametrize("spec,Hq,Hkv,D", [("K8V4+K4V2", 6, 2, 64), ("K8V8", 8, 2, 64), ("K16V16", 9, 3, 32),
+                                           ("K4V2", 8, 2, 128)])
+def test_decode_group_rows(min_rows, spec, Hq, Hkv, D):
+    """The query group's tile padded to other row counts than the default (LaunchConfig.min_rows): unpadded
+    (groups 3 and 4 in 4 rows; 1 -> the group's power of two), and 16; every kernel (quartered, q8, f16)."""
+    lens_hi = [[50, 37, 3], [45, 0, 20]]
+    lens_lo = [[30, 3, 0], [0, 41, 9]] if "+" in spec else None
+    for dtype in DTYPES:
+        _run_sections(spec, dtype, Hq, Hkv, D, [r[:Hkv] for r in lens_hi],
+                      None if lens_lo is None else [r[:Hkv] for r in lens_lo], [1, 0], 2, layer=1,
+                      seed=D + min_rows, block_n=16, min_rows=min_rows)
 
 
 def test_decode_low_section_needs_format():
