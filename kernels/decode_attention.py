@@ -481,7 +481,13 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     mix 89.4 -> 51.1, q8 61.8 -> 45.6; B=16 S=4096 K4V2 24.0 -> 13.9.
     Tried and dropped (session 10, same runs): the transposed quartered dots (logits [N, G], key codes as the
     left operand, q as an 8-column right operand): 1.2-1.7x slower at every shape, as session 9 found for its
-    full-width variant."""
+    full-width variant. The split merge done by the last split program to finish (an arrival counter per
+    (sequence, KV head), no second launch; .carry/gpu/merge_last_session10.diff): within 2% at the 8B shape,
+    and 1.4x slower at SmolLM2's B=16 S=4096, whose many splits one program merges serially. At B=8, 8 splits
+    (instead of 4) with 3 stages: K4V2 -10% (S=16384 74.9 -> 66.0 us), K8V4 -2%, mix +16%: not taken.
+    What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
+    4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
+    8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
