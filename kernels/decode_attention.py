@@ -484,7 +484,10 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     full-width variant. The split merge done by the last split program to finish (an arrival counter per
     (sequence, KV head), no second launch; .carry/gpu/merge_last_session10.diff): within 2% at the 8B shape,
     and 1.4x slower at SmolLM2's B=16 S=4096, whose many splits one program merges serially. At B=8, 8 splits
-    (instead of 4) with 3 stages: K4V2 -10% (S=16384 74.9 -> 66.0 us), K8V4 -2%, mix +16%: not taken.
+    (instead of 4) with 3 stages: K4V2 -10% (S=16384 74.9 -> 66.0 us), K8V4 -2%, mix +16%: not taken. The
+    tile's row sums kept [G, N] to the end of the section with the value dots started from zero (one cross-warp
+    reduction per tile instead of two, 4% fewer SASS instructions; .carry/gpu/da_exp.py red 2): within 3% at
+    the 8B shape, 1.3-1.5x slower at SmolLM2's.
     What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
     4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
     8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile."""
