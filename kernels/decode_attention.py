@@ -493,7 +493,12 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     (instead of 4) with 3 stages: K4V2 -10% (S=16384 74.9 -> 66.0 us), K8V4 -2%, mix +16%: not taken. The
     tile's row sums kept [G, N] to the end of the section with the value dots started from zero (one cross-warp
     reduction per tile instead of two, 4% fewer SASS instructions; .carry/gpu/da_exp.py red 2): within 3% at
-    the 8B shape, 1.3-1.5x slower at SmolLM2's.
+    the 8B shape, 1.3-1.5x slower at SmolLM2's. For SmolLM2's small heads with many (sequence, KV head) pairs,
+    one warp per 64-token tile, 2 stages, freely scheduled unpacking and red 1 was 12-29% faster than the
+    config below in the kernel benchmark (B=48-128, every sequence 2048 tokens; B=16-32: 6-11% slower), but
+    the SmolLM2 throughput run with it at >= 144 pairs was no faster (int4 15960 vs 17251 tok/s, diffkv 15380
+    vs 15424, same command; its sequences have mixed lengths and the splits follow the page-table capacity):
+    not taken.
     What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
     4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
     8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile."""
