@@ -43,7 +43,6 @@ LOG2E = 1.4426950408889634
 # and batch 32 fastest unsplit (2 splits: 9-30% slower).
 TARGET_WARP_DIMS_PER_SM = 16
 MAX_SPLITS = 64
-WIDE_SMALL_HEAD_PAIRS = 144  # batch x KV heads from which small heads take one-warp programs (launch_config)
 
 
 @triton.jit
@@ -449,8 +448,7 @@ def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
     return "quartered"
 
 
-def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | None = None,
-                  pairs: int | None = None) -> LaunchConfig:
+def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | None = None) -> LaunchConfig:
     """Launch parameters of `kernel` (default: decode_kernel's pick), from the H200 variant sweep
     (benchmarks/results/decode_kernel_variants_H200.json) and, for the 8B shape, H100 sweeps
     (.carry/gpu/quarter_bench.py; 32 query / 8 KV heads, head_dim 128, fp16; us at B=128 S=4096 / B=32 S=16384).
@@ -465,11 +463,7 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     codes unpacked before the transpose (pure_v False) and q8's sums kept [G, N] (168-255 registers) were
     slower. Smaller heads: quarters of 16 leave the value dots too narrow for 4 warps (they would repeat
     them), so 2 warps, one stage, value loads first and the unpacking kept before the shared-memory transpose
-    (H200 sweep). With many (sequence, KV head) pairs (`pairs` = batch x KV heads >= WIDE_SMALL_HEAD_PAIRS) one
-    warp per 64-token tile, 2 stages, freely scheduled unpacking and red 1 (session 10, H100, SmolLM2's 9 / 3
-    heads, head_dim 64, CUDA-graph us at B=48 / 64 / 96 / 128, S=2048; .carry/gpu/small_cfg2_plan.json): K4V4
-    20.4 -> 19.2, 23.5 -> 19.9, 41.0 -> 29.2, 44.2 -> 38.9; K8V4+K4V2 24.9 -> 21.5, 26.5 -> 24.1, 48.2 -> 35.6,
-    51.9 -> 42.1; K4V2 19.4 -> 18.4 ... 42.5 -> 35.2. At B=16-32 (48-96 pairs) it was 6-11% slower.
+    (H200 sweep).
     Tried and dropped (session 9, H100, CUDA-graph timing): a full-width path for quantized pages ([N, D] code
     tiles unpacked before shared memory, transposed dots so both take 128 rows and become Hopper warpgroup
     MMAs, 8 softmax columns for GQA groups up to 7): 25% fewer SASS instructions per tile and no register
@@ -495,7 +489,8 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     reduction per tile instead of two, 4% fewer SASS instructions; .carry/gpu/da_exp.py red 2): within 3% at
     the 8B shape, 1.3-1.5x slower at SmolLM2's. For SmolLM2's small heads with many (sequence, KV head) pairs,
     one warp per 64-token tile, 2 stages, freely scheduled unpacking and red 1 was 12-29% faster than the
-    config below in the kernel benchmark (B=48-128, every sequence 2048 tokens; B=16-32: 6-11% slower), but
+    config below in the kernel benchmark (.carry/gpu/small_cfg2_plan.json, H100, B=48-128, every sequence 2048
+    tokens: K4V4 B=96 41.0 -> 29.2 us, K8V4+K4V2 48.2 -> 35.6; B=16-32: 6-11% slower), but
     the SmolLM2 throughput run with it at >= 144 pairs was no faster (int4 15960 vs 17251 tok/s, diffkv 15380
     vs 15424, same command; its sequences have mixed lengths and the splits follow the page-table capacity):
     not taken.
@@ -509,8 +504,6 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
         return LaunchConfig(128, 4, 5, pure_k=True, pure_v=True, red=1)
-    if pairs is not None and pairs >= WIDE_SMALL_HEAD_PAIRS:
-        return LaunchConfig(64, 1, 2, pure_k=True, pure_v=True, red=1)
     return LaunchConfig(128, 2, 1, v_early=True)
 
 
@@ -676,7 +669,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if kernel not in (picked, "quartered"):
         low_note = " with a low section" if has_low else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}")
-    cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel, pairs=B * Hkv)
+    cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
     block_n = block_n or cfg.block_n
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)

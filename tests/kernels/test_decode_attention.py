@@ -191,7 +191,7 @@ def _naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, le
 
 
 def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, layer, seed, block_n=None,
-                  max_len=None, red=None, min_rows=None, pairs=None):
+                  max_len=None, red=None, min_rows=None):
     isz = torch.empty((), dtype=dtype).element_size()
     fmt_hi, fmt_lo = formats(spec, D, isz)
     pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE, seed)
@@ -204,7 +204,7 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
     args = (q, pool, fmt_hi, dtype, page_table, len_hi, slots, layer, scale)
     kw = dict(fmt_low=fmt_lo, len_low=len_lo, max_len=max_len)
     over = {k: v for k, v in dict(red=red, min_rows=min_rows).items() if v is not None}
-    tkw = dict(config=launch_config(fmt_hi, fmt_lo, pairs=pairs)._replace(**over)) if over or pairs else {}
+    tkw = dict(config=launch_config(fmt_hi, fmt_lo)._replace(**over)) if over else {}
     res = {}
     for impl in ("triton", "ref"):
         out = torch.full_like(q, float("nan"))  # poison: every (batch, head) row must be written
@@ -303,23 +303,6 @@ def test_decode_group_rows(min_rows, spec, Hq, Hkv, D):
         _run_sections(spec, dtype, Hq, Hkv, D, [r[:Hkv] for r in lens_hi],
                       None if lens_lo is None else [r[:Hkv] for r in lens_lo], [1, 0], 2, layer=1,
                       seed=D + min_rows, block_n=16, min_rows=min_rows)
-
-
-@pytest.mark.parametrize("spec", ["K8V4+K4V2", "K4V4"])
-def test_decode_wide_small_heads(spec):
-    """Small heads with many (sequence, KV head) pairs take one-warp programs over 64-token tiles (launch_config
-    pairs >= WIDE_SMALL_HEAD_PAIRS); SmolLM2's GQA group 3, several tiles per split."""
-    from kernels.decode_attention import WIDE_SMALL_HEAD_PAIRS
-    isz = torch.empty((), dtype=DTYPES[0]).element_size()
-    fmt_hi, fmt_lo = formats(spec, 64, isz)
-    wide = launch_config(fmt_hi, fmt_lo, pairs=WIDE_SMALL_HEAD_PAIRS)
-    assert (wide.num_warps, wide.block_n) == (1, 64) and launch_config(fmt_hi, fmt_lo, pairs=48).num_warps == 2
-    lens_hi = [[150, 37, 3], [45, 0, 200]]
-    lens_lo = [[130, 3, 0], [0, 141, 9]] if "+" in spec else None
-    for dtype in DTYPES:
-        for splits in (None, 2):
-            _run_sections(spec, dtype, 9, 3, 64, lens_hi, lens_lo, [1, 0], splits, layer=1, seed=11,
-                          pairs=WIDE_SMALL_HEAD_PAIRS)
 
 
 def test_decode_low_section_needs_format():
