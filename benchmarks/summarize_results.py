@@ -202,6 +202,11 @@ THROUGHPUT_RUNS = (
      "pad SmolLM2's GQA group of 3 to 8 rows instead of 16 (kernels/decode_attention.py launch_config: its "
      "quantized decode attention 1.4-1.9x faster at batch 16-128). --warmup full; preemptions count the timed "
      "run only."),
+    ("throughput_session10_reversed_H100.json", "The same comparison, modes in reverse order",
+     "session 10, reverse order", "Same machine, about an hour later (other decode-kernel runs in between), modes "
+     "in reverse order: within 4% of the run above for every mode. Between the two, a one-warp variant of the "
+     "small-head decode kernel (12-29% faster in the kernel benchmark at batch 48-128) ran the same command at "
+     "int4 15960 / diffkv 15380 tok/s and was dropped (kernels/decode_attention.py launch_config)."),
     ("throughput_session9_H100.json", "Generation throughput with async scheduling",
      "session 9, async steps", "Session 9, H100, the session-8 workload and order: decode steps are launched "
      "before the previous step's tokens are read (async scheduling, the engine's default on CUDA), so the host's "
