@@ -394,6 +394,23 @@ def serve_sweep_plot(name: str, path: Path) -> bool:
     return True
 
 
+def decode_sass_section(name: str) -> list[str]:
+    d = load(name)
+    if d is None:
+        return []
+    out = [f"### Decode kernels' SASS, {d['target']} compiled without a GPU (`{name}`)", "",
+           f"Command: `{d['command']}` (Triton {d['triton']})", "",
+           "Instructions of each kernel's main loop (one tile of `block n` tokens per program of `warps` warps) as "
+           "ptxas emits them for an H100; `moves` are register copies (IMAD.MOV / MOV), most of them building "
+           "mma operands. Defaults since session 10: 16 rows for fp16, 8 for the others (launch_config).", "",
+           "| precision | kernel | min rows | block n | warps | registers | shared KB | loop | per token | HMMA | moves |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {r['precision']} | {r['kernel']} | {r['min_rows']} | {r['block_n']} | {r['num_warps']} | "
+            f"{r['registers']} | {r['shared_bytes'] / 1024:.1f} | {r['loop']} | {r['loop_per_token']:.1f} | "
+            f"{r['hmma']} | {r['moves']} |" for r in d["rows"]]
+    return out + [""]
+
+
 def decode_splits_section(name: str) -> list[str]:
     """benchmarks/decode_splits.py: decode attention time per split count, in CUDA graphs."""
     d = load(name)
@@ -458,6 +475,7 @@ def results_sections() -> list[str]:
         lines += throughput_section(name, title)
     lines += attention_section("attention_H100.json")
     lines += attention_section("attention_H200.json")
+    lines += decode_sass_section("decode_sass_sm90.json")
     lines += decode_splits_section("decode_splits_H200.json")
     lines += decode_splits_section("decode_splits_score_smollm2_H200.json")
     lines += decode_splits_section("decode_splits_score_8b_H200.json")

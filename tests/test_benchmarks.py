@@ -29,6 +29,18 @@ def test_decode_splits_smoke(tmp_path):
     assert "score" not in rows[0] and {"1", "2"} <= set(score["us"]) and score["best_us"] == min(score["us"].values())
 
 
+def test_decode_sass_smoke(tmp_path):
+    """The decode kernel compiled for sm_90 on this (GPU-less) machine: its main loop holds the tile's mmas."""
+    out = tmp_path / "sass.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_sass.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["kernel"] == "_decode_split_kernel" and row["registers"] > 0 and row["shared_bytes"] > 0
+    # 128-token tile, head_dim 64, group 4 in 8 rows: 16 mmas each for q.k and p.v per quarter pair
+    assert row["hmma"] > 0 and 0 < row["loop"] < row["sass_total"] and row["loop_per_token"] > 0
+    assert sum(row["opcodes"].values()) == row["loop"]
+
+
 def test_memory_manager_smoke(tmp_path):
     out = tmp_path / "mm.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--out", str(out)],
