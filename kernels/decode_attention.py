@@ -493,7 +493,9 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     tokens: K4V4 B=96 41.0 -> 29.2 us, K8V4+K4V2 48.2 -> 35.6; B=16-32: 6-11% slower), but
     the SmolLM2 throughput run with it at >= 144 pairs was no faster (int4 15960 vs 17251 tok/s, diffkv 15380
     vs 15424, same command; its sequences have mixed lengths and the splits follow the page-table capacity):
-    not taken.
+    not taken. Value codes unpacked before the shared-memory transpose (pure_v False) with 8 rows: 8-14% fewer
+    SASS instructions per tile (benchmarks/decode_sass.py) but 5-24% slower (K4V2 B=128 S=4096 226 -> 280 us;
+    fp16 codes through shared memory), as at 16 rows in session 9.
     What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
     4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
     8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile."""
