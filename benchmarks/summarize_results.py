@@ -89,7 +89,8 @@ def mm_section(name: str, title: str) -> list[str]:
 
 # Teacher-forced fidelity of the settings a throughput run compares (evals/fidelity_compare.py), shown below it
 _FIDELITY = DOCS.parent / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
-FIDELITY_FOR = {"throughput_session10_H100.json": _FIDELITY, "throughput_session9_H100.json": _FIDELITY, "throughput_session8_H100.json": _FIDELITY, "throughput_session7_H100.json": _FIDELITY}
+FIDELITY_FOR = {name: _FIDELITY for name in ("throughput_session10_H100.json", "throughput_session9_H100.json",
+                                             "throughput_session8_H100.json", "throughput_session7_H100.json")}
 
 
 def fidelity_lines(path: Path) -> list[str]:
@@ -403,7 +404,8 @@ def decode_sass_section(name: str) -> list[str]:
            "Instructions of each kernel's main loop (one tile of `block n` tokens per program of `warps` warps) as "
            "ptxas emits them for an H100; `moves` are register copies (IMAD.MOV / MOV), most of them building "
            "mma operands. Defaults since session 10: 16 rows for fp16, 8 for the others (launch_config).", "",
-           "| precision | kernel | min rows | block n | warps | registers | shared KB | loop | per token | HMMA | moves |",
+           "| precision | kernel | min rows | block n | warps | registers | shared KB | loop | per token | HMMA "
+           "| moves |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     out += [f"| {r['precision']} | {r['kernel']} | {r['min_rows']} | {r['block_n']} | {r['num_warps']} | "
             f"{r['registers']} | {r['shared_bytes'] / 1024:.1f} | {r['loop']} | {r['loop_per_token']:.1f} | "
