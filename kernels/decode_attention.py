@@ -463,7 +463,8 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     codes unpacked before the transpose (pure_v False) and q8's sums kept [G, N] (168-255 registers) were
     slower. Smaller heads: quarters of 16 leave the value dots too narrow for 4 warps (they would repeat
     them), so 2 warps, one stage, value loads first and the unpacking kept before the shared-memory transpose
-    (H200 sweep).
+    (H200 sweep; on the H100 in session 10 it stayed within 2% of the best of 12 variants at B=16 S=4096,
+    .carry/gpu/small_cfg_plan.json; larger batches: see the one-warp variant below).
     Tried and dropped (session 9, H100, CUDA-graph timing): a full-width path for quantized pages ([N, D] code
     tiles unpacked before shared memory, transposed dots so both take 128 rows and become Hopper warpgroup
     MMAs, 8 softmax columns for GQA groups up to 7): 25% fewer SASS instructions per tile and no register
