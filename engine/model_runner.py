@@ -137,11 +137,14 @@ class ModelRunner:
         packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
         return list(packed.split([len(r) for r in rows]))
 
-    def _alphas(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _alpha_lists(self, seqs: list[Sequence]) -> tuple[list[float], list[float]]:
+        """Each sequence's alpha_high and alpha_low: its request's override, else the cache config's."""
         cc = self.config.cache
-        a = to_device([[s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
-                       [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs]], torch.float32,
-                      self.device)
+        return ([s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
+                [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs])
+
+    def _alphas(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        a = to_device(list(self._alpha_lists(seqs)), torch.float32, self.device)
         return a[0], a[1]
 
     @torch.inference_mode()
@@ -173,7 +176,7 @@ class ModelRunner:
         logits = self._decode(seqs, snapshot=True)
         with cost_range("model"):
             tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            self.token_table[self._decode_slots] = tokens
+            self._remember_tokens(seqs, tokens, decode=True)
         for s in seqs:
             s.num_cached += 1
         n, k = len(seqs), self._host_set
@@ -325,11 +328,7 @@ class ModelRunner:
         slots = [s.slot for s in seqs]
         new_lens = [s.num_cached + 1 for s in seqs]
         prompt_lens = [len(s.prompt_token_ids) for s in seqs]
-        cc = self.config.cache
-        alphas = None
-        if self.kv.diffkv:
-            alphas = ([s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs],
-                      [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs])
+        alphas = self._alpha_lists(seqs) if self.kv.diffkv else None
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(ids, pos, slots, new_lens, prompt_lens, alphas, snapshot)
             self._decode_slots = self.graphs.ints[2, :len(seqs)]
