@@ -56,17 +56,20 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see _unpack_ptx)
 
 
-def _unpack_ptx(bits: int, plane: int) -> str:
+def _unpack_ptx(bits: int, plane: int, pairs: bool = False) -> str:
     """PTX for tl.inline_asm_elementwise(pack=4): four packed bytes ($2) -> plane `plane` of each as the fp16
     number 1024 + c * 2^s (s = plane * bits, c the code), two per output register ($0, $1). prmt puts each byte
     under an 0x64 exponent byte (0x64XX is the fp16 number 1024 + XX) and a mask keeps the plane's bits: one or
     two instructions per two codes, against ~5 per code for shift / and / convert, which made quantized decode
     instruction-bound. The dots take these biased codes as they are; _attend_section removes the 1024 and the
-    2^s with [G, N]-sized corrections (a dot's accumulator init and one multiply)."""
+    2^s with [G, N]-sized corrections (a dot's accumulator init and one multiply).
+    pairs: for pack=2 on uint16 elements (two bytes each) with two outputs: the low bytes' codes ($0) and the
+    high bytes' ($1), i.e. bytes (0, 2) and (1, 3) of the register."""
     s = plane * bits
     keep = 0xFF00 | (((1 << bits) - 1) << s)
+    lo, hi = ("0x4240", "0x4341") if pairs else ("0x4140", "0x4342")
     lines = ["{", ".reg .b32 r_m, r_k;", "mov.b32 r_m, 0x64646464;",
-             "prmt.b32 $0, $2, r_m, 0x4140;", "prmt.b32 $1, $2, r_m, 0x4342;"]
+             f"prmt.b32 $0, $2, r_m, {lo};", f"prmt.b32 $1, $2, r_m, {hi};"]
     if keep != 0xFFFF:
         lines += [f"mov.b32 r_k, {keep << 16 | keep:#010x};", "and.b32 $0, $0, r_k;", "and.b32 $1, $1, r_k;"]
     return "\n".join(lines + ["}"])
@@ -76,6 +79,10 @@ _PTX_8_0 = tl.constexpr(_unpack_ptx(8, 0))
 _PTX_4_0, _PTX_4_1 = tl.constexpr(_unpack_ptx(4, 0)), tl.constexpr(_unpack_ptx(4, 1))
 _PTX_2_0, _PTX_2_1 = tl.constexpr(_unpack_ptx(2, 0)), tl.constexpr(_unpack_ptx(2, 1))
 _PTX_2_2, _PTX_2_3 = tl.constexpr(_unpack_ptx(2, 2)), tl.constexpr(_unpack_ptx(2, 3))
+_PAIRS_8_0 = tl.constexpr(_unpack_ptx(8, 0, True))
+_PAIRS_4_0, _PAIRS_4_1 = tl.constexpr(_unpack_ptx(4, 0, True)), tl.constexpr(_unpack_ptx(4, 1, True))
+_PAIRS_2_0, _PAIRS_2_1 = tl.constexpr(_unpack_ptx(2, 0, True)), tl.constexpr(_unpack_ptx(2, 1, True))
+_PAIRS_2_2, _PAIRS_2_3 = tl.constexpr(_unpack_ptx(2, 2, True)), tl.constexpr(_unpack_ptx(2, 3, True))
 
 
 @triton.jit
@@ -90,6 +97,50 @@ def _ptx_codes(chunk, BITS: tl.constexpr, p: tl.constexpr, PURE: tl.constexpr):
     # the value dot (which then reads single bytes); not pure keeps it before (ldmatrix.trans on fp16 pairs).
     # Which is faster depends on the head size (launch_config).
     return tl.inline_asm_elementwise(asm, "=r,=r,r", [chunk], dtype=tl.float16, is_pure=PURE, pack=4)
+
+
+@triton.jit
+def _pair_operands(chunk, p: tl.constexpr, BITS: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Plane p of uint16 byte pairs [N, E] (bytes 2e, 2e + 1 of a row's chunk) as two dot operands [N, E]: the
+    codes of the low bytes (even dims) and of the high bytes (odd dims), biased as _operand's."""
+    if DOT_FP32:
+        x = chunk.to(tl.int32)
+        m: tl.constexpr = ((1 << BITS) - 1) << (p * BITS)
+        return (x & m).to(tl.float32), ((x >> 8) & m).to(tl.float32)
+    else:
+        if BITS == 8:
+            asm: tl.constexpr = _PAIRS_8_0
+        elif BITS == 4:
+            asm: tl.constexpr = _PAIRS_4_0 if p == 0 else _PAIRS_4_1
+        else:
+            asm: tl.constexpr = _PAIRS_2_0 if p == 0 else (_PAIRS_2_1 if p == 1 else (_PAIRS_2_2 if p == 2 else
+                                                                                       _PAIRS_2_3))
+        return tl.inline_asm_elementwise(asm, "=r,=r,r", [chunk], dtype=(tl.float16, tl.float16), is_pure=True,
+                                         pack=2)
+
+
+@triton.jit
+def _pad_rows(x):
+    """[R, C] -> [2R, C], the added rows zero. (Broadcast and where, not tl.join: a join halves the kWidth
+    Triton picks for the dot operands, which brings back the register moves the padding is for.)"""
+    R: tl.constexpr = x.shape[0]
+    y = tl.reshape(tl.broadcast_to(x[None, :, :], (2, R, x.shape[1])), (2 * R, x.shape[1]))
+    return tl.where((tl.arange(0, 2 * R) < R)[:, None], y, tl.zeros_like(y))
+
+
+@triton.jit
+def _top_rows(y):
+    """The first half of y's rows (inverse of _pad_rows; in registers: the mma layout keeps rows r and r + 8
+    in one thread)."""
+    R: tl.constexpr = y.shape[0] // 2
+    top, _ = tl.split(tl.permute(tl.reshape(y, (2, R, y.shape[1])), (1, 2, 0)))
+    return top
+
+
+@triton.jit
+def _even_odd(x):
+    """[R, C] -> its even columns and its odd columns, [R, C / 2] each."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
 
 
 @triton.jit
@@ -150,6 +201,19 @@ def _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, off, 
 
 
 @triton.jit
+def _load_key_pairs(pool_u8, page, row, tmask, page_bytes, off, c: tl.constexpr, BITS: tl.constexpr,
+                    D: tl.constexpr):
+    """Chunk c of key rows `row` of pages `page` as uint16 byte pairs [N, D / 8]. Every offset is even: segments
+    start at multiples of 16 bytes, rows and chunks are D * BITS / 8 and D / 4 bytes long."""
+    DQ: tl.constexpr = D // 4
+    RB: tl.constexpr = D * BITS // 8
+    j = tl.arange(0, DQ // 2)
+    base = (page * page_bytes + off + row * RB + c * DQ) // 2
+    return tl.load(pool_u8.to(tl.pointer_type(tl.uint16)) + base[:, None] + j[None, :], mask=tmask[:, None],
+                   other=0)
+
+
+@triton.jit
 def _sum3(a0, b0, c0, a1, b1, c1):
     return a0 + a1, b0 + b1, c0 + c1
 
@@ -162,7 +226,7 @@ def _attend_section(
     KB: tl.constexpr, VB: tl.constexpr, T: tl.constexpr, LOW: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, PURE_K: tl.constexpr = False, PURE_V: tl.constexpr = False, V_EARLY: tl.constexpr = False,
-    RED: tl.constexpr = 0,
+    RED: tl.constexpr = 0, KEY_PAIRS: tl.constexpr = False,
 ):
     """Online softmax over tokens [lo, hi) of one section (the high one, or the low one read from the right).
 
@@ -182,7 +246,13 @@ def _attend_section(
     its top value scale are taken; each reduction across the warps costs a shared-memory round trip and a
     barrier. 0: one reduction each (five per tile, with the logit max); 1: the top scale rides in a padding row
     of the logit max and the three sums are one tuple reduction (two per tile). (Keeping the sums [G, N] until
-    the section ends, as kernels/decode_attention_q8.py does, took 168-255 registers here and was slower.)"""
+    the section ends, as kernels/decode_attention_q8.py does, took 168-255 registers here and was slower.)
+
+    KEY_PAIRS (quantized keys only): the key dots take q padded with zero rows to twice BLOCK_G and the key
+    codes read as uint16 byte pairs, split into even and odd dims (two dots per plane, in two mma chains). An
+    8-row operand is replicated into the mma's 16 rows, and byte-loaded codes make Triton pick kWidth 4, under
+    which the q fragments cannot come from ldmatrix; together they cost ~100 register moves per tile. With 16
+    distinct rows and 16-bit loads (kWidth 2) they are gone (benchmarks/decode_sass.py)."""
     DT = pool_c.dtype.element_ty
     KR: tl.constexpr = 1 if KB == 16 else 8 // KB  # planes per chunk
     KC: tl.constexpr = 4 // KR  # chunks per row
@@ -204,6 +274,12 @@ def _attend_section(
         qb = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1) + tl.sum(q2.to(tl.float32), 1)
               + tl.sum(q3.to(tl.float32), 1))
         s0 = s0 - _bias(DOT_FP32) * qb[:, None]
+    PAIRED: tl.constexpr = KEY_PAIRS and KB != 16
+    if PAIRED:
+        q0 = _pad_rows(q0)
+        q1 = _pad_rows(q1)
+        q2 = _pad_rows(q2)
+        q3 = _pad_rows(q3)
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
@@ -223,12 +299,24 @@ def _attend_section(
                                  BLOCK_Q)
                 w3 = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, 3, VB, D, BLOCK_N,
                                  BLOCK_Q)
-        for c in tl.static_range(KC):
-            chunk = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, k_off, c, KB, D,
-                                BLOCK_N, BLOCK_Q)
-            for p in tl.static_range(KR):
-                k = _operand(chunk, p, KB, DT, DOT_FP32, PURE_K)
-                s = _dot(_pick(q0, q1, q2, q3, p * KC + c), tl.trans(k), s, DOT_FP32)
+        if PAIRED:
+            s_even = tl.zeros([2 * BLOCK_G, BLOCK_N], tl.float32)
+            s_odd = tl.zeros([2 * BLOCK_G, BLOCK_N], tl.float32)
+            for c in tl.static_range(KC):
+                pairs = _load_key_pairs(pool_u8, page, row, tmask, page_bytes, k_off, c, KB, D)
+                for p in tl.static_range(KR):
+                    k_even, k_odd = _pair_operands(pairs, p, KB, DOT_FP32)
+                    q_even, q_odd = _even_odd(_pick(q0, q1, q2, q3, p * KC + c))
+                    s_even = _dot(q_even, tl.trans(k_even), s_even, DOT_FP32)
+                    s_odd = _dot(q_odd, tl.trans(k_odd), s_odd, DOT_FP32)
+            s = s + _top_rows(s_even + s_odd)
+        else:
+            for c in tl.static_range(KC):
+                chunk = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, k_off, c, KB, D,
+                                    BLOCK_N, BLOCK_Q)
+                for p in tl.static_range(KR):
+                    k = _operand(chunk, p, KB, DT, DOT_FP32, PURE_K)
+                    s = _dot(_pick(q0, q1, q2, q3, p * KC + c), tl.trans(k), s, DOT_FP32)
         if KB != 16:
             ks, kz = load_scale_zero(pool_w, page, row, tmask, page_words, k_meta)
             s = s * ks[None, :] + qsum[:, None] * kz[None, :]
@@ -335,7 +423,7 @@ def _decode_split_kernel(
     HAS_LOW: tl.constexpr = False, KB_LO: tl.constexpr = 16, VB_LO: tl.constexpr = 16, T_LO: tl.constexpr = 1,
     WRITE_LOGITS: tl.constexpr = False, WRITE_LSE: tl.constexpr = False,
     PURE_K: tl.constexpr = False, PURE_V: tl.constexpr = False, V_EARLY: tl.constexpr = False,
-    RED: tl.constexpr = 0,
+    RED: tl.constexpr = 0, KEY_PAIRS: tl.constexpr = False,
 ):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -372,7 +460,7 @@ def _decode_split_kernel(
         q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo, hi, pt_row, 0, pool_c, pool_u8, pool_w,
         page_elems, page_bytes, k_off, k_meta, v_off, v_meta, qk_scale, sm_scale, gmask, logit_rows, 0,
         KB, VB, T, False, WRITE_LOGITS, GROUP, BLOCK_G, BLOCK_N, D, BLOCK_Q, DOT_FP32, PURE_K, PURE_V, V_EARLY,
-        RED)
+        RED, KEY_PAIRS)
     if HAS_LOW:
         # The low section (its own format, pages from the right end of the row), split the same way.
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
@@ -381,7 +469,7 @@ def _decode_split_kernel(
             q0, q1, q2, q3, qsum, m_i, l_i, a0, a1, a2, a3, lo_lo, hi_lo, pt_row, low_col0, pool_c, pool_u8,
             pool_w, page_elems, page_bytes, lk_off, lk_meta, lv_off, lv_meta, qk_scale, sm_scale, gmask,
             logit_rows, length, KB_LO, VB_LO, T_LO, True, WRITE_LOGITS, GROUP, BLOCK_G, BLOCK_N, D, BLOCK_Q,
-            DOT_FP32, PURE_K, PURE_V, V_EARLY, RED)
+            DOT_FP32, PURE_K, PURE_V, V_EARLY, RED, KEY_PAIRS)
 
     if SPLIT:
         idx = (b * Hq + hq) * num_splits + split  # mid_* are contiguous [B, Hq, num_splits, ...]
@@ -433,6 +521,8 @@ class LaunchConfig(NamedTuple):
     red: int = 0  # how _attend_section reduces a tile's rows (0: five reductions, 1: two; see there)
     maxnreg: int | None = None  # register cap per thread (ptxas), for more programs per SM
     min_rows: int = 8  # the query group's tile has max(min_rows, next_pow2(group)) rows (see launch_config)
+    key_pairs: bool = False  # quantized keys as uint16 byte pairs against a zero-padded q (head_dim >= 128; see
+    # _attend_section)
 
 
 KERNELS = ("f16", "q8", "quartered")
@@ -506,7 +596,7 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     if kernel == "q8":
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
-        return LaunchConfig(128, 4, 5, pure_k=True, pure_v=True, red=1)
+        return LaunchConfig(128, 4, 5, pure_k=True, pure_v=True, red=1, key_pairs=True)
     return LaunchConfig(128, 2, 1, v_early=True)
 
 
@@ -604,6 +694,8 @@ def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_a
     """The quartered kernel (any precision, high + low sections)."""
     (B, Hq, D), Hkv, T = q.shape, page_table.shape[2], fmt.tokens
     group = Hq // Hkv
+    if cfg.key_pairs and D < 128:
+        raise ValueError(f"LaunchConfig.key_pairs needs head_dim >= 128 (a dot over D / 8 >= 16 dims), got {D}")
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, pc, pool, pool.view(torch.int32), page_table, lengths, lenlo, slots, out, mid_acc, mid_ml,
         logits, lse,
@@ -621,7 +713,7 @@ def _launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_a
         KB=fmt.key_bits, VB=fmt.value_bits,
         HAS_LOW=has_low, KB_LO=low.key_bits, VB_LO=low.value_bits, T_LO=low.tokens if has_low else 1,
         WRITE_LOGITS=write_logits, WRITE_LSE=write_lse,
-        PURE_K=cfg.pure_k, PURE_V=cfg.pure_v, V_EARLY=cfg.v_early, RED=cfg.red,
+        PURE_K=cfg.pure_k, PURE_V=cfg.pure_v, V_EARLY=cfg.v_early, RED=cfg.red, KEY_PAIRS=cfg.key_pairs,
         num_warps=warps, num_stages=stages, **({} if cfg.maxnreg is None else dict(maxnreg=cfg.maxnreg)),
     )
 

@@ -191,7 +191,7 @@ def _naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, le
 
 
 def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, layer, seed, block_n=None,
-                  max_len=None, red=None, min_rows=None):
+                  max_len=None, red=None, min_rows=None, key_pairs=None):
     isz = torch.empty((), dtype=dtype).element_size()
     fmt_hi, fmt_lo = formats(spec, D, isz)
     pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE, seed)
@@ -203,7 +203,7 @@ def _run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, 
     nmax = int(total.max()) + NMAX_PAD
     args = (q, pool, fmt_hi, dtype, page_table, len_hi, slots, layer, scale)
     kw = dict(fmt_low=fmt_lo, len_low=len_lo, max_len=max_len)
-    over = {k: v for k, v in dict(red=red, min_rows=min_rows).items() if v is not None}
+    over = {k: v for k, v in dict(red=red, min_rows=min_rows, key_pairs=key_pairs).items() if v is not None}
     tkw = dict(config=launch_config(fmt_hi, fmt_lo)._replace(**over)) if over else {}
     res = {}
     for impl in ("triton", "ref"):
@@ -303,6 +303,33 @@ def test_decode_group_rows(min_rows, spec, Hq, Hkv, D):
         _run_sections(spec, dtype, Hq, Hkv, D, [r[:Hkv] for r in lens_hi],
                       None if lens_lo is None else [r[:Hkv] for r in lens_lo], [1, 0], 2, layer=1,
                       seed=D + min_rows, block_n=16, min_rows=min_rows)
+
+
+@pytest.mark.parametrize("key_pairs", [False, True])
+@pytest.mark.parametrize("spec,Hq,Hkv", [("K8V4+K4V2", 8, 2), ("K16V16+K4V2", 8, 2), ("K4V4", 6, 2), ("K2V2", 2, 2)])
+def test_decode_key_pairs(key_pairs, spec, Hq, Hkv):
+    """Quantized keys read as byte pairs against a zero-padded q (LaunchConfig.key_pairs, the head_dim >= 128
+    default) and the byte path: every key width (8/4/2 bits; 16-bit sections keep the byte-free path), GQA 4,
+    3 and 1, several tiles per split, both sections."""
+    lens_hi = [[90, 37], [45, 0]]
+    lens_lo = [[70, 3], [0, 41]] if "+" in spec else None
+    for dtype in DTYPES:
+        _run_sections(spec, dtype, Hq, Hkv, 128, lens_hi, lens_lo, [1, 0], 2, layer=1, seed=len(spec) + key_pairs,
+                      block_n=16, key_pairs=key_pairs)
+
+
+def test_decode_key_pairs_needs_head_dim_128():
+    isz = torch.empty((), dtype=DTYPES[0]).element_size()
+    fmt_hi, _ = formats("K4V2", 64, isz)
+    pool = torch.zeros(2, fmt_hi.page_bytes, dtype=torch.uint8, device=DEVICE)
+    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
+    cfg = launch_config(fmt_hi, None)._replace(key_pairs=True)
+    with pytest.raises(ValueError, match="key_pairs"):
+        paged_decode_attention_triton(q, pool, fmt_hi, DTYPES[0], pt, lens, torch.zeros(1, dtype=torch.int32,
+                                                                                          device=DEVICE), 0, 0.125,
+                                      config=cfg)
 
 
 def test_decode_low_section_needs_format():
