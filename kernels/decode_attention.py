@@ -28,7 +28,8 @@ from kernels.page_layout import PageFormat
 from kernels.quant import read_pages_ref
 from kernels.decode_attention_f16 import decode_f16_kernel
 from kernels.decode_attention_q8 import decode_q8_kernel
-from kernels.decode_tiles import load_scale_zero, max_and_top_scale
+from kernels.decode_tiles import (even_odd, load_scale_zero, max_and_top_scale, pad_rows, pair_codes, top_rows,
+                                  unpack_ptx)
 from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
@@ -56,33 +57,11 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see _unpack_ptx)
 
 
-def _unpack_ptx(bits: int, plane: int, pairs: bool = False) -> str:
-    """PTX for tl.inline_asm_elementwise(pack=4): four packed bytes ($2) -> plane `plane` of each as the fp16
-    number 1024 + c * 2^s (s = plane * bits, c the code), two per output register ($0, $1). prmt puts each byte
-    under an 0x64 exponent byte (0x64XX is the fp16 number 1024 + XX) and a mask keeps the plane's bits: one or
-    two instructions per two codes, against ~5 per code for shift / and / convert, which made quantized decode
-    instruction-bound. The dots take these biased codes as they are; _attend_section removes the 1024 and the
-    2^s with [G, N]-sized corrections (a dot's accumulator init and one multiply).
-    pairs: for pack=2 on uint16 elements (two bytes each) with two outputs: the low bytes' codes ($0) and the
-    high bytes' ($1), i.e. bytes (0, 2) and (1, 3) of the register."""
-    s = plane * bits
-    keep = 0xFF00 | (((1 << bits) - 1) << s)
-    lo, hi = ("0x4240", "0x4341") if pairs else ("0x4140", "0x4342")
-    lines = ["{", ".reg .b32 r_m, r_k;", "mov.b32 r_m, 0x64646464;",
-             f"prmt.b32 $0, $2, r_m, {lo};", f"prmt.b32 $1, $2, r_m, {hi};"]
-    if keep != 0xFFFF:
-        lines += [f"mov.b32 r_k, {keep << 16 | keep:#010x};", "and.b32 $0, $0, r_k;", "and.b32 $1, $1, r_k;"]
-    return "\n".join(lines + ["}"])
+_PTX_8_0 = tl.constexpr(unpack_ptx(8, 0))
+_PTX_4_0, _PTX_4_1 = tl.constexpr(unpack_ptx(4, 0)), tl.constexpr(unpack_ptx(4, 1))
+_PTX_2_0, _PTX_2_1 = tl.constexpr(unpack_ptx(2, 0)), tl.constexpr(unpack_ptx(2, 1))
+_PTX_2_2, _PTX_2_3 = tl.constexpr(unpack_ptx(2, 2)), tl.constexpr(unpack_ptx(2, 3))
 
-
-_PTX_8_0 = tl.constexpr(_unpack_ptx(8, 0))
-_PTX_4_0, _PTX_4_1 = tl.constexpr(_unpack_ptx(4, 0)), tl.constexpr(_unpack_ptx(4, 1))
-_PTX_2_0, _PTX_2_1 = tl.constexpr(_unpack_ptx(2, 0)), tl.constexpr(_unpack_ptx(2, 1))
-_PTX_2_2, _PTX_2_3 = tl.constexpr(_unpack_ptx(2, 2)), tl.constexpr(_unpack_ptx(2, 3))
-_PAIRS_8_0 = tl.constexpr(_unpack_ptx(8, 0, True))
-_PAIRS_4_0, _PAIRS_4_1 = tl.constexpr(_unpack_ptx(4, 0, True)), tl.constexpr(_unpack_ptx(4, 1, True))
-_PAIRS_2_0, _PAIRS_2_1 = tl.constexpr(_unpack_ptx(2, 0, True)), tl.constexpr(_unpack_ptx(2, 1, True))
-_PAIRS_2_2, _PAIRS_2_3 = tl.constexpr(_unpack_ptx(2, 2, True)), tl.constexpr(_unpack_ptx(2, 3, True))
 
 
 @triton.jit
@@ -97,50 +76,6 @@ def _ptx_codes(chunk, BITS: tl.constexpr, p: tl.constexpr, PURE: tl.constexpr):
     # the value dot (which then reads single bytes); not pure keeps it before (ldmatrix.trans on fp16 pairs).
     # Which is faster depends on the head size (launch_config).
     return tl.inline_asm_elementwise(asm, "=r,=r,r", [chunk], dtype=tl.float16, is_pure=PURE, pack=4)
-
-
-@triton.jit
-def _pair_operands(chunk, p: tl.constexpr, BITS: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Plane p of uint16 byte pairs [N, E] (bytes 2e, 2e + 1 of a row's chunk) as two dot operands [N, E]: the
-    codes of the low bytes (even dims) and of the high bytes (odd dims), biased as _operand's."""
-    if DOT_FP32:
-        x = chunk.to(tl.int32)
-        m: tl.constexpr = ((1 << BITS) - 1) << (p * BITS)
-        return (x & m).to(tl.float32), ((x >> 8) & m).to(tl.float32)
-    else:
-        if BITS == 8:
-            asm: tl.constexpr = _PAIRS_8_0
-        elif BITS == 4:
-            asm: tl.constexpr = _PAIRS_4_0 if p == 0 else _PAIRS_4_1
-        else:
-            asm: tl.constexpr = _PAIRS_2_0 if p == 0 else (_PAIRS_2_1 if p == 1 else (_PAIRS_2_2 if p == 2 else
-                                                                                       _PAIRS_2_3))
-        return tl.inline_asm_elementwise(asm, "=r,=r,r", [chunk], dtype=(tl.float16, tl.float16), is_pure=True,
-                                         pack=2)
-
-
-@triton.jit
-def _pad_rows(x):
-    """[R, C] -> [2R, C], the added rows zero. (Broadcast and where, not tl.join: a join halves the kWidth
-    Triton picks for the dot operands, which brings back the register moves the padding is for.)"""
-    R: tl.constexpr = x.shape[0]
-    y = tl.reshape(tl.broadcast_to(x[None, :, :], (2, R, x.shape[1])), (2 * R, x.shape[1]))
-    return tl.where((tl.arange(0, 2 * R) < R)[:, None], y, tl.zeros_like(y))
-
-
-@triton.jit
-def _top_rows(y):
-    """The first half of y's rows (inverse of _pad_rows; in registers: the mma layout keeps rows r and r + 8
-    in one thread)."""
-    R: tl.constexpr = y.shape[0] // 2
-    top, _ = tl.split(tl.permute(tl.reshape(y, (2, R, y.shape[1])), (1, 2, 0)))
-    return top
-
-
-@triton.jit
-def _even_odd(x):
-    """[R, C] -> its even columns and its odd columns, [R, C / 2] each."""
-    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
 
 
 @triton.jit
@@ -276,10 +211,10 @@ def _attend_section(
         s0 = s0 - _bias(DOT_FP32) * qb[:, None]
     PAIRED: tl.constexpr = KEY_PAIRS and KB != 16
     if PAIRED:
-        q0 = _pad_rows(q0)
-        q1 = _pad_rows(q1)
-        q2 = _pad_rows(q2)
-        q3 = _pad_rows(q3)
+        q0 = pad_rows(q0)
+        q1 = pad_rows(q1)
+        q2 = pad_rows(q2)
+        q3 = pad_rows(q3)
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
@@ -305,11 +240,11 @@ def _attend_section(
             for c in tl.static_range(KC):
                 pairs = _load_key_pairs(pool_u8, page, row, tmask, page_bytes, k_off, c, KB, D)
                 for p in tl.static_range(KR):
-                    k_even, k_odd = _pair_operands(pairs, p, KB, DOT_FP32)
-                    q_even, q_odd = _even_odd(_pick(q0, q1, q2, q3, p * KC + c))
+                    k_even, k_odd = pair_codes(pairs, p, KB, DOT_FP32)
+                    q_even, q_odd = even_odd(_pick(q0, q1, q2, q3, p * KC + c))
                     s_even = _dot(q_even, tl.trans(k_even), s_even, DOT_FP32)
                     s_odd = _dot(q_odd, tl.trans(k_odd), s_odd, DOT_FP32)
-            s = s + _top_rows(s_even + s_odd)
+            s = s + top_rows(s_even + s_odd)
         else:
             for c in tl.static_range(KC):
                 chunk = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, k_off, c, KB, D,
@@ -521,8 +456,8 @@ class LaunchConfig(NamedTuple):
     red: int = 0  # how _attend_section reduces a tile's rows (0: five reductions, 1: two; see there)
     maxnreg: int | None = None  # register cap per thread (ptxas), for more programs per SM
     min_rows: int = 8  # the query group's tile has max(min_rows, next_pow2(group)) rows (see launch_config)
-    key_pairs: bool = False  # quantized keys as uint16 byte pairs against a zero-padded q (head_dim >= 128; see
-    # _attend_section)
+    key_pairs: bool = False  # quartered kernel: quantized keys as uint16 byte pairs against a zero-padded q
+    # (head_dim >= 128; see _attend_section)
 
 
 KERNELS = ("f16", "q8", "quartered")
@@ -587,6 +522,20 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     not taken. Value codes unpacked before the shared-memory transpose (pure_v False) with 8 rows: 8-14% fewer
     SASS instructions per tile (benchmarks/decode_sass.py) but 5-24% slower (K4V2 B=128 S=4096 226 -> 280 us;
     fp16 codes through shared memory), as at 16 rows in session 9.
+    Key byte pairs (key_pairs; session 11, H100, CUDA-graph us, .carry/gpu/kp_plan.json): q padded with zero
+    rows to 16 and the key codes loaded as uint16 pairs give the key dots kWidth 2 and ldmatrix-fed q fragments,
+    which removes ~95 of the 96 register moves of the key half of a tile (K4V2 1014 -> 963 SASS per tile, K8V4
+    1110 -> 1060, mix 1141 -> 1071; registers unchanged at 128 / 144 / 168). Same run, on / off: K4V2 B=128
+    S=4096 223.2 / 224.1, B=32 S=16384 249.4 / 250.8, B=8 S=4096 22.2 / 22.9, B=8 S=16384 70.7 / 75.5; mix
+    301.6 / 312.3, 304.2 / 328.9, 30.2 / 30.7, 90.5 / 93.2; K8V4 within 1%. The value half done the same way
+    (p padded to 16 rows, value codes pair-interleaved by token in the page so that one uint16 holds two
+    tokens' bytes: kWidth 2, no single-byte shared loads) cut the tile to 873 / 892 / 889 instructions but ran
+    3-20% slower (36 KB of shared memory and 152 registers: three programs per SM instead of four; ncu: stall
+    "wait" 3x, on serialized mma chains), so the page layout stayed as it is. A 16-row q made with tl.join halves
+    the kWidth Triton picks (its heuristic divides the loaded bit width by 2 per join) and keeps the moves:
+    kernels/decode_tiles.pad_rows broadcasts instead. In the q8 kernel the same key pairs cut 1026 -> 892
+    instructions but took 208 registers and were no faster (B=128 S=4096 391 vs 394 us, B=8 S=4096 34.7 both;
+    maxnreg 128 / 168 the same): not taken.
     What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
     4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
     8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile."""
