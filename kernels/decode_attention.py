@@ -54,14 +54,13 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see _unpack_ptx)
+BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see decode_tiles.unpack_ptx)
 
 
 _PTX_8_0 = tl.constexpr(unpack_ptx(8, 0))
 _PTX_4_0, _PTX_4_1 = tl.constexpr(unpack_ptx(4, 0)), tl.constexpr(unpack_ptx(4, 1))
 _PTX_2_0, _PTX_2_1 = tl.constexpr(unpack_ptx(2, 0)), tl.constexpr(unpack_ptx(2, 1))
 _PTX_2_2, _PTX_2_3 = tl.constexpr(unpack_ptx(2, 2)), tl.constexpr(unpack_ptx(2, 3))
-
 
 
 @triton.jit
@@ -538,7 +537,8 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     maxnreg 128 / 168 the same): not taken.
     What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
     4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
-    8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile."""
+    8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile (key_pairs
+    removes those of q since; ~75 per tile remain on the value side)."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
