@@ -12,7 +12,7 @@ def unpack_ptx(bits: int, plane: int, pairs: bool = False) -> str:
     number 1024 + c * 2^s (s = plane * bits, c the code), two per output register ($0, $1). prmt puts each byte
     under an 0x64 exponent byte (0x64XX is the fp16 number 1024 + XX) and a mask keeps the plane's bits: one or
     two instructions per two codes, against ~5 per code for shift / and / convert, which made quantized decode
-    instruction-bound. The dots take these biased codes as they are; _attend_section removes the 1024 and the
+    instruction-bound. The dots take these biased codes as they are; decode_attention._attend_section removes the 1024 and the
     2^s with [G, N]-sized corrections (a dot's accumulator init and one multiply).
     pairs: for pack=2 on uint16 elements (two bytes each) with two outputs: the low bytes' codes ($0) and the
     high bytes' ($1), i.e. bytes (0, 2) and (1, 3) of the register."""
@@ -35,7 +35,7 @@ _PAIRS_2_2, _PAIRS_2_3 = tl.constexpr(unpack_ptx(2, 2, True)), tl.constexpr(unpa
 @triton.jit
 def pair_codes(chunk, p: tl.constexpr, BITS: tl.constexpr, DOT_FP32: tl.constexpr):
     """Plane p of uint16 byte pairs [N, E] (bytes 2e, 2e + 1 of a row's chunk) as two dot operands [N, E]: the
-    codes of the low bytes (even dims) and of the high bytes (odd dims), biased as _operand's."""
+    codes of the low bytes (even dims) and of the high bytes (odd dims), biased as decode_attention._operand's."""
     if DOT_FP32:
         x = chunk.to(tl.int32)
         m: tl.constexpr = ((1 << BITS) - 1) << (p * BITS)
@@ -52,7 +52,6 @@ def pair_codes(chunk, p: tl.constexpr, BITS: tl.constexpr, DOT_FP32: tl.constexp
                                          pack=2)
 
 
-
 @triton.jit
 def pad_rows(x):
     """[R, C] -> [2R, C], the added rows zero. (Broadcast and where, not tl.join: a join halves the kWidth
@@ -62,22 +61,19 @@ def pad_rows(x):
     return tl.where((tl.arange(0, 2 * R) < R)[:, None], y, tl.zeros_like(y))
 
 
-
 @triton.jit
 def top_rows(y):
-    """The first half of y's rows (inverse of _pad_rows; in registers: the mma layout keeps rows r and r + 8
+    """The first half of y's rows (inverse of pad_rows; in registers: the mma layout keeps rows r and r + 8
     in one thread)."""
     R: tl.constexpr = y.shape[0] // 2
     top, _ = tl.split(tl.permute(tl.reshape(y, (2, R, y.shape[1])), (1, 2, 0)))
     return top
 
 
-
 @triton.jit
 def even_odd(x):
     """[R, C] -> its even columns and its odd columns, [R, C / 2] each."""
     return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
-
 
 
 @triton.jit
