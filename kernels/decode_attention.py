@@ -478,7 +478,8 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     (.carry/gpu/quarter_bench.py; 32 query / 8 KV heads, head_dim 128, fp16; us at B=128 S=4096 / B=32 S=16384).
     16-bit only: the full-width kernel (kernels/decode_attention_f16.py), 128-token tiles, 4 warps, 2 stages:
     722 / 719 us (99% of 3.0 TB/s); 3, 5 or 7 stages and 64-token tiles were within 1% at B=128 (715-726 us).
-    Quartered, head_dim >= 128: 128-token tiles, 4 warps, freely scheduled unpacking, 5 stages, row sums as one
+    Quartered, head_dim >= 128 (sessions 8-11; one warp since, see the end): 128-token tiles, 4 warps, freely
+    scheduled unpacking, 5 stages, row sums as one
     tuple reduction (red 1, see _attend_section): K8V4 353 / 362 us, K4V2 265 / 293, K8V4+K4V2 350 / 376
     (2 stages and red 0: 477 / 547, 304 / 452, 375 / 553). Like q8's, 5 stages are the fewest that give two
     cp.async buffers per tile (4 and 6 compile to the same code as 3 and 5). 2 stages were 3% faster for K8V4 at
@@ -538,14 +539,30 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
     4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
     8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile (key_pairs
-    removes those of q since; ~75 per tile remain on the value side)."""
+    removes those of q since; ~75 per tile remain on the value side).
+    One warp per program (session 12, H100, CUDA-graph us, .carry/gpu/w1_plan.json and w1b_plan.json; us at
+    B=128 S=4096 / B=32 S=16384 / B=8 S=4096 / B=8 S=16384, 4 warps and 128-token tiles -> 1 warp and 32): a
+    program that is one warp has no cross-warp reductions and no barriers worth the name, and the split count
+    (which counts warps) gives four times as many programs. 5 stages where the high section's keys have 4 bits
+    or fewer: K4V2 223 -> 207, 247 -> 219, 22.9 -> 20.9, 69.1 -> 60.3; K4V4 266 -> 239, 279 -> 233, 24.7 -> 21.9,
+    77.4 -> 65.3. 3 stages with wider keys: K8V4+K4V2 300 -> 276, 309 -> 284, 30.4 -> 25.3, 90.6 -> 79.9;
+    K16V16+K4V2 550 -> 505, 568 -> 514, 50.5 -> 44.6, 154 -> 139; K8V4 329 -> 315, 328 -> 325, 31.6 -> 30.7,
+    92.3 -> 89.7 (the other stage count was 2-9% slower for each). Per tile the one-warp loop is 913-1005 SASS
+    instructions for 32 tokens (152-255 registers) against 963-1071 for 128 tokens over four warps: ~5% fewer
+    per token; the rest of the gain is issue efficiency. Same runs: red 0 within 2-3% (noise), a 128-register
+    cap 5-40% slower, unpacking before the transpose (pure_v False) 5-10% slower, 16-token tiles 1.5-2x slower,
+    2 warps with 64- or 128-token tiles slower than either; fixed split counts of 1-32 instead of
+    choose_num_splits' (1 / 4 / 16 at B = 128 / 32 / 8) won only K4V2 at B=32 S=16384 (16 splits: -8%). The
+    transposed value dot (head dims as the mma's rows, the query group as its 8 columns: half the value mmas)
+    compiled to more instructions (975 vs 916 for K4V2), the value codes going to shared memory unpacked; not
+    kept. q8 with one warp: within 3% either way; kept at 4."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
     if kernel == "q8":
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
-        return LaunchConfig(128, 4, 5, pure_k=True, pure_v=True, red=1, key_pairs=True)
+        return LaunchConfig(32, 1, 5 if fmt.key_bits <= 4 else 3, pure_k=True, pure_v=True, red=1, key_pairs=True)
     return LaunchConfig(128, 2, 1, v_early=True)
 
 
