@@ -28,8 +28,8 @@ from kernels.page_layout import PageFormat
 from kernels.quant import read_pages_ref
 from kernels.decode_attention_f16 import decode_f16_kernel
 from kernels.decode_attention_q8 import decode_q8_kernel
-from kernels.decode_tiles import (even_odd, load_scale_zero, max_and_top_scale, pad_rows, pair_codes, top_rows,
-                                  unpack_ptx)
+from kernels.decode_tiles import (even_odd, load_scale_zero, max_and_top_scale, pad_rows, pair_planes, plane_codes,
+                                  top_rows)
 from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
@@ -54,32 +54,12 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see decode_tiles.unpack_ptx)
-
-
-_PTX_8_0 = tl.constexpr(unpack_ptx(8, 0))
-_PTX_4_0, _PTX_4_1 = tl.constexpr(unpack_ptx(4, 0)), tl.constexpr(unpack_ptx(4, 1))
-_PTX_2_0, _PTX_2_1 = tl.constexpr(unpack_ptx(2, 0)), tl.constexpr(unpack_ptx(2, 1))
-_PTX_2_2, _PTX_2_3 = tl.constexpr(unpack_ptx(2, 2)), tl.constexpr(unpack_ptx(2, 3))
-
-
-@triton.jit
-def _ptx_codes(chunk, BITS: tl.constexpr, p: tl.constexpr, PURE: tl.constexpr):
-    if BITS == 8:
-        asm: tl.constexpr = _PTX_8_0
-    elif BITS == 4:
-        asm: tl.constexpr = _PTX_4_0 if p == 0 else _PTX_4_1
-    else:
-        asm: tl.constexpr = _PTX_2_0 if p == 0 else (_PTX_2_1 if p == 1 else (_PTX_2_2 if p == 2 else _PTX_2_3))
-    # PURE lets the compiler schedule the unpacking freely, also after the shared-memory transpose that feeds
-    # the value dot (which then reads single bytes); not pure keeps it before (ldmatrix.trans on fp16 pairs).
-    # Which is faster depends on the head size (launch_config).
-    return tl.inline_asm_elementwise(asm, "=r,=r,r", [chunk], dtype=tl.float16, is_pure=PURE, pack=4)
+BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see decode_tiles.planes_ptx)
 
 
 @triton.jit
 def _bias(DOT_FP32: tl.constexpr):
-    """What _operand adds to every code: 1024 for the fp16 dots, nothing for the fp32 ones."""
+    """What _operands adds to every code: 1024 for the fp16 dots, nothing for the fp32 ones."""
     if DOT_FP32:
         return 0.0
     else:
@@ -87,21 +67,17 @@ def _bias(DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _operand(chunk, p: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, DOT_FP32: tl.constexpr,
-             PURE: tl.constexpr = False):
-    """Quarter p of a loaded chunk as a dot operand: cache-dtype values at 16 bits, else plane p's codes c as
-    1024 + c * 2^(p * BITS) in fp16 (by PTX, on the GPU), or c * 2^(p * BITS) in fp32 (interpreter / fp32
-    caches: no bias, whose cancellation would cost fp32 digits there; see _bias)."""
+def _operands(chunk, BITS: tl.constexpr, DT: tl.constexpr, DOT_FP32: tl.constexpr, PURE: tl.constexpr = False):
+    """Every plane of a loaded chunk as a dot operand (a tuple): the cache-dtype values at 16 bits, else plane
+    p's codes c as 1024 + c * 2^(p * BITS) in fp16 (by PTX, on the GPU), or c * 2^(p * BITS) in fp32
+    (interpreter / fp32 caches: no bias, whose cancellation would cost fp32 digits there; see _bias)."""
     if BITS == 16:
         if DOT_FP32:
-            return chunk.to(tl.float32)
+            return (chunk.to(tl.float32),)
         else:
-            return chunk.to(DT)
+            return (chunk.to(DT),)
     else:
-        if DOT_FP32:
-            return (chunk.to(tl.int32) & (((1 << BITS) - 1) << (p * BITS))).to(tl.float32)
-        else:
-            return _ptx_codes(chunk, BITS, p, PURE)
+        return plane_codes(chunk, BITS, DOT_FP32, PURE)
 
 
 @triton.jit
@@ -237,9 +213,11 @@ def _attend_section(
             s_even = tl.zeros([2 * BLOCK_G, BLOCK_N], tl.float32)
             s_odd = tl.zeros([2 * BLOCK_G, BLOCK_N], tl.float32)
             for c in tl.static_range(KC):
-                pairs = _load_key_pairs(pool_u8, page, row, tmask, page_bytes, k_off, c, KB, D)
+                codes = pair_planes(_load_key_pairs(pool_u8, page, row, tmask, page_bytes, k_off, c, KB, D), KB,
+                                    DOT_FP32)
                 for p in tl.static_range(KR):
-                    k_even, k_odd = pair_codes(pairs, p, KB, DOT_FP32)
+                    k_even = codes[2 * p]
+                    k_odd = codes[2 * p + 1]
                     q_even, q_odd = even_odd(_pick(q0, q1, q2, q3, p * KC + c))
                     s_even = _dot(q_even, tl.trans(k_even), s_even, DOT_FP32)
                     s_odd = _dot(q_odd, tl.trans(k_odd), s_odd, DOT_FP32)
@@ -248,9 +226,9 @@ def _attend_section(
             for c in tl.static_range(KC):
                 chunk = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, k_off, c, KB, D,
                                     BLOCK_N, BLOCK_Q)
+                k_planes = _operands(chunk, KB, DT, DOT_FP32, PURE_K)
                 for p in tl.static_range(KR):
-                    k = _operand(chunk, p, KB, DT, DOT_FP32, PURE_K)
-                    s = _dot(_pick(q0, q1, q2, q3, p * KC + c), tl.trans(k), s, DOT_FP32)
+                    s = _dot(_pick(q0, q1, q2, q3, p * KC + c), tl.trans(k_planes[p]), s, DOT_FP32)
         if KB != 16:
             ks, kz = load_scale_zero(pool_w, page, row, tmask, page_words, k_meta)
             s = s * ks[None, :] + qsum[:, None] * kz[None, :]
@@ -294,8 +272,9 @@ def _attend_section(
             else:
                 chunk = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, c, VB, D,
                                     BLOCK_N, BLOCK_Q)
+            v_planes = _operands(chunk, VB, DT, DOT_FP32, PURE_V)
             for p in tl.static_range(VR):
-                v = _operand(chunk, p, VB, DT, DOT_FP32, PURE_V)
+                v = v_planes[p]
                 if VB == 16:
                     if p * VC + c == 0:
                         a0 = _dot(pv, v, a0, DOT_FP32)
@@ -449,7 +428,7 @@ class LaunchConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
-    pure_k: bool = False  # unpacking may be scheduled freely (see _ptx_codes)
+    pure_k: bool = False  # unpacking may be scheduled freely (see decode_tiles.plane_codes)
     pure_v: bool = False
     v_early: bool = False  # value loads issued before the key math
     red: int = 0  # how _attend_section reduces a tile's rows (0: five reductions, 1: two; see there)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import load_scale_zero, max_and_top_scale, store_result, unpack_ptx
+from kernels.decode_tiles import load_scale_zero, max_and_top_scale, store_result, planes_ptx
 from kernels.sections import section_page, split_range
 
 # Four codes (bytes of $2) -> fp16 pairs 1024 + c: each byte under an 0x64 exponent byte.
-_PRMT = tl.constexpr(unpack_ptx(8, 0))
+_PRMT = tl.constexpr(planes_ptx(8))
 
 
 @triton.jit

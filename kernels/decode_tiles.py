@@ -1,54 +1,112 @@
-"""Triton pieces the decode-attention kernels share (kernels/decode_attention*.py): a tile's scale/zero loads, its
-row maxima with its top value scale, and the epilogue that writes a program's result (partial for a split, final
-otherwise)."""
+"""Triton pieces the decode-attention kernels share (kernels/decode_attention*.py): the PTX that turns packed codes
+into fp16 dot operands (planes_ptx, plane_codes, pair_planes), the row padding and even / odd splits of the
+key-pair dots, a tile's scale/zero loads, its row maxima with its top value scale, and the epilogue that writes
+a program's result (partial for a split, final otherwise)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 
-def unpack_ptx(bits: int, plane: int, pairs: bool = False) -> str:
-    """PTX for tl.inline_asm_elementwise(pack=4): four packed bytes ($2) -> plane `plane` of each as the fp16
-    number 1024 + c * 2^s (s = plane * bits, c the code), two per output register ($0, $1). prmt puts each byte
-    under an 0x64 exponent byte (0x64XX is the fp16 number 1024 + XX) and a mask keeps the plane's bits: one or
-    two instructions per two codes, against ~5 per code for shift / and / convert, which made quantized decode
-    instruction-bound. The dots take these biased codes as they are; decode_attention._attend_section removes the 1024 and the
-    2^s with [G, N]-sized corrections (a dot's accumulator init and one multiply).
-    pairs: for pack=2 on uint16 elements (two bytes each) with two outputs: the low bytes' codes ($0) and the
-    high bytes' ($1), i.e. bytes (0, 2) and (1, 3) of the register."""
-    s = plane * bits
-    keep = 0xFF00 | (((1 << bits) - 1) << s)
-    lo, hi = ("0x4240", "0x4341") if pairs else ("0x4140", "0x4342")
-    lines = ["{", ".reg .b32 r_m, r_k;", "mov.b32 r_m, 0x64646464;",
-             f"prmt.b32 $0, $2, r_m, {lo};", f"prmt.b32 $1, $2, r_m, {hi};"]
-    if keep != 0xFFFF:
-        lines += [f"mov.b32 r_k, {keep << 16 | keep:#010x};", "and.b32 $0, $0, r_k;", "and.b32 $1, $1, r_k;"]
+def planes_ptx(bits: int, pairs: bool = False) -> str:
+    """PTX for tl.inline_asm_elementwise: the 8 // bits planes of packed bytes in one go, plane p's codes c (bits
+    p*bits..p*bits+bits-1 of each byte) as the fp16 numbers 1024 + c * 2^(p * bits). An 0x64 exponent byte above
+    a byte XX makes the fp16 number 1024 + XX (0x64XX); a mask keeps the plane's bits: one or two instructions
+    per two codes, against ~5 per code for shift / and / convert, which made quantized decode instruction-bound.
+    The dots take these biased codes as they are; decode_attention._attend_section removes the 1024 and the 2^s
+    with [G, N]-sized corrections (a dot's accumulator init and one multiply).
+
+    pairs False (pack=4 on bytes): outputs $2p, $2p+1 hold plane p of bytes (0, 1) and (2, 3): two prmt put the
+    bytes under 0x64, then one and per plane and output.
+    pairs True (pack=2 on uint16 byte pairs, one register: bytes 0 and 2 are the low bytes): outputs $2p (low
+    bytes: even dims) and $2p+1 (high bytes: odd dims) of plane p. Below 8 bits the low bytes need no move: one
+    lop3 (x & mask) | 0x64006400 each (K4V2: 911 -> 888 SASS per one-warp tile, benchmarks/decode_sass.py); at
+    8 bits a prmt (a lop3 needs its two constants in registers there, which cost as many moves). The high bytes
+    take one prmt shared by the planes, then one and per plane. (ptxas already shares a prmt that separate asm
+    blocks repeat on one register, so one block for all planes changes nothing else.)"""
+    n = 8 // bits
+    src = f"${2 * n}"
+    lines = ["{", ".reg .b32 r_m, r_lo, r_hi, r_k, r_z;", "mov.b32 r_m, 0x64646464;", "mov.b32 r_z, 0x64006400;"]
+    if pairs:
+        lines.append(f"prmt.b32 r_hi, {src}, r_m, 0x4341;")
+    else:
+        lines += [f"prmt.b32 r_lo, {src}, r_m, 0x4140;", f"prmt.b32 r_hi, {src}, r_m, 0x4342;"]
+    for p in range(n):
+        bitsmask = ((1 << bits) - 1) << (p * bits)
+        keep = 0xFF00 | bitsmask
+        if pairs and bits == 8:
+            lines.append(f"prmt.b32 ${2 * p}, {src}, r_m, 0x4240;")
+        elif pairs:
+            lines += [f"mov.b32 r_k, {bitsmask << 16 | bitsmask:#010x};", f"lop3.b32 ${2 * p}, {src}, r_k, r_z, 0xEA;"]
+        else:
+            lines.append(f"mov.b32 ${2 * p}, r_lo;" if keep == 0xFFFF else
+                         f"mov.b32 r_k, {keep << 16 | keep:#010x};\nand.b32 ${2 * p}, r_lo, r_k;")
+        lines.append(f"mov.b32 ${2 * p + 1}, r_hi;" if keep == 0xFFFF else
+                     f"mov.b32 r_k, {keep << 16 | keep:#010x};\nand.b32 ${2 * p + 1}, r_hi, r_k;")
     return "\n".join(lines + ["}"])
 
 
-_PAIRS_8_0 = tl.constexpr(unpack_ptx(8, 0, True))
-_PAIRS_4_0, _PAIRS_4_1 = tl.constexpr(unpack_ptx(4, 0, True)), tl.constexpr(unpack_ptx(4, 1, True))
-_PAIRS_2_0, _PAIRS_2_1 = tl.constexpr(unpack_ptx(2, 0, True)), tl.constexpr(unpack_ptx(2, 1, True))
-_PAIRS_2_2, _PAIRS_2_3 = tl.constexpr(unpack_ptx(2, 2, True)), tl.constexpr(unpack_ptx(2, 3, True))
+def _constraints(planes: int) -> str:
+    return ",".join(["=r"] * (2 * planes) + ["r"])
+
+
+_PLANES_8, _PLANES_4, _PLANES_2 = (tl.constexpr(planes_ptx(b)) for b in (8, 4, 2))
+_PAIRS_8, _PAIRS_4, _PAIRS_2 = (tl.constexpr(planes_ptx(b, True)) for b in (8, 4, 2))
+_OUT_8, _OUT_4, _OUT_2 = (tl.constexpr(_constraints(8 // b)) for b in (8, 4, 2))  # two output registers a plane
 
 
 @triton.jit
-def pair_codes(chunk, p: tl.constexpr, BITS: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Plane p of uint16 byte pairs [N, E] (bytes 2e, 2e + 1 of a row's chunk) as two dot operands [N, E]: the
-    codes of the low bytes (even dims) and of the high bytes (odd dims), biased as decode_attention._operand's."""
+def _masked_planes(x, BITS: tl.constexpr):
+    """The fp32 (interpreter) form of planes_ptx: plane p of integer codes x as c * 2^(p * BITS), no bias."""
+    if BITS == 8:
+        return (x.to(tl.float32),)
+    elif BITS == 4:
+        return (x & 0x0F).to(tl.float32), (x & 0xF0).to(tl.float32)
+    else:
+        return (x & 0x03).to(tl.float32), (x & 0x0C).to(tl.float32), (x & 0x30).to(tl.float32), (x & 0xC0).to(tl.float32)
+
+
+@triton.jit
+def plane_codes(chunk, BITS: tl.constexpr, DOT_FP32: tl.constexpr, PURE: tl.constexpr):
+    """Every plane of packed bytes [N, C] (uint8) as a dot operand [N, C], biased as planes_ptx says (fp32 and
+    unbiased with DOT_FP32): a tuple of 8 // BITS. PURE lets the compiler schedule the unpacking freely, also
+    after the shared-memory transpose that feeds a value dot (which then reads single bytes); not pure keeps it
+    before (ldmatrix.trans on fp16 pairs)."""
+    if DOT_FP32:
+        return _masked_planes(chunk.to(tl.int32), BITS)
+    elif BITS == 8:
+        return (tl.inline_asm_elementwise(_PLANES_8, _OUT_8, [chunk], dtype=tl.float16, is_pure=PURE, pack=4),)
+    elif BITS == 4:
+        return tl.inline_asm_elementwise(_PLANES_4, _OUT_4, [chunk], dtype=(tl.float16,) * 2, is_pure=PURE,
+                                         pack=4)
+    else:
+        return tl.inline_asm_elementwise(_PLANES_2, _OUT_2, [chunk], dtype=(tl.float16,) * 4, is_pure=PURE,
+                                         pack=4)
+
+
+@triton.jit
+def pair_planes(chunk, BITS: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Every plane of uint16 byte pairs [N, E] (bytes 2e, 2e + 1 of a row's chunk) as two dot operands [N, E]:
+    the codes of the low bytes (even dims) and of the high bytes (odd dims). A tuple (even 0, odd 0, even 1,
+    odd 1, ...) of 2 * (8 // BITS), biased as planes_ptx says (fp32 and unbiased with DOT_FP32)."""
     if DOT_FP32:
         x = chunk.to(tl.int32)
-        m: tl.constexpr = ((1 << BITS) - 1) << (p * BITS)
-        return (x & m).to(tl.float32), ((x >> 8) & m).to(tl.float32)
-    else:
+        lo = _masked_planes(x & 0xFF, BITS)
+        hi = _masked_planes(x >> 8, BITS)
         if BITS == 8:
-            asm: tl.constexpr = _PAIRS_8_0
+            return lo[0], hi[0]
         elif BITS == 4:
-            asm: tl.constexpr = _PAIRS_4_0 if p == 0 else _PAIRS_4_1
+            return lo[0], hi[0], lo[1], hi[1]
         else:
-            asm: tl.constexpr = _PAIRS_2_0 if p == 0 else (_PAIRS_2_1 if p == 1 else (_PAIRS_2_2 if p == 2 else
-                                                                                       _PAIRS_2_3))
-        return tl.inline_asm_elementwise(asm, "=r,=r,r", [chunk], dtype=(tl.float16, tl.float16), is_pure=True,
+            return lo[0], hi[0], lo[1], hi[1], lo[2], hi[2], lo[3], hi[3]
+    elif BITS == 8:
+        return tl.inline_asm_elementwise(_PAIRS_8, _OUT_8, [chunk], dtype=(tl.float16,) * 2, is_pure=True,
+                                         pack=2)
+    elif BITS == 4:
+        return tl.inline_asm_elementwise(_PAIRS_4, _OUT_4, [chunk], dtype=(tl.float16,) * 4, is_pure=True,
+                                         pack=2)
+    else:
+        return tl.inline_asm_elementwise(_PAIRS_2, _OUT_2, [chunk], dtype=(tl.float16,) * 8, is_pure=True,
                                          pack=2)
 
 
