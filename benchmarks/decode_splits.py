@@ -27,6 +27,7 @@ from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, 
 
 from kernels.decode_attention import choose_num_splits, launch_config, paged_decode_attention  # noqa: E402
 from kernels.page_layout import page_bytes_for  # noqa: E402
+from kernels.score_update import BLOCK_N as SCORE_BLOCK_N  # noqa: E402
 from kernels.score_update import accumulate_scores_ref, accumulate_scores_triton, choose_score_splits  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def parse_args(argv=None):
 
 def score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, lse, B, S, dev, cuda) -> dict:
     """Score-update time per split count (kernels/score_update.py) on the logits the decode call just wrote."""
-    block_n = 64
+    block_n = SCORE_BLOCK_N
     auto = choose_score_splits(B, args.hkv, S, dev, block_n)
     times = {}
     for splits in sorted(set(args.score_splits) | {auto}):

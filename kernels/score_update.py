@@ -21,6 +21,11 @@ MAX_SPLITS = 64
 # batch x KV heads >= SMs before, left ~1.5 programs per SM and made this update 10-16 us per layer at
 # SmolLM2's shape (benchmarks/decode_splits.py --score-splits sweeps it).
 TARGET_PROGRAMS_PER_SM = 16
+# Tokens per loop iteration. Each iteration waits on its page ids, then on its score words, so the tile is what
+# keeps loads in flight: 512-token tiles made the update 2.3x faster than 64 at the 8B shape after a mix decode
+# call (H100, CUDA-graph us, .carry/gpu/score_bench.py: B=64 S=4096 45.9 -> 20.1, 2.5 TB/s on the logits and
+# score bytes; B=8 7.4 -> 4.2; B=128 80.5 -> 43.9); 256 gave 24.6 at B=64, 8 warps or one stage no better.
+BLOCK_N = 512
 
 
 def choose_score_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
@@ -116,7 +121,7 @@ def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, lay
 
 
 def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
-                             fmt_low=None, len_low=None, num_splits=None, block_n=64):
+                             fmt_low=None, len_low=None, num_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=None):
     has_low = _sections(fmt, fmt_low, lengths, len_low)
     B, Hq, NMAX = logits.shape
     Hkv = page_table.shape[2]
@@ -135,7 +140,8 @@ def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, 
         logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1),
         layer, page_table.shape[3] - 2, fmt.page_bytes // 4, fmt.score_off // 4, low.score_off // 4,
         num_splits, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low,
-        BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=4,
+        BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=num_warps,
+        **({} if num_stages is None else dict(num_stages=num_stages)),
     )
 
 
