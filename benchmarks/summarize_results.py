@@ -194,9 +194,13 @@ STEP_BREAKDOWN_NOTES = {
     "went to one-warp programs (kernels/decode_attention.launch_config): generation-step attention at batch 64 "
     "int4 5.70 -> 4.11 ms, diffkv 6.71 -> 5.53 ms (step 13.26 -> 11.74 and 15.82 -> 14.69 ms); fp16 (other "
     "kernel) 12.59 -> 12.55 ms.",
+    "step_breakdown_8b_s4096_score512_H100.json": " Session 12, the same command after the score update went to "
+    "512-token tiles (kernels/score_update.BLOCK_N): its kernel 1.21 -> 0.80 ms per generation step at batch 64 "
+    "(policy 1.41 -> 1.01 ms, step 14.69 -> 14.34 ms).",
 }
 STEP_BREAKDOWN_RUNS = ("step_breakdown_8b_async_H100.json", "step_breakdown_8b_s4096_async_H100.json",
-                       "step_breakdown_8b_s4096_one_warp_H100.json", "step_breakdown_8b_s8_H100.json", "step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
+                       "step_breakdown_8b_s4096_one_warp_H100.json", "step_breakdown_8b_s4096_score512_H100.json",
+                       "step_breakdown_8b_s8_H100.json", "step_breakdown_H200.json", "step_breakdown_smollm2_H200.json",
                        "step_breakdown_smollm2_s6_before_H200.json", "step_breakdown_smollm2_s6_after_H200.json")
 
 # (file, title, plot label, how the run was taken: Triton compiles kernel variants (per KV format and split
