@@ -41,7 +41,8 @@ LOG2E = 1.4426950408889634
 # per SM: an H100 sweep at the 8B shape (.carry/gpu/quarter_bench.py with
 # num_splits 1-32, CUDA-graph timing) had batch 8 fastest at 4 splits for every precision (256 programs on 132
 # SMs, e.g. K8V8 at S=16384 105 us vs 129 us at the old rule's 3: 192 programs leave 72 SMs with one program)
-# and batch 32 fastest unsplit (2 splits: 9-30% slower).
+# and batch 32 fastest unsplit (2 splits: 9-30% slower). The quartered kernel's one-warp programs (launch_config,
+# session 12) get four times the splits from the same target (batch 8: 16, batch 32: 4), which its sweep kept.
 TARGET_WARP_DIMS_PER_SM = 16
 MAX_SPLITS = 64
 
