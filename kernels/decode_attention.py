@@ -55,7 +55,7 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-BIAS = tl.constexpr(1024.0)  # quantized codes reach the dots as fp16 numbers 1024 + c * 2^s (see decode_tiles.planes_ptx)
+BIAS = tl.constexpr(1024.0)  # codes reach the dots as fp16 numbers 1024 + c * 2^s (see decode_tiles.planes_ptx)
 
 
 @triton.jit

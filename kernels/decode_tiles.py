@@ -20,15 +20,15 @@ def planes_ptx(bits: int, pairs: bool = False) -> str:
     bytes under 0x64, then one and per plane and output.
     pairs True (pack=2 on uint16 byte pairs, one register: bytes 0 and 2 are the low bytes): outputs $2p (low
     bytes: even dims) and $2p+1 (high bytes: odd dims) of plane p. Below 8 bits the low bytes need no move: one
-    lop3 (x & mask) | 0x64006400 each (K4V2: 911 -> 888 SASS per one-warp tile, benchmarks/decode_sass.py); at
+    lop3 (x & mask) | 0x64006400 each (K4V2: 911 -> 887 SASS per one-warp tile, benchmarks/decode_sass.py); at
     8 bits a prmt (a lop3 needs its two constants in registers there, which cost as many moves). The high bytes
     take one prmt shared by the planes, then one and per plane. (ptxas already shares a prmt that separate asm
     blocks repeat on one register, so one block for all planes changes nothing else.)"""
     n = 8 // bits
     src = f"${2 * n}"
-    lines = ["{", ".reg .b32 r_m, r_lo, r_hi, r_k, r_z;", "mov.b32 r_m, 0x64646464;", "mov.b32 r_z, 0x64006400;"]
+    lines = ["{", ".reg .b32 r_m, r_lo, r_hi, r_k, r_z;", "mov.b32 r_m, 0x64646464;"]
     if pairs:
-        lines.append(f"prmt.b32 r_hi, {src}, r_m, 0x4341;")
+        lines += ["mov.b32 r_z, 0x64006400;", f"prmt.b32 r_hi, {src}, r_m, 0x4341;"]
     else:
         lines += [f"prmt.b32 r_lo, {src}, r_m, 0x4140;", f"prmt.b32 r_hi, {src}, r_m, 0x4342;"]
     for p in range(n):
@@ -63,7 +63,8 @@ def _masked_planes(x, BITS: tl.constexpr):
     elif BITS == 4:
         return (x & 0x0F).to(tl.float32), (x & 0xF0).to(tl.float32)
     else:
-        return (x & 0x03).to(tl.float32), (x & 0x0C).to(tl.float32), (x & 0x30).to(tl.float32), (x & 0xC0).to(tl.float32)
+        return ((x & 0x03).to(tl.float32), (x & 0x0C).to(tl.float32), (x & 0x30).to(tl.float32),
+                (x & 0xC0).to(tl.float32))
 
 
 @triton.jit

@@ -121,7 +121,8 @@ def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, lay
 
 
 def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
-                             fmt_low=None, len_low=None, num_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=None):
+                             fmt_low=None, len_low=None, num_splits=None, block_n=BLOCK_N, num_warps=4,
+                             num_stages=None):
     has_low = _sections(fmt, fmt_low, lengths, len_low)
     B, Hq, NMAX = logits.shape
     Hkv = page_table.shape[2]
