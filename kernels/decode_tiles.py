@@ -68,6 +68,23 @@ def _masked_planes(x, BITS: tl.constexpr):
 
 
 @triton.jit
+def _asm_planes(chunk, BITS: tl.constexpr, PAIRS: tl.constexpr, PURE: tl.constexpr):
+    """planes_ptx(BITS, PAIRS) on the GPU: one fp16 tensor per output (two per plane with PAIRS, one without)."""
+    N: tl.constexpr = (2 if PAIRS else 1) * (8 // BITS)
+    if BITS == 8:
+        asm: tl.constexpr = _PAIRS_8 if PAIRS else _PLANES_8
+        out: tl.constexpr = _OUT_8
+    elif BITS == 4:
+        asm: tl.constexpr = _PAIRS_4 if PAIRS else _PLANES_4
+        out: tl.constexpr = _OUT_4
+    else:
+        asm: tl.constexpr = _PAIRS_2 if PAIRS else _PLANES_2
+        out: tl.constexpr = _OUT_2
+    return tl.inline_asm_elementwise(asm, out, [chunk], dtype=(tl.float16,) * N, is_pure=PURE,
+                                     pack=2 if PAIRS else 4)
+
+
+@triton.jit
 def plane_codes(chunk, BITS: tl.constexpr, DOT_FP32: tl.constexpr, PURE: tl.constexpr):
     """Every plane of packed bytes [N, C] (uint8) as a dot operand [N, C], biased as planes_ptx says (fp32 and
     unbiased with DOT_FP32): a tuple of 8 // BITS. PURE lets the compiler schedule the unpacking freely, also
@@ -75,14 +92,8 @@ def plane_codes(chunk, BITS: tl.constexpr, DOT_FP32: tl.constexpr, PURE: tl.cons
     before (ldmatrix.trans on fp16 pairs)."""
     if DOT_FP32:
         return _masked_planes(chunk.to(tl.int32), BITS)
-    elif BITS == 8:
-        return (tl.inline_asm_elementwise(_PLANES_8, _OUT_8, [chunk], dtype=tl.float16, is_pure=PURE, pack=4),)
-    elif BITS == 4:
-        return tl.inline_asm_elementwise(_PLANES_4, _OUT_4, [chunk], dtype=(tl.float16,) * 2, is_pure=PURE,
-                                         pack=4)
     else:
-        return tl.inline_asm_elementwise(_PLANES_2, _OUT_2, [chunk], dtype=(tl.float16,) * 4, is_pure=PURE,
-                                         pack=4)
+        return _asm_planes(chunk, BITS, False, PURE)
 
 
 @triton.jit
@@ -100,15 +111,8 @@ def pair_planes(chunk, BITS: tl.constexpr, DOT_FP32: tl.constexpr):
             return lo[0], hi[0], lo[1], hi[1]
         else:
             return lo[0], hi[0], lo[1], hi[1], lo[2], hi[2], lo[3], hi[3]
-    elif BITS == 8:
-        return tl.inline_asm_elementwise(_PAIRS_8, _OUT_8, [chunk], dtype=(tl.float16,) * 2, is_pure=True,
-                                         pack=2)
-    elif BITS == 4:
-        return tl.inline_asm_elementwise(_PAIRS_4, _OUT_4, [chunk], dtype=(tl.float16,) * 4, is_pure=True,
-                                         pack=2)
     else:
-        return tl.inline_asm_elementwise(_PAIRS_2, _OUT_2, [chunk], dtype=(tl.float16,) * 8, is_pure=True,
-                                         pack=2)
+        return _asm_planes(chunk, BITS, True, True)
 
 
 @triton.jit
