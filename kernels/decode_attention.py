@@ -252,7 +252,8 @@ def _attend_section(
         if VB == 16:
             pv = p_.to(tl.float32) if DOT_FP32 else p_.to(DT)
         else:
-            pv = p_ * (vs / top)[None, :]
+            rtop = 1.0 / top  # one division per tile, not one per token and row
+            pv = p_ * (vs * rtop)[None, :]
             pv = pv.to(tl.float32) if DOT_FP32 else pv.to(tl.float16)
         # Plane p's dot gives 1024 * sum(pv) + 2^s * (pv . c); with zb = -1024 * sum(pv) and zt = sum(p * zero)
         # / top, starting it from zb + 2^s * zt leaves 2^s * (pv . c + zt), which one multiply by top * 2^-s
@@ -260,12 +261,12 @@ def _attend_section(
         if RED == 1 and VB != 16:
             ls, zs, ws = tl.reduce((p_, p_ * vz[None, :], pv.to(tl.float32)), 1, _sum3)
             l_i = l_i * alpha + ls
-            zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (zs / top)[:, None]
+            zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (zs * rtop)[:, None]
             zb = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) - _bias(DOT_FP32) * ws[:, None]
         else:
             l_i = l_i * alpha + tl.sum(p_, 1)
             if VB != 16:
-                zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (tl.sum(p_ * vz[None, :], 1) / top)[:, None]
+                zt = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) + (tl.sum(p_ * vz[None, :], 1) * rtop)[:, None]
                 zb = tl.zeros([BLOCK_G, BLOCK_Q], tl.float32) - _bias(DOT_FP32) * tl.sum(pv.to(tl.float32), 1)[:, None]
         for c in tl.static_range(VC):
             if V_EARLY:
@@ -535,7 +536,14 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     choose_num_splits' (1 / 4 / 16 at B = 128 / 32 / 8) won only K4V2 at B=32 S=16384 (16 splits: -8%). The
     transposed value dot (head dims as the mma's rows, the query group as its 8 columns: half the value mmas)
     compiled to more instructions (975 vs 916 for K4V2), the value codes going to shared memory unpacked; not
-    kept. q8 with one warp: within 3% either way; kept at 4."""
+    kept. q8 with one warp: within 3% either way; kept at 4.
+    Session 13 (H100, CUDA-graph; benchmarks/results/decode_variants_session13_H100.json): split counts that are
+    not powers of two (B=8: 20-28, B=32: 5-7) were 5-40% slower, 2x the splits no faster, a 168-register cap for
+    mix (12 programs per SM instead of 8) no faster, 5 or 7 stages for K8V4 / mix / K16V16+K4V2 within 3% or
+    slower; value accumulators kept in plane units with rescaling only when needed (812 SASS per K4V2 tile on the
+    common path instead of 887) 0-6% faster but 15% off at 16k tokens (the 1024 code bias left in the mma
+    accumulator, whose fp32 sums truncate); two scalar page-table reads per tile instead of a division and a
+    gather per token: more instructions (pipelined copies of the scalars). Not kept."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
