@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from engine.memory import worst_case_growth, worst_case_pages
+from engine.slots import SequenceSlots
 
 
 class DistributedPages:
@@ -46,7 +47,7 @@ class DistributedPages:
         self._low = [[0] * S for _ in infos]
         self._growth = [[0] * S for _ in infos]  # MemoryManager.decode_growth per slot, as last reported
         self.mm_seconds = [0.0] * self.world_size
-        self._free_slots = list(range(S - 1, -1, -1))  # MemoryManager's order: pop from the end
+        self._slots = SequenceSlots(S)  # MemoryManager's order
         self._pending: list[int] = []
         self._rank_heads = [i["heads_per_seq"] for i in infos]
         self.prefix_block_tokens = first["prefix_block_tokens"]
@@ -95,13 +96,11 @@ class DistributedPages:
         return out
 
     def alloc_slot(self) -> int:
-        if not self._free_slots:
-            raise RuntimeError("no free sequence slot: the scheduler admitted more than max_seqs")
-        return self._free_slots.pop()
+        return self._slots.alloc()
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return len(self._slots)
 
     def free(self, slots: list[int]) -> None:
         for slot in slots:
@@ -109,7 +108,7 @@ class DistributedPages:
                 self._free[r] += self._held[r][slot]
                 self._held[r][slot] = self._high[r][slot] = self._low[r][slot] = 0
         self._pending.extend(slots)
-        self._free_slots.extend(slots)
+        self._slots.release(slots)
 
     # ---- the executor's side ---------------------------------------------------------------------------
     def take_pending(self) -> list[int]:
@@ -119,7 +118,7 @@ class DistributedPages:
 
     def release_unsent(self, slot: int) -> None:
         """A slot the ranks already freed themselves (a temporary one): only the driver's list takes it back."""
-        self._free_slots.append(slot)
+        self._slots.release([slot])
 
     def update(self, rank: int, slots: list[int], free_pages: int, held: list[int], high: list[int],
                low: list[int], mm_seconds: Optional[float] = None, growth: Optional[list[int]] = None) -> None:
@@ -156,5 +155,5 @@ class DistributedPages:
         actual = self._check(live_slots, refcounts)
         assert actual == self._free, f"driver's free pages per rank {self._free} != ranks' {actual}"
         if live_slots is not None:
-            busy = set(range(len(self._held[0]))) - set(self._free_slots)
+            busy = self._slots.in_use()
             assert busy == set(live_slots), f"driver's slots in use {sorted(busy)} != live {sorted(live_slots)}"

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from engine.host_copy import to_device
+from engine.slots import SequenceSlots
 from kernels.decode_pages import PageState
 from kernels.page_alloc import grow_pages
 from kernels.page_layout import PageFormat, page_bytes_for
@@ -103,7 +104,7 @@ class MemoryManager:
         self.page_table = torch.full((S + 1, L, H, P + 1), -1, dtype=torch.int32, device=dev)
         zeros = lambda: torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)  # noqa: E731
         self.held_high, self.held_low, self.len_high, self.len_low = zeros(), zeros(), zeros(), zeros()
-        self._free_slots = list(range(S - 1, -1, -1))
+        self._slots = SequenceSlots(S)
         self._cols = torch.arange(P, device=dev, dtype=torch.int32)
         self._init_prefix_blocks()
 
@@ -219,13 +220,11 @@ class MemoryManager:
 
     # ---- slots (host side, O(requests)) --------------------------------------------------------------
     def alloc_slot(self) -> int:
-        if not self._free_slots:
-            raise RuntimeError("no free sequence slot: the scheduler admitted more than max_seqs")
-        return self._free_slots.pop()
+        return self._slots.alloc()
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return len(self._slots)
 
     # ---- batched allocation ------------------------------------------------------------------------
     def grow(self, slots: torch.Tensor, need_high: torch.Tensor, need_low: torch.Tensor, max_new_pages: int,
@@ -368,7 +367,7 @@ class MemoryManager:
         self.page_table[s] = -1
         for t in (self.held_high, self.held_low, self.len_high, self.len_low):
             t[s] = 0
-        self._free_slots.extend(slots)
+        self._slots.release(slots)
 
     # ---- prefix-cache blocks (engine.prefix_cache decides; every rank applies the same block ids) -------
     def _init_prefix_blocks(self) -> None:
@@ -505,5 +504,5 @@ class MemoryManager:
         if self.fmt_low is not None:
             assert bool((self.len_low <= self.held_low * self.fmt_low.tokens).all()), "low section overflows"
         if live_slots is not None:
-            busy = set(range(self.shape.max_seqs)) - set(self._free_slots)
+            busy = self._slots.in_use()
             assert busy == set(live_slots), f"slots in use {sorted(busy)} != live sequences {sorted(live_slots)}"
