@@ -543,7 +543,12 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     slower; value accumulators kept in plane units with rescaling only when needed (812 SASS per K4V2 tile on the
     common path instead of 887) 0-6% faster but 15% off at 16k tokens (the 1024 code bias left in the mma
     accumulator, whose fp32 sums truncate); two scalar page-table reads per tile instead of a division and a
-    gather per token: more instructions (pipelined copies of the scalars). Not kept."""
+    gather per token: more instructions (pipelined copies of the scalars); value codes read as uint16 pairs of
+    tokens (the page layout session 11 tried at 4 warps, prototyped on the read side: two dots per plane, no
+    byte-wide shared loads; SASS per tile K8V4 943 -> 841, mix 992 -> 831) within 2% for K8V4 / mix and 3-15%
+    slower for K4V2 / K4V4. Not kept: at this point fewer instructions per tile no longer buy time (ncu, K4V2
+    B=32 S=16384: 57% of issue slots busy, most stalls fixed-latency dependency waits at ~2 warps per scheduler,
+    and more warps per scheduler from more splits gained <= 3%)."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
