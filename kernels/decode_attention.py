@@ -548,14 +548,23 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     byte-wide shared loads; SASS per tile K8V4 943 -> 841, mix 992 -> 831) within 2% for K8V4 / mix and 3-15%
     slower for K4V2 / K4V4. Not kept: at this point fewer instructions per tile no longer buy time (ncu, K4V2
     B=32 S=16384: 57% of issue slots busy, most stalls fixed-latency dependency waits at ~2 warps per scheduler,
-    and more warps per scheduler from more splits gained <= 3%)."""
+    and more warps per scheduler from more splits gained <= 3%). One-warp programs with 64-token tiles and 5
+    stages (1659 SASS per tile, 25.9 per token against 27.3; 180 registers) are faster where the high section
+    has 2-bit values and keys of 4 bits or fewer, so launch_config takes them there: two H100 runs, us at
+    B=128 S=4096 / B=32 S=16384 / B=128 S=16384 / B=8 S=16384 / B=32 S=4096 / B=8 S=4096, 32- -> 64-token
+    tiles: K4V2 214.9 -> 205.0, 213.1 -> 204.4, 830 -> 805, 61.0 -> 59.2, 61.0 -> 60.2, 20.0 -> 20.5 (first run:
+    209.5 -> 203.1, 212.6 -> 200.9 at the first two); K2V2 204.7 -> 183.7, 208.1 -> 187.7, 809 -> 711,
+    57.7 -> 52.7, 59.9 -> 55.3, 19.7 -> 19.1. K4V4 mixed (-2 to +3%), K8V4 and mix 2-30% slower (any of 2, 3,
+    5 stages), 7 stages slower everywhere, 128-token tiles spill."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
     if kernel == "q8":
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
-        return LaunchConfig(32, 1, 5 if fmt.key_bits <= 4 else 3, pure_k=True, pure_v=True, red=1, key_pairs=True)
+        narrow_keys = fmt.key_bits <= 4
+        block_n = 64 if narrow_keys and fmt.value_bits == 2 else 32  # session 13: 64-token tiles for K4V2 / K2V2
+        return LaunchConfig(block_n, 1, 5 if narrow_keys else 3, pure_k=True, pure_v=True, red=1, key_pairs=True)
     return LaunchConfig(128, 2, 1, v_early=True)
 
 

@@ -265,10 +265,12 @@ def test_decode_quantized_sections(spec, Hq, Hkv, num_splits):
 
 @pytest.mark.parametrize("spec,D,block_n,num_splits", [("K8V4+K4V2", 64, 16, None), ("K8V4+K4V2", 64, 32, 5),
                                                        ("K4V2", 128, 16, None), ("K16V16+K8V4", 64, None, 4),
-                                                       ("K8V4+K4V2", 32, 32, None), ("K16V16+K4V2", 32, 16, 3)])
+                                                       ("K8V4+K4V2", 32, 32, None), ("K16V16+K4V2", 32, 16, 3),
+                                                       ("K2V2", 128, None, 2)])
 def test_decode_quantized_long_multi_split(spec, D, block_n, num_splits):
-    """Long sections split many ways (several tiles per split), GQA 4, one head_dim 128 case; head_dim 32 pads
-    each quarter of the head dimension to the dot's minimum width of 16."""
+    """Long sections split many ways (several tiles per split), GQA 4, two head_dim 128 cases (one in
+    launch_config's own tiles: 64 tokens for 2-bit values); head_dim 32 pads each quarter of the head dimension
+    to the dot's minimum width of 16."""
     assert choose_num_splits(2, 2, 600, torch.device(DEVICE), 16) > 1
     lens_hi = [[300, 57], [45, 290]]
     lens_lo = [[250, 260], [0, 131]] if "+" in spec else None
