@@ -3,7 +3,7 @@
 Triton's wheel bundles ptxas and cuobjdump, so the kernels can be compiled for the GPU without one: this script
 calls kernels/decode_attention.py's launcher on small CPU tensors with Triton's launch intercepted, compiles
 each kernel it would have launched the way Triton's runtime does (same argument specialization), and counts
-the instructions of the kernel's main loop (its longest backward branch): per 128-token tile and per token
+the instructions of the kernel's main loop (its longest backward branch): per tile and per token
 (x warps / tile), by opcode. Register moves (IMAD.MOV / MOV), tensor-core mmas (HMMA) and shared-memory loads
 are what session 10's profiles pointed at. Use it to compare kernel variants before spending GPU time; times
 still need the GPU (benchmarks/attention.py).
@@ -104,16 +104,19 @@ def analyze(prec: str, args, min_rows: int | None) -> dict:
     cfg = da.launch_config(fh, fl)
     if min_rows is not None:
         cfg = cfg._replace(min_rows=min_rows)
+    max_len = args.max_len or S
+    splits = da.choose_num_splits(args.batch, Hkv, max_len, torch.device("cpu"), cfg.block_n, cfg.num_warps, D)
+    block_n = da.tile_tokens(cfg, max_len, splits)  # what the launcher picks (CPU sizes grids like an H100)
     compiled = compile_launches(lambda: da.paged_decode_attention_triton(
-        q, pool, fh, torch.float16, pt, lens, slots, 0, D ** -0.5, max_len=args.max_len or S, fmt_low=fl,
-        len_low=ll, config=cfg))
+        q, pool, fh, torch.float16, pt, lens, slots, 0, D ** -0.5, max_len=max_len, fmt_low=fl,
+        len_low=ll, config=cfg, block_n=block_n))
     name, ck = compiled[0]  # the attention kernel (a split merge kernel may follow)
     ins, regs = sass_of(ck.asm["cubin"])
     loop = main_loop(ins)
     ops = collections.Counter(opcode(t) for t in loop)
     warps = ck.metadata.num_warps
-    per_token = len(loop) * warps / cfg.block_n
-    return dict(precision=prec, kernel=name, min_rows=cfg.min_rows, block_n=cfg.block_n, num_warps=warps,
+    per_token = len(loop) * warps / block_n
+    return dict(precision=prec, kernel=name, min_rows=cfg.min_rows, block_n=block_n, num_warps=warps,
                 num_stages=cfg.num_stages, registers=regs, shared_bytes=ck.metadata.shared,
                 sass_total=len(ins), loop=len(loop), loop_per_token=per_token, hmma=ops.get("HMMA.16816.F32", 0),
                 moves=sum(ops.get(m, 0) for m in MOVES), opcodes=dict(ops.most_common()))

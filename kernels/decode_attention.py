@@ -438,6 +438,12 @@ class LaunchConfig(NamedTuple):
     min_rows: int = 8  # the query group's tile has max(min_rows, next_pow2(group)) rows (see launch_config)
     key_pairs: bool = False  # quartered kernel: quantized keys as uint16 byte pairs against a zero-padded q
     # (head_dim >= 128; see _attend_section)
+    wide_block_n: int | None = None  # tokens per tile where a split covers WIDE_SPLIT_TOKENS or more (tile_tokens)
+
+
+# A split this long keeps a one-warp program in 64-token tiles through its pipeline (5 stages of copies in flight)
+# with tiles to spare; a shorter one (batch 8 at 4096 tokens: 16 splits of 256) ran 7% slower in them.
+WIDE_SPLIT_TOKENS = 1024
 
 
 KERNELS = ("f16", "q8", "quartered")
@@ -550,8 +556,9 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     B=32 S=16384: 57% of issue slots busy, most stalls fixed-latency dependency waits at ~2 warps per scheduler,
     and more warps per scheduler from more splits gained <= 3%). One-warp programs with 64-token tiles and 5
     stages (1659 SASS per tile, 25.9 per token against 27.3; 180 registers) are faster where the high section
-    has 2-bit values and keys of 4 bits or fewer, so launch_config takes them there: two H100 runs, us at
-    B=128 S=4096 / B=32 S=16384 / B=128 S=16384 / B=8 S=16384 / B=32 S=4096 / B=8 S=4096, 32- -> 64-token
+    has 2-bit values and keys of 4 bits or fewer and a split covers >= WIDE_SPLIT_TOKENS tokens, so
+    launch_config gives them there (wide_block_n; the split count comes first, from 32-token tiles). Two H100
+    runs, us at B=128 S=4096 / B=32 S=16384 / B=128 S=16384 / B=8 S=16384 / B=32 S=4096 / B=8 S=4096, 32- -> 64-token
     tiles: K4V2 214.9 -> 205.0, 213.1 -> 204.4, 830 -> 805, 61.0 -> 59.2, 61.0 -> 60.2, 20.0 -> 20.5 (first run:
     209.5 -> 203.1, 212.6 -> 200.9 at the first two); K2V2 204.7 -> 183.7, 208.1 -> 187.7, 809 -> 711,
     57.7 -> 52.7, 59.9 -> 55.3, 19.7 -> 19.1. K4V4 mixed (-2 to +3%), K8V4 and mix 2-30% slower (any of 2, 3,
@@ -563,9 +570,18 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
         narrow_keys = fmt.key_bits <= 4
-        block_n = 64 if narrow_keys and fmt.value_bits == 2 else 32  # session 13: 64-token tiles for K4V2 / K2V2
-        return LaunchConfig(block_n, 1, 5 if narrow_keys else 3, pure_k=True, pure_v=True, red=1, key_pairs=True)
+        wide = 64 if narrow_keys and fmt.value_bits == 2 else None  # session 13: long splits of K4V2 / K2V2
+        return LaunchConfig(32, 1, 5 if narrow_keys else 3, pure_k=True, pure_v=True, red=1, key_pairs=True,
+                            wide_block_n=wide)
     return LaunchConfig(128, 2, 1, v_early=True)
+
+
+def tile_tokens(cfg: LaunchConfig, max_len: int, num_splits: int) -> int:
+    """Tokens per tile: cfg.wide_block_n where each split may cover WIDE_SPLIT_TOKENS or more (max_len is a bound
+    on a head's tokens), else cfg.block_n."""
+    if cfg.wide_block_n and max_len >= WIDE_SPLIT_TOKENS * num_splits:
+        return cfg.wide_block_n
+    return cfg.block_n
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int,
@@ -733,12 +749,12 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         low_note = " with a low section" if has_low else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}")
     cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
-    block_n = block_n or cfg.block_n
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, max_len, q.device, block_n, warps, D)
+        num_splits = choose_num_splits(B, Hkv, max_len, q.device, block_n or cfg.block_n, warps, D)
+    block_n = block_n or tile_tokens(cfg, max_len, num_splits)
     group = Hq // Hkv
     BLOCK_D = max(16, next_pow2(D))
     if num_splits > 1:

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from kernels.decode_attention import (choose_num_splits, launch_config, paged_decode_attention,
-                                     paged_decode_attention_triton)
+from kernels.decode_attention import (WIDE_SPLIT_TOKENS, choose_num_splits, launch_config, paged_decode_attention,
+                                     paged_decode_attention_triton, tile_tokens)
 from kernels.page_layout import PageFormat, page_bytes_for
 from kernels.quant import dequantize_ref
 
@@ -269,14 +269,27 @@ def test_decode_quantized_sections(spec, Hq, Hkv, num_splits):
                                                        ("K2V2", 128, None, 2)])
 def test_decode_quantized_long_multi_split(spec, D, block_n, num_splits):
     """Long sections split many ways (several tiles per split), GQA 4, two head_dim 128 cases (one in
-    launch_config's own tiles: 64 tokens for 2-bit values); head_dim 32 pads each quarter of the head dimension
-    to the dot's minimum width of 16."""
+    launch_config's own tiles); head_dim 32 pads each quarter of the head dimension to the dot's minimum width
+    of 16."""
     assert choose_num_splits(2, 2, 600, torch.device(DEVICE), 16) > 1
     lens_hi = [[300, 57], [45, 290]]
     lens_lo = [[250, 260], [0, 131]] if "+" in spec else None
     for dtype in DTYPES:
         _run_sections(spec, dtype, 8, 2, D, lens_hi, lens_lo, [1, 0], num_splits, layer=1, seed=D + len(spec),
                       block_n=block_n)
+
+
+def test_decode_wide_tiles():
+    """2-bit values with keys of <= 4 bits take 64-token tiles where a split may cover WIDE_SPLIT_TOKENS tokens
+    (tile_tokens), 32 elsewhere; such a launch (max_len 4096 over 2 splits) equals the references."""
+    isz = torch.empty((), dtype=DTYPES[0]).element_size()
+    for spec, wide in (("K4V2", 64), ("K2V2", 64), ("K4V4", 32), ("K8V4", 32)):
+        cfg = launch_config(formats(spec, 128, isz)[0], None)
+        assert tile_tokens(cfg, 16 * WIDE_SPLIT_TOKENS, 16) == wide and tile_tokens(cfg, 4096, 1) == wide
+        assert tile_tokens(cfg, 4096, 16) == 32  # batch 8's 16 splits of 256 tokens
+    for dtype in DTYPES:
+        _run_sections("K2V2", dtype, 8, 2, 128, [[300, 57], [45, 290]], None, [1, 0], 2, layer=1, seed=7,
+                      max_len=2 * WIDE_SPLIT_TOKENS)
 
 
 @pytest.mark.parametrize("red", [0, 1])
