@@ -31,12 +31,13 @@ def decode_section(name: str) -> list[str]:
 
 
 ATTENTION_NOTES = {
-    "attention_H100.json": "_Session 10: the decode kernels pad the GQA group of 4 to 8 rows instead of 16 "
-    "(kernels/decode_attention.py launch_config). Against session 9's run of this command (CUDA-graph us): K8V4 "
-    "B=128 S=4096 353.7 -> 330.0, K4V2 265.6 -> 226.6, mix 350 -> 311; B=32 S=16384 K8V4 366.1 -> 329.9, K4V2 "
-    "294.8 -> 253.1, mix 374.8 -> 328.6. K4V2, mix and the smallest batch stay short of 70%: ncu puts the "
-    "quantized kernel at 60-64% of its issue slots (register moves that build the 8-row dot operands are 17% of "
-    "its instructions), not at the memory bound._",
+    "attention_H100.json": "_Session 13 (kernels/decode_attention.py launch_config and tile_tokens: one-warp "
+    "programs for the quartered kernel since session 12, 64-token tiles for K4V2 where a split covers >= 1024 "
+    "tokens since session 13). Against session 12's run of this command (CUDA-graph us): K4V2 B=32 S=16384 "
+    "219.8 -> 204.4, B=128 S=4096 209.7 -> 202.3, B=128 S=16384 874.7 -> 788.1 (now 71-74% of 3.0 TB/s); the "
+    "other precisions within 1%. What stays short of 70% is batch 8 (every kernel, torch SDPA too, pays a fixed "
+    "~7 us per call, which caps reads of 27-70 MB below 70%) and K4V2 / mix at batch 32 with 4096 tokens (61 / "
+    "67%). Variants tried this session: benchmarks/results/decode_variants_session13_H100.json._",
 }
 
 
