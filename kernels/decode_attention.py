@@ -562,7 +562,9 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     tiles: K4V2 214.9 -> 205.0, 213.1 -> 204.4, 830 -> 805, 61.0 -> 59.2, 61.0 -> 60.2, 20.0 -> 20.5 (first run:
     209.5 -> 203.1, 212.6 -> 200.9 at the first two); K2V2 204.7 -> 183.7, 208.1 -> 187.7, 809 -> 711,
     57.7 -> 52.7, 59.9 -> 55.3, 19.7 -> 19.1. K4V4 mixed (-2 to +3%), K8V4 and mix 2-30% slower (any of 2, 3,
-    5 stages), 7 stages slower everywhere, 128-token tiles spill."""
+    5 stages), 7 stages slower everywhere, 128-token tiles spill. The split merge kernel by programmatic
+    dependent launch (griddepcontrol): within 1% with the trigger before the stores, up to 13% slower with it at
+    the start; not kept."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
