@@ -198,7 +198,8 @@ def _attend_section(
         row = t % T
         s = s0
         if V_EARLY:  # value loads issued before the key math, so they are in flight during it
-            w0 = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, 0, VB, D, BLOCK_N, BLOCK_Q)
+            w0 = _load_chunk(pool_c, pool_u8, page, row, tmask, page_elems, page_bytes, v_off, 0, VB, D, BLOCK_N,
+                             BLOCK_Q)
             w1 = w0
             w2 = w0
             w3 = w0
