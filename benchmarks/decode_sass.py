@@ -43,7 +43,8 @@ MOVES = ("IMAD.MOV.U32", "MOV")
 
 
 def compile_launches(call) -> list:
-    """Runs call() with every Triton launch replaced by a compile for TARGET; returns [(kernel name, compiled)]."""
+    """Runs call() with every Triton launch replaced by a compile for TARGET; returns [(kernel name, compiled,
+    the launch's keyword arguments: its constexprs)]."""
     backend = make_backend(TARGET)
     compiled = []
 
@@ -52,7 +53,7 @@ def compile_launches(call) -> list:
         bound, spec, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, options)
         compiled.append((self.fn.__name__, triton_compile(ASTSource(self, signature, constexprs, attrs),
-                                                          target=TARGET, options=options.__dict__)))
+                                                          target=TARGET, options=options.__dict__), kwargs))
 
     saved_run, saved_fp32 = JITFunction.run, da.dot_in_fp32
     JITFunction.run, da.dot_in_fp32 = run, lambda *t: False  # the GPU's fp16 dots, not the interpreter's fp32
@@ -104,13 +105,11 @@ def analyze(prec: str, args, min_rows: int | None) -> dict:
     cfg = da.launch_config(fh, fl)
     if min_rows is not None:
         cfg = cfg._replace(min_rows=min_rows)
-    max_len = args.max_len or S
-    splits = da.choose_num_splits(args.batch, Hkv, max_len, torch.device("cpu"), cfg.block_n, cfg.num_warps, D)
-    block_n = da.tile_tokens(cfg, max_len, splits)  # what the launcher picks (CPU sizes grids like an H100)
     compiled = compile_launches(lambda: da.paged_decode_attention_triton(
-        q, pool, fh, torch.float16, pt, lens, slots, 0, D ** -0.5, max_len=max_len, fmt_low=fl,
-        len_low=ll, config=cfg, block_n=block_n))
-    name, ck = compiled[0]  # the attention kernel (a split merge kernel may follow)
+        q, pool, fh, torch.float16, pt, lens, slots, 0, D ** -0.5, max_len=args.max_len or S, fmt_low=fl,
+        len_low=ll, config=cfg))
+    name, ck, launch = compiled[0]  # the attention kernel (a split merge kernel may follow)
+    block_n = launch["BLOCK_N"]  # the tiles the launcher picked (da.tile_tokens)
     ins, regs = sass_of(ck.asm["cubin"])
     loop = main_loop(ins)
     ops = collections.Counter(opcode(t) for t in loop)
