@@ -35,9 +35,10 @@ ATTENTION_NOTES = {
     "programs for the quartered kernel since session 12, 64-token tiles for K4V2 where a split covers >= 1024 "
     "tokens since session 13). Against session 12's run of this command (CUDA-graph us): K4V2 B=32 S=16384 "
     "219.8 -> 204.4, B=128 S=4096 209.7 -> 202.3, B=128 S=16384 874.7 -> 788.1 (now 71-74% of 3.0 TB/s); the "
-    "other precisions within 2%. What stays short of 70% is batch 8 (every kernel, torch SDPA too, pays a fixed "
-    "~7 us per call, which caps reads of 27-70 MB below 70%) and K4V2 / mix at batch 32 with 4096 tokens (61 / "
-    "67%). Variants tried this session: benchmarks/results/decode_variants_session13_H100.json._",
+    "other precisions within 2%. Short of 70%: batch 8 at 4096 tokens (every kernel pays a fixed ~7 us per call, "
+    "torch SDPA too, which keeps K4V2's 27 MB and mix's 40 MB below 70% even if streamed at peak; K8V8 69%, K8V4 "
+    "59%), K4V2 / mix at batch 8 with 16384 tokens (63 / 68%) and at batch 32 with 4096 (61 / 67%). Variants "
+    "tried this session: benchmarks/results/decode_variants_session13_H100.json._",
 }
 
 
