@@ -65,6 +65,13 @@ class CacheConfig(BaseModel):
     layer_alpha_scale: Optional[list[float]] = Field(
         None, description="policy=thresholds: per-layer multipliers of both alphas (one per layer, > 0)")
 
+    # Key centering (engine.key_centering): a static per-(layer, KV head) vector subtracted from post-RoPE keys,
+    # exact under softmax, so quantized keys spend their range on information instead of a constant offset.
+    key_centering: Literal["auto", "calibrated", "bias", "off"] = Field(
+        "auto", description="subtract a per-(layer, KV head) key mean before quantizing: 'calibrated' (the model's "
+                            "settings file), 'bias' (the rotated k_proj bias, no calibration), 'off', or 'auto' "
+                            "(calibrated, else bias, else off; off for the fp16 cache)")
+
     @model_validator(mode="after")
     def _check(self) -> "CacheConfig":
         parse_precision(self.high, "high")

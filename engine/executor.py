@@ -69,9 +69,13 @@ class LocalExecutor(Executor):
         if ckpt.weights is None and not ckpt.name.startswith("random:"):
             raise ValueError(f"checkpoint {ckpt.name!r} was loaded without weights (with_weights=False); "
                              "the local executor needs them")
-        self.runner = ModelRunner(config, ckpt.arch, ckpt.weights, max_model_len)
+        self.runner = ModelRunner(config, ckpt.arch, ckpt.weights, max_model_len, model_name=ckpt.name)
         self.mm = self.runner.mm
         self.async_steps = self.runner.async_steps
+
+    @property
+    def key_centering(self) -> dict:
+        return self.runner.key_centering
 
     def execute(self, batch: Batch) -> tuple[list[int], Optional[list[float]]]:
         return self.runner.execute(batch)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +57,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, D], positions [N]. Like the reference, the rotation runs in x's dtype."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [N, heads, D], positions [N] -> rotated x, minus `shift` [heads, D] if given (key centering,
+        engine.key_centering). Like the reference, the rotation runs in x's dtype; the shift rides on the
+        multiply-adds (addcmul), so it costs no extra kernel."""
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
-        return x * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat((sin, sin), -1)
+        cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        base = x * cos2 if shift is None else torch.addcmul(-shift, x, cos2)
+        return torch.addcmul(base, torch.cat((-x2, x1), -1), sin2)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

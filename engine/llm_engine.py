@@ -301,6 +301,7 @@ class LLMEngine:
         bytes_fp16 = cached * self._fp16_token_bytes()
         return {
             "kv_mode": self.config.cache.kv_mode,
+            "key_centering": self.executor.key_centering,
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

@@ -41,6 +41,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, arch.hidden_size, bias=False)
         self.head_dim = D
+        # Key centering (engine.key_centering): [Hq + Hk, D] subtracted after RoPE (zeros for queries), or None.
+        self.register_buffer("qk_shift", None, persistent=False)
+        self.key_observer = None  # calibration: called with (layer, keys) on eager forwards
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
@@ -52,8 +55,10 @@ class DecoderLayer(nn.Module):
         v = qkv[:, (Hq + Hk) * D:].view(N, Hk, D)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :Hq]), self.k_norm(qk[:, Hq:])], 1)
-        qk = rope(qk, positions)  # q and k rotate together: one set of kernels
+        qk = rope(qk, positions, self.qk_shift)  # q and k rotate together: one set of kernels
         q, k = qk[:, :Hq], qk[:, Hq:]
+        if self.key_observer is not None:
+            self.key_observer(self, k)
         o = attn(self.idx, q, k, v).reshape(N, self.num_heads * D)
         h = h + self.pc.all_reduce(self.o_proj(o))
         x = self.post_attention_layernorm(h)

@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from engine import key_centering
 from engine.attention import PagedAttention, StepMetadata
 from engine.config import EngineConfig
 from engine.host_copy import to_device
@@ -15,6 +16,7 @@ from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
 from engine.memory import CacheShape, MemoryManager
 from engine.model import CausalLM
 from engine.model_config import ModelArch
+from engine.model_settings import load_model_settings
 from engine.parallel import SINGLE, ParallelContext
 from engine.profiling import cost_range, costed
 from engine.sampler import sample
@@ -62,7 +64,7 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, weights: dict | None, max_model_len: int,
-                 pc: ParallelContext = SINGLE):
+                 pc: ParallelContext = SINGLE, model_name: Optional[str] = None):
         self.config = config
         self.arch = arch
         self.device = resolve_device(config.device)
@@ -81,6 +83,7 @@ class ModelRunner:
         else:
             model.load_weights(weights)
         self.model = model.eval()
+        self.key_centering = self._center_keys(model_name, pc)
         shape = CacheShape(arch.num_layers, pc.num_kv_heads(arch), arch.head_dim,
                            config.scheduler.max_num_seqs, max_model_len, config.cache.block_size)
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
@@ -115,6 +118,26 @@ class ModelRunner:
                                        self.token_table)
         log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.kv_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
+
+    def _center_keys(self, model_name: Optional[str], pc: ParallelContext) -> dict:
+        """Install the key centering the config resolves to (engine.key_centering); what stats() reports."""
+        settings = load_model_settings(model_name) if model_name else None
+        mode = key_centering.resolve_mode(self.config.cache, self.arch, settings)
+        centers = None
+        if mode == "calibrated":
+            full = key_centering.check_centers(settings[key_centering.SETTINGS_KEY], self.arch)
+            centers = key_centering.rank_centers(full, pc.kv_heads(self.arch))
+        elif mode == "bias":
+            centers = key_centering.bias_centers(self.model)
+        key_centering.install(self.model, centers)
+        return key_centering.describe(mode, centers)
+
+    def use_key_centers(self, centers: torch.Tensor) -> None:
+        """Center keys on `centers` [L, Hk, D] (single rank) from now on: calibration measures centers and
+        sweeps with them before any settings file holds them. Call before the first request."""
+        centers = key_centering.check_centers(centers.tolist(), self.arch)
+        key_centering.install(self.model, centers)
+        self.key_centering = key_centering.describe("calibrated", centers)
 
     def _num_pages(self, shape: CacheShape) -> int:
         cc = self.config.cache

@@ -85,6 +85,7 @@ class RayExecutor(Executor):
                                  f"{ckpt.name!r}: pass the checkpoint's path as EngineConfig.model")
         self.devices = [info["gpu"] if info["gpu"] != "cpu" else info["device"] for info in infos]
         self.dtype = infos[0]["dtype"]
+        self.key_centering = infos[0]["key_centering"]  # every rank resolves the same mode
         self.mm = DistributedPages(infos, self._check_ranks)
         self.learned = infos[0]["two_sided"] and config.scheduler.admission == "learned"  # ModelRunner.learned
         log.info("%d tensor-parallel rank(s) on %s; pages per rank %s", n, self.devices, self.mm.pages_total)

@@ -126,13 +126,14 @@ class Worker:
                                     world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT, **kw)
         ckpt = load_checkpoint(self.config.model, lazy=True)  # HF folders: one tensor in host memory at a time
         pc = ParallelContext(self.rank, self.world_size)
-        self.runner = ModelRunner(self.config, ckpt.arch, ckpt.weights, max_model_len, pc)
+        self.runner = ModelRunner(self.config, ckpt.arch, ckpt.weights, max_model_len, pc, model_name=ckpt.name)
         del ckpt
         if self.world_size > 1:  # every rank is ready; NCCL builds its communicator here, not in a graph capture
             pc.all_reduce(torch.zeros(1, device=self.device))
         mm = self.runner.mm
         return {"rank": self.rank, "arch": self.runner.arch.model_dump(mode="json"), **mm.page_rules(),
                 "device": str(self.device), "dtype": str(self.runner.dtype),
+                "key_centering": self.runner.key_centering,
                 "gpu": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
 
     # ---- per step ----------------------------------------------------------------------------------

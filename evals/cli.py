@@ -23,7 +23,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     from evals.configs import baseline_configs
 
-    p.add_argument("--config", default=None, choices=[c.name for c in baseline_configs()] + ["diffkv"],
+    p.add_argument("--config", default=None, choices=[c.name for c in baseline_configs(True)] + ["diffkv"],
                    help="a named configuration of docs/ACCURACY.md (else --kv-mode and the DiffKV options)")
     p.add_argument("--kv-mode", default="diffkv", choices=["fp16", "int8", "int4", "diffkv"])
     p.add_argument("--alpha-high", type=float, default=None, help="diffkv (default: the model's calibrated value)")
@@ -56,7 +56,7 @@ def _kv_config(args):
         extra = {k: v for k, v in (("high", args.high), ("low", args.low)) if v is not None}
         return KVConfig(kvc.name, kvc.label, kvc.family, {**kvc.cache, **extra})
     if args.config is not None:
-        return next(c for c in baseline_configs() if c.name == args.config)
+        return next(c for c in baseline_configs(True) if c.name == args.config)
     return KVConfig(args.kv_mode, args.kv_mode, "fp16" if args.kv_mode == "fp16" else "uniform",
                     {"kv_mode": args.kv_mode})
 
@@ -147,7 +147,14 @@ def cmd_calibrate(args) -> int:
     settings_dir = args.settings_dir or SETTINGS_DIR
     result = load_model_settings(model.name, settings_dir) if args.per_layer else None
     if result is None:
+        from engine import key_centering
+        from evals.key_center import center_summary, measure_key_centers
+
+        # Keys are centered on what the calibration sequences measure, for the sweep and in the settings file.
+        model.key_center = measure_key_centers(model, [p + r for p, r in zip(prompts, refs)])
         result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
+        result.update({key_centering.SETTINGS_KEY: key_centering.to_settings(model.key_center),
+                       "key_center_calibration": center_summary(model.key_center)})
     if args.per_layer:
         from evals.calibrate import calibrate_layers
 

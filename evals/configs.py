@@ -60,12 +60,20 @@ def prune_config(budget: float, name: str) -> KVConfig:
                      "low": "K16V16"})
 
 
-def baseline_configs() -> list[KVConfig]:
-    """Every configuration that does not depend on DiffKV's calibrated thresholds or measured memory."""
+def baseline_configs(attention_bias: bool = False) -> list[KVConfig]:
+    """Every configuration that does not depend on DiffKV's calibrated thresholds or measured memory. Quantized
+    ones center keys as the engine does by default (measured centers in a study); k4v4_raw turns centering off,
+    and, for a model with a k_proj bias, k4v4_bias centers on the rotated bias (no calibration)."""
+    centering = [KVConfig("k4v4_raw", "uniform K4V4, keys not centered", "uniform",
+                          {"kv_mode": "int4", "key_centering": "off"})]
+    if attention_bias:
+        centering.append(KVConfig("k4v4_bias", "uniform K4V4, keys centered on the bias", "uniform",
+                                  {"kv_mode": "int4", "key_centering": "bias"}))
     return [
         KVConfig("fp16", "fp16", "fp16", {"kv_mode": "fp16"}),
         KVConfig("k8v8", "uniform K8V8", "uniform", {"kv_mode": "int8"}),
         KVConfig("k4v4", "uniform K4V4", "uniform", {"kv_mode": "int4"}),
+        *centering,
         _uniform("k8v4", "K8V4"),
         _uniform("k4v8", "K4V8", "mirror"),
         _uniform("k4v2", "K4V2"),

@@ -32,6 +32,9 @@ class EvalModel:
         self.head_dim = self.ckpt.arch.head_dim
         self.device, self.max_model_len, self.seed = device, max_model_len, seed
         self.max_num_seqs, self.kv_cache_memory_gb = max_num_seqs, kv_cache_memory_gb
+        # Measured key centers (evals.key_center) that engines of quantized modes use instead of the settings
+        # file's, unless a configuration names its own key_centering: calibration sweeps with them.
+        self.key_center: Optional[torch.Tensor] = None
 
     def chat_ids(self, text: str) -> list[int]:
         tok = self.tokenizer
@@ -51,6 +54,9 @@ class EvalModel:
                            max_graph_batch_size=self.max_num_seqs, cache=cache,
                            scheduler={"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": 16384})
         eng = LLMEngine(cfg, checkpoint=self.ckpt)
+        if (self.key_center is not None and cache.get("key_centering", "auto") in ("auto", "calibrated")
+                and cache.get("kv_mode", "fp16") != "fp16"):
+            eng.runner.use_key_centers(self.key_center)
         try:
             yield eng
         finally:

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from engine import key_centering
 from evals.calibrate import calibrate, measured_points, write_settings
 from evals.configs import baseline_configs, diffkv_config, prune_config
 from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
 from evals.harness import DEFAULT_MAX_TOKENS, evaluate_config
+from evals.key_center import center_summary, measure_key_centers
 from evals.memory import fp16_token_bytes, token_bytes
 from evals.problems import TASKS, load_problems
 from evals.runner import EvalModel
@@ -160,11 +162,20 @@ def main(argv: list[str] | None = None) -> int:
                  "low": settings.get("low"),
                  "calibration": {"from_settings_file": True, **settings.get("calibration", {})}}
     else:
+        # Key centers first (evals.key_center): the sweep and every quantized configuration use them.
+        kc_path = out / "key_center.json"
+        if args.resume and kc_path.is_file():
+            model.key_center = torch.tensor(json.loads(kc_path.read_text())["key_center"])
+        else:
+            model.key_center = measure_key_centers(model, [p + r for p, r in zip(cal, refs["calib"])])
+            _dump(kc_path, {"key_center": key_centering.to_settings(model.key_center)})
         cal_path = out / "calibration.json"
         # --resume re-picks from the recorded sweep points and measures only the missing ones.
         previous = measured_points(json.loads(cal_path.read_text())) if args.resume and cal_path.is_file() else None
         calib = calibrate(model, cal, refs["calib"], calib_problems, max_tokens, tolerance=args.tolerance,
                           measured=previous)
+        calib.update({key_centering.SETTINGS_KEY: key_centering.to_settings(model.key_center),
+                      "key_center_calibration": center_summary(model.key_center)})
         _dump(cal_path, calib)
         if args.write_settings:
             print(f"wrote {write_settings(calib)}")
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run(baseline_configs()[0])
     run(diffkv_config(calib["alpha_high"], calib["alpha_low"], low=calib.get("low")))
-    for kvc in baseline_configs()[1:]:
+    for kvc in baseline_configs(model.ckpt.arch.attention_bias)[1:]:
         run(kvc)
     if "diffkv" in results:
         # Equal-budget pruning at DiffKV's own memory: keep the share of 16-bit tokens that costs as much.
