@@ -203,6 +203,26 @@ def model_section(summary: dict, per_layer: list[dict] = ()) -> list[str]:
     return out
 
 
+def variants_section(fp16: dict, variants: list[dict]) -> list[str]:
+    """DiffKV precision / threshold variants measured on the study's references and problems
+    (scripts/device/diffkv_variants.py), each paired with the study's fp16 run."""
+    from evals.fidelity import compare_to_fp16
+    from evals.stats import paired_diff
+
+    out = ["### DiffKV variants (centered keys; same references and problems as above)", "",
+           "| configuration | KV memory (tasks) | top-1 agreement | NLL increase [95% CI] | gsm_symbolic | "
+           "difference vs fp16 [95% CI] | high / low / pruned |", "|---|---|---|---|---|---|---|"]
+    for v in sorted(variants, key=lambda v: v["tasks"]["gsm_symbolic"]["memory_fraction"]):
+        f, t, b = v["fidelity"], v["tasks"]["gsm_symbolic"], fp16["tasks"]["gsm_symbolic"]
+        c = compare_to_fp16(f, fp16["fidelity"])
+        d = paired_diff(b["correct"], t["correct"])
+        out.append(f"| {v['label']} | {_pct(t['memory_fraction'])} | {f['top1_agreement']:.4f} | "
+                   f"{c['nll_increase']:+.4f} {_ci(*c['nll_increase_ci'])} | {_pct(t['accuracy'])} (n={t['n']}) | "
+                   f"{100 * d['mean']:+.1f} pts {_ci(100 * d['ci_low'], 100 * d['ci_high'], fmt='{:+.1f}')} | "
+                   f"{_fractions(t['token_fractions'])} |")
+    return out + [""]
+
+
 def plot(summaries: list[dict], path: Path) -> bool:
     try:
         import matplotlib
@@ -272,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
              "the pruning budget never goes below that window.", ""]
     if PLOT.exists() or summaries:
         lines += [f"![accuracy vs memory]({args.plot.name})", ""]
-    for s, pl in zip(summaries, per_layer):
+    for p, s, pl in zip(paths, summaries, per_layer):
         lines += model_section(s, pl)
+        variants = [json.loads(q.read_text()) for q in sorted(p.parent.glob("variants/*.json"))]
+        if variants:
+            lines += variants_section(json.loads((p.parent / "configs" / "fp16.json").read_text()), variants)
     done = {s["model"] for s in summaries}
     for name, cmd in PENDING.items():
         if name not in done:

@@ -6,6 +6,9 @@ A file `<model id>.json` holds {"model": <checkpoint name>, "alpha_high": .., "a
 the high one: low precision off, tokens are kept high or pruned, for models that 4-bit keys break); the
 model id is the loaded checkpoint's name, lower-cased. `diffkv calibrate
 --per-layer` adds "layer_alpha_scale" (one multiplier of both alphas per layer) and "layer_budget" (how).
+"key_center" ([layers][kv_heads][head_dim], the mean post-RoPE key that calibration measured) is what
+engine.key_centering subtracts from keys before quantizing them; "default_choice", when present, records why the
+shipped thresholds / precisions differ from the calibration's pick.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ if [ ! -f /tmp/site/.done ]; then
     && touch /tmp/site/.done || exit 3
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -m evals.study --model qwen2.5-coder-1.5b --device cuda --out /tmp/qout --resume "$@" 2>&1 \
+timeout "${STUDY_LIMIT:-540}" python3 -m evals.study --model qwen2.5-coder-1.5b --device cuda --out /tmp/qout --resume "$@" 2>&1 \
   | grep -v "it/s\]\|tok/s\]\|s/it\]\|s/tok\]" | tee -a /tmp/qout.log
 rc=${PIPESTATUS[0]}
 cp /tmp/qout.log "$OUT/study.log"
