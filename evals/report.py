@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
              "keys-over-values claim); KIVI-like keeps the 64 most recent tokens at 16 bits and everything older at "
              "K2V2 (per-token quantization in our pages, unlike KIVI's per-channel keys); prune = equal per-head "
              "budget (H2O/SnapKV-style static sparsity) at 16 bits, at 50% and at DiffKV's measured memory.",
+             "- **Key centering**: every quantized configuration subtracts a per-(layer, KV head) mean of the "
+             "post-RoPE keys before quantizing them (`engine/key_centering.py`; exact under softmax), measured on the "
+             "calibration sequences; `k4v4_raw` turns it off, `k4v4_bias` centers on the rotated k_proj bias instead "
+             "(no calibration).",
              "- High / low / pruned: shares of (token, layer, KV head) entries at the end of each request. Short "
              "requests (the arithmetic tasks) keep relatively more: the 64 most recent tokens always stay high, and "
              "the pruning budget never goes below that window.", ""]
