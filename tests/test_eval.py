@@ -76,8 +76,9 @@ def test_problem_splits_are_disjoint_and_answered():
 # ---- configurations ----------------------------------------------------------------------------------------
 def test_every_configuration_is_a_valid_cache_config():
     names = [c.name for c in baseline_configs()]
-    assert names == ["fp16", "k8v8", "k4v4", "k8v4", "k4v8", "k4v2", "k2v4", "kivi2", "prune50"]
-    for c in baseline_configs() + [diffkv_config(2.0, 0.04), prune_config(0.27, "prune_eq")]:
+    assert names == ["fp16", "k8v8", "k4v4", "k4v4_raw", "k8v4", "k4v8", "k4v2", "k2v4", "kivi2", "prune50"]
+    assert [c.name for c in baseline_configs(attention_bias=True)][3:5] == ["k4v4_raw", "k4v4_bias"]
+    for c in baseline_configs(True) + [diffkv_config(2.0, 0.04), prune_config(0.27, "prune_eq")]:
         c.cache_config()
     with pytest.raises(ValueError):
         prune_config(0.0, "x")
