@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -93,6 +93,23 @@ class CacheConfig(BaseModel):
         if self.kv_mode == "diffkv":
             return parse_precision(self.high, "high"), parse_precision(self.low, "low")
         return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4)}[self.kv_mode], None
+
+    def describe(self) -> dict[str, Any]:
+        """What decides how tokens are stored and dropped, resolved ('auto' prefix caching included), as JSON
+        for logs and APIs; the diffkv fields only in diffkv mode, the thresholds only under policy thresholds.
+        Pool sizing is left out: it says how many tokens fit, not how each is kept."""
+        high, low = self.precisions()
+        out: dict[str, Any] = {"kv_mode": self.kv_mode, "high": f"K{high[0]}V{high[1]}",
+                               "low": f"K{low[0]}V{low[1]}" if low else None,
+                               "prefix_caching": self.prefix_caching()}
+        if self.kv_mode == "diffkv":
+            out.update(policy=self.policy, window=self.window)
+            if self.policy == "thresholds":
+                out.update(alpha_high=self.alpha_high, alpha_low=self.alpha_low,
+                           layer_alpha_scale=self.layer_alpha_scale)
+            else:
+                out["budget"] = self.budget
+        return out
 
 
 class SchedulerConfig(BaseModel):

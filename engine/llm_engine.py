@@ -272,6 +272,14 @@ class LLMEngine:
                 "bytes_fp16": seq.num_cached * self._fp16_token_bytes(), "tokens": seq.num_cached,
                 "tokens_high": hi, "tokens_low": lo, "tokens_pruned": seq.num_cached * heads - hi - lo}
 
+    @property
+    def cache_dtype(self) -> str:
+        """dtype of the cache's unquantized values (fp16 mode, 16-bit sections): the model's, float32 on CPU
+        and bfloat16 on CUDA unless EngineConfig.dtype says otherwise."""
+        runner = getattr(self.executor, "runner", None)
+        dtype = runner.dtype if runner is not None else self.executor.dtype  # Ray ranks report theirs
+        return str(dtype).removeprefix("torch.")
+
     def _heads_per_seq(self) -> int:
         """(layer, KV head) pairs of one sequence over all ranks."""
         return self.arch.num_layers * self.arch.num_kv_heads

@@ -376,7 +376,7 @@ class OpenAIIngress:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(self) -> ModelList:
         info = await self._model_info()
-        return ModelList(data=[ModelCard(id=info["model"], created=now_s())])
+        return ModelList(data=[ModelCard(id=info["model"], created=now_s(), diffkv=info.get("kv_cache"))])
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest):

@@ -28,15 +28,20 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _build_engine(args):
+def _engine_config(args):
+    """The flags' EngineConfig; thresholds left out stay unset, for the engine to take the model's."""
     from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
 
     cache = {"kv_mode": args.kv_mode}
     cache.update({k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None})
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                       cache=cache)
-    return LLMEngine(cfg)
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        cache=cache)
+
+
+def _build_engine(args):
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(_engine_config(args))
 
 
 def _sampling(args):

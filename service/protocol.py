@@ -225,11 +225,31 @@ class Completion(BaseModel):
     usage: Optional[Usage] = None
 
 
+class KVCacheCard(BaseModel):
+    """The KV cache the served model runs with, as its engine resolved it (the model's calibrated thresholds
+    and precisions from its settings file where the server's configuration left them unset)."""
+
+    kv_mode: str
+    cache_dtype: str = Field(description="dtype of unquantized cache values (float32 on CPU, bfloat16 on CUDA)")
+    high: str = Field(description="precision of (significant) tokens, K<bits>V<bits>")
+    low: Optional[str] = Field(None, description="diffkv: precision of moderately significant tokens")
+    prefix_caching: bool
+    policy: Optional[str] = Field(None, description="diffkv: thresholds | budget")
+    window: Optional[int] = Field(None, description="diffkv: most recent tokens always kept high")
+    alpha_high: Optional[float] = Field(None, description="diffkv thresholds: kept high if significance >= "
+                                                          "alpha_high / position")
+    alpha_low: Optional[float] = Field(None, description="diffkv thresholds: kept low if significance >= "
+                                                         "alpha_low / position")
+    layer_alpha_scale: Optional[list[float]] = Field(None, description="diffkv thresholds: per-layer multipliers")
+    budget: Optional[float] = Field(None, description="diffkv budget: fraction of tokens each KV head keeps")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffkv-serve"
+    diffkv: Optional[KVCacheCard] = Field(None, description="DiffKV extension: the KV cache this model runs with")
 
 
 class ModelList(BaseModel):
