@@ -1,14 +1,20 @@
-"""What a server runs with: the effective cache configuration is the same under Serve (build_app -> engine
-replica), `diffkv generate`, `diffkv eval` and the Python API; /v1/models shows it."""
+"""What a server runs with, and its API's edges: the effective cache configuration is the same under Serve
+(build_app -> engine replica), `diffkv generate`, `diffkv eval` and the Python API; /v1/models shows it;
+kv_compression on a server that would ignore it is a 400; every error body follows OpenAI's error object."""
+import json
+import math
+
 import httpx
+import pydantic
 import pytest
 
 from engine import CacheConfig, EngineConfig
 from engine.model_settings import apply_model_settings, load_model_settings
+from service.api import APIError, _check_kv_compression
 from service.app import build_app
 from service.cli import _engine_config, build_parser
 from service.config import ServiceConfig
-from service.protocol import ModelCard
+from service.protocol import ErrorResponse, KVCompression, ModelCard
 
 SMOLLM = "SmolLM2-135M-Instruct-Q4_1"  # the embedded model; it ships a settings file
 
@@ -99,6 +105,39 @@ def test_model_card_carries_the_effective_cache():
     assert budget["budget"] == 0.25 and "alpha_high" not in budget
 
 
+# ---- API edges ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1.0, 2e6])
+def test_kv_compression_alpha_must_be_a_finite_number(value):
+    with pytest.raises(pydantic.ValidationError) as e:
+        KVCompression(alpha_high=value)
+    assert "a finite number >= 0" in str(e.value)
+    assert KVCompression(alpha_high=0.0, alpha_low=0.0).alpha_high == 0.0
+
+
+@pytest.mark.parametrize("cache,mode", [({"kv_mode": "fp16"}, "'fp16'"), ({"kv_mode": "int4"}, "'int4'"),
+                                        ({"kv_mode": "diffkv", "policy": "budget"}, "policy 'budget'")])
+def test_kv_compression_on_a_server_that_would_ignore_it_is_refused(cache, mode):
+    info = {"kv_mode": cache["kv_mode"], "kv_cache": CacheConfig(**cache).describe()}
+    with pytest.raises(APIError) as e:
+        _check_kv_compression(info)
+    assert (e.value.status, e.value.param, e.value.type) == (400, "kv_compression", "invalid_request_error")
+    assert mode in e.value.message
+    _check_kv_compression({"kv_mode": "diffkv", "kv_cache": CacheConfig(kv_mode="diffkv").describe()})
+
+
+def test_error_bodies_follow_openai_error_object():
+    for err in [APIError(400, "bad", "invalid_request_error", "temperature"),
+                APIError(400, "no such model", "invalid_request_error", "model", "model_not_found"),
+                APIError(429, "busy", "rate_limit_error", None, "queue_delay", retry_after=3),
+                APIError(503, "restarting", "service_unavailable", retry_after=5)]:
+        body = json.loads(err.response().body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["code"] is None or isinstance(body["error"]["code"], str), body
+        ErrorResponse.model_validate(body)
+    with pytest.raises(pydantic.ValidationError):  # the status is never the code
+        ErrorResponse.model_validate({"error": {"message": "m", "type": "t", "code": 400}})
+
+
 # ---- a server that is not diffkv, over HTTP ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp16_service(cluster):
@@ -109,10 +148,14 @@ def fp16_service(cluster):
         yield s
 
 
-def test_fp16_server_card(fp16_service):
+def test_fp16_server_card_and_kv_compression(fp16_service):
     base, model = fp16_service["base"], fp16_service["model"]
     card = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]
     assert card["diffkv"]["kv_mode"] == "fp16" and card["diffkv"]["cache_dtype"] == "float32"
     assert card["diffkv"]["prefix_caching"] is True
     body = {"model": model, "prompt": "hi", "max_tokens": 2}
     assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+    r = httpx.post(base + "/v1/completions", json={**body, "kv_compression": {"alpha_high": 0.5}}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "kv_compression" and "'fp16'" in err["message"] and err["code"] is None
