@@ -38,7 +38,9 @@ def parse_settings(spec: str, keys: dict[str, type], what: str = "spec") -> tupl
 
 class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kv_mode: KVMode = Field("fp16", description="fp16 (16-bit cache), int8 (K8V8), int4 (K4V4) or diffkv")
+    kv_mode: KVMode = Field("fp16", description="fp16 (uncompressed, in the model's dtype: bfloat16 on CUDA, "
+                                                "float32 on CPU unless dtype says otherwise), int8 (K8V8), "
+                                                "int4 (K4V4) or diffkv")
     block_size: int = Field(16, ge=1, description="tokens of a full-precision page; page bytes follow from it")
     num_pages: Optional[int] = Field(None, ge=1, description="fixed pool size; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: Optional[float] = Field(

@@ -131,11 +131,12 @@ def cmd_generate(args) -> int:
         return 2
     if args.json:
         kv = out.kv_usage or {}
+        counts = ("bytes_used", "bytes_fp16", "bytes_uncompressed", "pages_used", "pages_shared", "tokens_high",
+                  "tokens_low", "tokens_pruned")
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "prompt_tokens": len(out.prompt_token_ids),
-                          "kv": {**{k: kv.get(k, 0) for k in ("bytes_used", "bytes_fp16", "pages_used", "tokens_high",
-                                                              "tokens_low", "tokens_pruned")},
-                                 "pages_total": engine.mm.num_pages,
+                          "kv": {"kv_mode": engine.config.cache.kv_mode, "cache_dtype": engine.cache_dtype,
+                                 **{k: kv.get(k, 0) for k in counts}, "pages_total": engine.mm.num_pages,
                                  "mm_seconds": engine.runner.kv.mm_seconds()}}))
     else:
         print()

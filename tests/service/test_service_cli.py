@@ -1,4 +1,7 @@
-"""`diffkv serve`: configuration from a file plus flags, and a real start / serve / Ctrl-C / clean exit."""
+"""The command line and its packaging: `diffkv serve` (configuration from a file plus flags, and a real start /
+serve / Ctrl-C / clean exit), --version, defaults in --help, CPU threads, generate --json's KV bytes, and the
+extras, LICENSE and install script the README relies on."""
+import json
 import os
 import re
 import signal
@@ -216,3 +219,22 @@ def test_cpu_threads_default_and_flag(monkeypatch):
         torch.set_num_threads(before)
     for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["calibrate"]):
         assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
+
+
+def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys):
+    """fp16 mode on CPU stores float32 values: --json says so, and its pages (own + the prefix-cache pages the
+    request reads) match its tokens uncompressed in that dtype, up to page rounding."""
+    import torch
+
+    from service.cli import main
+
+    argv = ["generate", "--prompt", "Explain KV caches in one sentence.", "--max-tokens", "24", "--ignore-eos",
+            "--json", "--device", "cpu", "--kv-mode", "fp16", "--threads", str(torch.get_num_threads())]
+    assert main(argv) == 0
+    kv = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kv"]
+    assert (kv["kv_mode"], kv["cache_dtype"]) == ("fp16", "float32")
+    assert kv["bytes_uncompressed"] == 2 * kv["bytes_fp16"]  # 4-byte values against the 16-bit reference
+    assert kv["pages_shared"] > 0  # the prompt's full blocks went to the prefix cache
+    page_bytes = kv["bytes_used"] // kv["pages_used"]
+    held = (kv["pages_used"] + kv["pages_shared"]) * page_bytes
+    assert kv["bytes_uncompressed"] <= held < 1.5 * kv["bytes_uncompressed"]
