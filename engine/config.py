@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,7 +38,9 @@ def parse_settings(spec: str, keys: dict[str, type], what: str = "spec") -> tupl
 
 class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kv_mode: KVMode = Field("fp16", description="fp16 (16-bit cache), int8 (K8V8), int4 (K4V4) or diffkv")
+    kv_mode: KVMode = Field("fp16", description="fp16 (uncompressed, in the model's dtype: bfloat16 on CUDA, "
+                                                "float32 on CPU unless dtype says otherwise), int8 (K8V8), "
+                                                "int4 (K4V4) or diffkv")
     block_size: int = Field(16, ge=1, description="tokens of a full-precision page; page bytes follow from it")
     num_pages: Optional[int] = Field(None, ge=1, description="fixed pool size; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: Optional[float] = Field(
@@ -100,6 +102,23 @@ class CacheConfig(BaseModel):
         if self.kv_mode == "diffkv":
             return parse_precision(self.high, "high"), parse_precision(self.low, "low")
         return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4)}[self.kv_mode], None
+
+    def describe(self) -> dict[str, Any]:
+        """What decides how tokens are stored and dropped, resolved ('auto' prefix caching included), as JSON
+        for logs and APIs; the diffkv fields only in diffkv mode, the thresholds only under policy thresholds.
+        Pool sizing is left out: it says how many tokens fit, not how each is kept."""
+        high, low = self.precisions()
+        out: dict[str, Any] = {"kv_mode": self.kv_mode, "high": f"K{high[0]}V{high[1]}",
+                               "low": f"K{low[0]}V{low[1]}" if low else None,
+                               "prefix_caching": self.prefix_caching()}
+        if self.kv_mode == "diffkv":
+            out.update(policy=self.policy, window=self.window)
+            if self.policy == "thresholds":
+                out.update(alpha_high=self.alpha_high, alpha_low=self.alpha_low,
+                           layer_alpha_scale=self.layer_alpha_scale)
+            else:
+                out["budget"] = self.budget
+        return out
 
 
 class SchedulerConfig(BaseModel):

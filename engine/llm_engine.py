@@ -265,20 +265,39 @@ class LLMEngine:
         return RequestOutput.snapshot(seq, n_before, text, start, visible)
 
     def kv_usage(self, seq: Sequence) -> dict[str, int]:
-        """KV memory one running sequence holds now (one device read)."""
+        """KV memory one running sequence holds now (one device read). pages_used / bytes_used: the pages it
+        owns; pages_shared: prefix-cache pages it reads without owning them (not in pages_used). bytes_fp16:
+        its tokens in a 16-bit cache; bytes_uncompressed: in an uncompressed cache of cache_dtype (what fp16
+        mode really takes: twice bytes_fp16 on CPU, where the cache is float32)."""
         pages, hi, lo = self.executor.slot_usage(seq.slot)  # summed over ranks
         heads = self._heads_per_seq()
-        return {"pages_used": pages, "bytes_used": pages * self.mm.page_bytes,
-                "bytes_fp16": seq.num_cached * self._fp16_token_bytes(), "tokens": seq.num_cached,
-                "tokens_high": hi, "tokens_low": lo, "tokens_pruned": seq.num_cached * heads - hi - lo}
+        shared = 0 if self.mm.copies_prefix else len(seq.prefix_refs) * heads  # a block: one page per head
+        return {"pages_used": pages, "bytes_used": pages * self.mm.page_bytes, "pages_shared": shared,
+                "bytes_fp16": seq.num_cached * self._fp16_token_bytes(),
+                "bytes_uncompressed": seq.num_cached * self._fp16_token_bytes(self.cache_itemsize),
+                "tokens": seq.num_cached, "tokens_high": hi, "tokens_low": lo,
+                "tokens_pruned": seq.num_cached * heads - hi - lo}
+
+    @property
+    def cache_dtype(self) -> str:
+        """dtype of the cache's unquantized values (fp16 mode, 16-bit sections): the model's, float32 on CPU
+        and bfloat16 on CUDA unless EngineConfig.dtype says otherwise."""
+        runner = getattr(self.executor, "runner", None)
+        dtype = runner.dtype if runner is not None else self.executor.dtype  # Ray ranks report theirs
+        return str(dtype).removeprefix("torch.")
+
+    @property
+    def cache_itemsize(self) -> int:
+        return getattr(torch, self.cache_dtype).itemsize
 
     def _heads_per_seq(self) -> int:
         """(layer, KV head) pairs of one sequence over all ranks."""
         return self.arch.num_layers * self.arch.num_kv_heads
 
-    def _fp16_token_bytes(self) -> int:
-        """What one token costs in an fp16 cache across all layers and KV heads (K and V)."""
-        return 2 * 2 * self.arch.head_dim * self._heads_per_seq()
+    def _fp16_token_bytes(self, itemsize: int = 2) -> int:
+        """What one token costs in an uncompressed cache across all layers and KV heads (K and V), 16-bit unless
+        `itemsize` says otherwise."""
+        return 2 * itemsize * self.arch.head_dim * self._heads_per_seq()
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Next-token logits [V] after a prompt, through the same cache and kernels as serving (tests, eval)."""
@@ -302,6 +321,7 @@ class LLMEngine:
         return {
             "kv_mode": self.config.cache.kv_mode,
             "key_centering": self.executor.key_centering,
+            "cache_dtype": self.cache_dtype,
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

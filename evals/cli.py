@@ -16,7 +16,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="batch size of the engine")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads of torch (1 is fastest on a busy host)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)")
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -40,12 +41,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def _threads(args) -> None:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError("--threads must be >= 1")
-        import torch
+    from engine.threads import set_threads
 
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, args.device)
 
 
 def _kv_config(args):

@@ -38,16 +38,21 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 429, 500, 503)}
 
 
 class APIError(Exception):
+    """An HTTP error with OpenAI's error body. `code` is a string or None, as OpenAI's (the status is the
+    response's, not the body's)."""
+
     def __init__(self, status: int, message: str, type_: str, param: Optional[str] = None,
-                 code: Any = None, retry_after: Optional[int] = None):
+                 code: Optional[str] = None, retry_after: Optional[int] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry_after = retry_after
 
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code or self.status),
-                            status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def _endpoint(path: str) -> str:
@@ -101,6 +106,18 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # 
     return APIError(500, f"internal error: {exc!r}", "internal_error").response()
 
 
+def _check_kv_compression(info: dict) -> None:
+    """Per-request thresholds need a diffkv cache that classifies by thresholds; anywhere else they would be
+    ignored, so the request is refused rather than served as if they applied."""
+    cache = info.get("kv_cache") or {"kv_mode": info["kv_mode"]}
+    if cache["kv_mode"] != "diffkv":
+        raise APIError(400, f"kv_compression sets DiffKV thresholds, but this server's KV cache is kv_mode "
+                            f"'{cache['kv_mode']}'; send it to a server started with kv_mode diffkv",
+                       "invalid_request_error", "kv_compression")
+    if cache.get("policy", "thresholds") != "thresholds":
+        raise APIError(400, f"kv_compression sets DiffKV thresholds, but this server's diffkv cache keeps tokens "
+                            f"by policy '{cache['policy']}', not by thresholds", "invalid_request_error",
+                       "kv_compression")
 
 
 def _count_rejection(request: Request, reason: str) -> None:
@@ -198,7 +215,7 @@ class _Stream:
                     last = item
                     yield _sse(render("delta", text=item["text"], finish_reason=item["finish_reason"], **kw))
             except APIError as e:  # headers are sent: report the failure in the stream, as OpenAI does
-                yield _sse(error_body(e.message, e.type, e.param, e.status))
+                yield _sse(e.body())
                 return
             if include_usage:
                 usage = Usage.of(last["prompt_tokens"], last["completion_tokens"])
@@ -301,6 +318,8 @@ class OpenAIIngress:
             if body.model != info["model"]:
                 raise APIError(400, f"The model '{body.model}' does not exist; this server serves "
                                     f"'{info['model']}'", "invalid_request_error", "model", "model_not_found")
+            if body.kv_compression is not None:
+                _check_kv_compression(info)
             max_tokens, param = body.requested_max_tokens()
             if max_tokens is not None and max_tokens >= info["max_model_len"]:
                 raise APIError(400, f"{param}={max_tokens} does not fit this model's context of "
@@ -376,7 +395,7 @@ class OpenAIIngress:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(self) -> ModelList:
         info = await self._model_info()
-        return ModelList(data=[ModelCard(id=info["model"], created=now_s())])
+        return ModelList(data=[ModelCard(id=info["model"], created=now_s(), diffkv=info.get("kv_cache"))])
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest):

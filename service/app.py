@@ -73,7 +73,7 @@ def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
 def build_app(args: ServiceConfig) -> Application:
     """`args`: a ServiceConfig, or a dict of its fields (validated here)."""
     cfg = args if isinstance(args, ServiceConfig) else ServiceConfig.model_validate(args or {})
-    payload = cfg.model_dump(mode="json")
+    payload = cfg.deployment_args()  # the set fields only: the replica's engine fills the model's settings
     engine = serve.deployment(EngineReplica).options(**engine_deployment_options(cfg)).bind(payload)
     return OpenAIIngress.options(
         name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress_replicas,

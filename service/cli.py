@@ -3,19 +3,64 @@ eval / calibrate (accuracy, evals/), on the embedded model by default."""
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import sys
 from typing import Optional
 
 
+PACKAGE = "diffkv-serve"
+THREADS_HELP = "torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, also for options without help text; options whose default is
+    None or off say nothing (their help says what None means)."""
+
+    _NO_HELP = "\0"  # stands in for a missing help text: argparse prints no help line for an empty one
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        d = action.default
+        return bool(action.option_strings) and not (d is None or d is False or d == [] or d is argparse.SUPPRESS)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = self._NO_HELP
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").replace(self._NO_HELP, "")
+        if "%(default)" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version(PACKAGE)
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded SmolLM2)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-mode", default="fp16", choices=["fp16", "int8", "int4", "diffkv"])
-    p.add_argument("--alpha-high", type=float, default=None, help="diffkv: high-precision threshold")
-    p.add_argument("--alpha-low", type=float, default=None, help="diffkv: low-precision threshold")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and unquantized cache values; auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kv-mode", default="fp16", choices=["fp16", "int8", "int4", "diffkv"],
+                   help="fp16: uncompressed, in --dtype")
+    p.add_argument("--alpha-high", type=float, default=None,
+                   help="diffkv: high-precision threshold (default: the model's calibrated value)")
+    p.add_argument("--alpha-low", type=float, default=None,
+                   help="diffkv: low-precision threshold (default: the model's calibrated value)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -28,15 +73,22 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _build_engine(args):
+def _engine_config(args):
+    """The flags' EngineConfig; thresholds left out stay unset, for the engine to take the model's."""
     from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
 
     cache = {"kv_mode": args.kv_mode}
     cache.update({k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None})
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                       cache=cache)
-    return LLMEngine(cfg)
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        cache=cache)
+
+
+def _build_engine(args):
+    from engine.llm_engine import LLMEngine
+    from engine.threads import set_threads
+
+    set_threads(args.threads, args.device)
+    return LLMEngine(_engine_config(args))
 
 
 def _sampling(args):
@@ -79,11 +131,12 @@ def cmd_generate(args) -> int:
         return 2
     if args.json:
         kv = out.kv_usage or {}
+        counts = ("bytes_used", "bytes_fp16", "bytes_uncompressed", "pages_used", "pages_shared", "tokens_high",
+                  "tokens_low", "tokens_pruned")
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "prompt_tokens": len(out.prompt_token_ids),
-                          "kv": {**{k: kv.get(k, 0) for k in ("bytes_used", "bytes_fp16", "pages_used", "tokens_high",
-                                                              "tokens_low", "tokens_pruned")},
-                                 "pages_total": engine.mm.num_pages,
+                          "kv": {"kv_mode": engine.config.cache.kv_mode, "cache_dtype": engine.cache_dtype,
+                                 **{k: kv.get(k, 0) for k in counts}, "pages_total": engine.mm.num_pages,
                                  "mm_seconds": engine.runner.kv.mm_seconds()}}))
     else:
         print()
@@ -224,31 +277,47 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _service_default(field: str):
+    """ServiceConfig's default of a field (serve's flags default to None: --config's value comes first)."""
+    from service.config import ServiceConfig
+
+    return ServiceConfig.model_fields[field].get_default(call_default_factory=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffkv", description="DiffKV Serve: LLM serving with a compressed KV cache")
+    parser = argparse.ArgumentParser(prog="diffkv", description="DiffKV Serve: LLM serving with a compressed KV cache",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
+    g = add("generate", help="generate a completion for one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, kv)")
     _engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    c = add("chat", help="interactive chat in the terminal")
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (Ctrl-C stops)")
+    s = add("serve", help="serve the OpenAI-compatible API on Ray Serve (Ctrl-C stops)",
+            description="Engine flags left out take --config's value, else ServiceConfig's default.")
     s.add_argument("--config", default=None, help="YAML/JSON of ServiceConfig fields (or a Serve config file)")
     s.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded)")
-    s.add_argument("--device", default=None, help="auto | cpu | cuda")
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--kv-mode", default=None, choices=["fp16", "int8", "int4", "diffkv"])
+    s.add_argument("--device", default=None, help=f"auto | cpu | cuda (default: {_service_default('device')})")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    s.add_argument("--kv-mode", default=None, choices=["fp16", "int8", "int4", "diffkv"],
+                   help=f"(default: {_service_default('cache').kv_mode})")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--num-replicas", type=int, default=None, help="engine replicas")
-    s.add_argument("--tensor-parallel-size", type=int, default=None, help="worker actors per engine replica")
-    s.add_argument("--ttft-target", type=float, default=None, help="admission control's TTFT target (seconds)")
+    s.add_argument("--num-replicas", type=int, default=None,
+                   help=f"engine replicas (default: {_service_default('num_replicas')})")
+    s.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help=f"worker actors per engine replica (default: {_service_default('tensor_parallel_size')})")
+    s.add_argument("--ttft-target", type=float, default=None,
+                   help=f"admission control's TTFT target in seconds (default: "
+                        f"{_service_default('admission').ttft_target_s})")
     s.add_argument("--no-admission", action="store_true", help="admit every request (no 429s)")
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
@@ -256,10 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
     from evals import cli as evals_cli  # accuracy commands live with the evaluation package
 
-    e = sub.add_parser("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
+    e = add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
     evals_cli.add_eval_args(e)
     e.set_defaults(func=evals_cli.cmd_eval)
-    k = sub.add_parser("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file")
+    k = add("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file")
     evals_cli.add_calibrate_args(k)
     k.set_defaults(func=evals_cli.cmd_calibrate)
     return parser

@@ -78,6 +78,13 @@ class ServiceConfig(BaseModel):
         self.engine_config()  # the engine's own rules (device, TP sizes), checked here, before deploying
         return self
 
+    def deployment_args(self) -> dict[str, Any]:
+        """What build_app hands the deployments (they validate it again): the fields that were set, as JSON.
+        A full dump would mark every cache field as set on the replica, and the engine would then never fill
+        the model's calibrated thresholds and precisions (engine.model_settings) as it does for `diffkv
+        generate`; unset fields must stay unset."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
     def uses_gpu(self) -> bool:
         """Whether engine replicas (or their workers) get GPUs. For 'auto', whether the Ray cluster has any:
         build_app may run on a head node without one (KubeRay) while the workers have them."""

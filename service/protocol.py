@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
+ALPHA_MAX = 1e6  # kv_compression thresholds: far above any useful value (alpha / position vs scores <= 1)
 
 
 class _Strict(BaseModel):
@@ -24,8 +25,16 @@ class KVCompression(_Strict):
     """Per-request DiffKV thresholds (diffkv mode): a token stays high precision if its significance is >=
     alpha_high / position, low precision if >= alpha_low / position, else it is pruned."""
 
-    alpha_high: Optional[StrictFloat] = Field(None, ge=0, le=1e6)
-    alpha_low: Optional[StrictFloat] = Field(None, ge=0, le=1e6)
+    alpha_high: Optional[StrictFloat] = Field(None, ge=0, le=ALPHA_MAX)
+    alpha_low: Optional[StrictFloat] = Field(None, ge=0, le=ALPHA_MAX)
+
+    @field_validator("alpha_high", "alpha_low", mode="before")
+    @classmethod
+    def _finite(cls, v):
+        # Before the range checks, whose messages say nothing useful about NaN ("less than or equal to ...").
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 <= v <= ALPHA_MAX:
+            raise ValueError(f"must be a finite number >= 0 (at most {ALPHA_MAX:g}), got {v}")
+        return v
 
     @model_validator(mode="after")
     def _order(self) -> "KVCompression":
@@ -68,7 +77,9 @@ class _SamplingFields(_Strict):
     user: Optional[str] = None
     presence_penalty: Optional[StrictFloat] = Field(None, ge=0, le=0, description="not supported: only 0")
     frequency_penalty: Optional[StrictFloat] = Field(None, ge=0, le=0, description="not supported: only 0")
-    kv_compression: Optional[KVCompression] = Field(None, description="DiffKV extension: per-request thresholds")
+    kv_compression: Optional[KVCompression] = Field(
+        None, description="DiffKV extension: per-request thresholds (a server whose cache is not diffkv with "
+                          "thresholds answers 400)")
 
     @field_validator("stop")
     @classmethod
@@ -225,11 +236,31 @@ class Completion(BaseModel):
     usage: Optional[Usage] = None
 
 
+class KVCacheCard(BaseModel):
+    """The KV cache the served model runs with, as its engine resolved it (the model's calibrated thresholds
+    and precisions from its settings file where the server's configuration left them unset)."""
+
+    kv_mode: str
+    cache_dtype: str = Field(description="dtype of unquantized cache values (float32 on CPU, bfloat16 on CUDA)")
+    high: str = Field(description="precision of (significant) tokens, K<bits>V<bits>")
+    low: Optional[str] = Field(None, description="diffkv: precision of moderately significant tokens")
+    prefix_caching: bool
+    policy: Optional[str] = Field(None, description="diffkv: thresholds | budget")
+    window: Optional[int] = Field(None, description="diffkv: most recent tokens always kept high")
+    alpha_high: Optional[float] = Field(None, description="diffkv thresholds: kept high if significance >= "
+                                                          "alpha_high / position")
+    alpha_low: Optional[float] = Field(None, description="diffkv thresholds: kept low if significance >= "
+                                                         "alpha_low / position")
+    layer_alpha_scale: Optional[list[float]] = Field(None, description="diffkv thresholds: per-layer multipliers")
+    budget: Optional[float] = Field(None, description="diffkv budget: fraction of tokens each KV head keeps")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffkv-serve"
+    diffkv: Optional[KVCacheCard] = Field(None, description="DiffKV extension: the KV cache this model runs with")
 
 
 class ModelList(BaseModel):
@@ -238,10 +269,12 @@ class ModelList(BaseModel):
 
 
 class ErrorDetail(BaseModel):
+    """OpenAI's error object: `code` is a string (e.g. "model_not_found") or null, never the HTTP status."""
+
     message: str
     type: str
     param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
+    code: Optional[str] = None
 
 
 class ErrorResponse(BaseModel):
@@ -253,5 +286,5 @@ class Health(BaseModel):
     model: str
 
 
-def error_body(message: str, type_: str, param: Optional[str] = None, code: Any = None) -> dict:
+def error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
     return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()

@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, AsyncIterator, Optional
+
+import torch
 
 import engine.errors as engine_errors
 from engine.async_engine import AsyncLLMEngine
@@ -78,15 +81,22 @@ class EngineReplica:
                                "prefix_cache_hits": 0}
         await self._poll_once()  # pages_total for the meter before the first request
         self._poller = asyncio.get_running_loop().create_task(self._poll_stats())
-        log.info("engine replica %s ready: %s, kv_mode=%s, tp=%d", self.replica_id, self.engine.model_name,
-                 self.engine.config.cache.kv_mode, self.cfg.tensor_parallel_size)
+        log.info("engine replica %s ready: %s, tp=%d, torch threads %d, KV cache %s", self.replica_id,
+                 self.engine.model_name, self.cfg.tensor_parallel_size, torch.get_num_threads(),
+                 json.dumps(self.kv_cache_card()))
 
     # ---- requests ------------------------------------------------------------------------------------------
     def info(self) -> dict:
         """What the ingress needs to validate requests and answer /v1/models."""
         return {"model": self.cfg.served_model_name or self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "kv_mode": self.engine.config.cache.kv_mode, "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
-                "tensor_parallel_size": self.cfg.tensor_parallel_size, "replica": self.replica_id}
+                "tensor_parallel_size": self.cfg.tensor_parallel_size, "replica": self.replica_id,
+                "kv_cache": self.kv_cache_card()}
+
+    def kv_cache_card(self) -> dict:
+        """The cache as the engine resolved it (the model's settings file filled what the config left unset):
+        /v1/models shows it as the model card's `diffkv` object (service.protocol.KVCacheCard)."""
+        return {**self.engine.config.cache.describe(), "cache_dtype": self.engine.cache_dtype}
 
     def _prompt_ids(self, req: dict) -> list[int]:
         tok = self.engine.tokenizer

