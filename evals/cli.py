@@ -115,9 +115,15 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--generations", type=int, default=32, help="calibration generations (calib split)")
     p.add_argument("--gen-len", type=int, default=256, help="tokens per calibration generation")
-    p.add_argument("--tolerance", type=float, default=0.01, help="top-1 agreement tolerance per stage")
-    p.add_argument("--tasks", nargs="*", default=[], choices=TASKS, help="also record calib-split accuracy on these")
-    p.add_argument("--limit", type=int, default=50, help="calibration problems per task")
+    p.add_argument("--criterion", choices=("tasks", "agreement"), default="tasks",
+                   help="tasks: the most compressive precision pair and thresholds within --tolerance-points of "
+                        "fp16's accuracy on the calib problems (evals/task_calibration.py); agreement: thresholds "
+                        "by teacher-forced top-1 agreement (evals/calibrate.py)")
+    p.add_argument("--tolerance-points", type=float, default=1.0, help="tasks: accuracy a point may lose vs fp16")
+    p.add_argument("--tolerance", type=float, default=0.01, help="agreement: top-1 agreement tolerance per stage")
+    p.add_argument("--tasks", nargs="*", default=None, choices=TASKS,
+                   help="calib-split tasks (default: gsm_symbolic by tasks; none, recorded only, by agreement)")
+    p.add_argument("--limit", type=int, default=200, help="calibration problems per task")
     p.add_argument("--settings-dir", type=Path, default=None, help="default: the engine's model_settings package")
     p.add_argument("--dry-run", action="store_true", help="print the result, write no settings file")
     p.add_argument("--per-layer", action="store_true",
@@ -139,7 +145,10 @@ def cmd_calibrate(args) -> int:
     prompts = fidelity_prompts(model, load_problems(split="calib", tasks=("gsm_symbolic",), limit=args.generations))
     with model.engine({"kv_mode": "fp16"}) as eng:
         refs = reference_generations(eng, prompts, args.gen_len)
-    problems = load_problems(split="calib", tasks=tuple(args.tasks), limit=args.limit) if args.tasks else []
+    tasks = args.tasks if args.tasks is not None else (["gsm_symbolic"] if args.criterion == "tasks" else [])
+    if args.criterion == "tasks" and not tasks:
+        raise ValueError("--criterion tasks needs at least one task (--tasks)")
+    problems = load_problems(split="calib", tasks=tuple(tasks), limit=args.limit) if tasks else []
     from engine.model_settings import SETTINGS_DIR, load_model_settings
 
     settings_dir = args.settings_dir or SETTINGS_DIR
@@ -150,14 +159,20 @@ def cmd_calibrate(args) -> int:
 
         # Keys are centered on what the calibration sequences measure, for the sweep and in the settings file.
         model.key_center = measure_key_centers(model, [p + r for p, r in zip(prompts, refs)])
-        result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
+        if args.criterion == "tasks":
+            from evals.task_calibration import calibrate_on_tasks
+
+            result = calibrate_on_tasks(model, problems, prompts, refs, tolerance_points=args.tolerance_points)
+        else:
+            result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
         result.update({key_centering.SETTINGS_KEY: key_centering.to_settings(model.key_center),
                        "key_center_calibration": center_summary(model.key_center)})
     if args.per_layer:
         from evals.calibrate import calibrate_layers
 
         result = {**result, **calibrate_layers(model, prompts, refs, result["alpha_high"])}
-    print(json.dumps({k: result[k] for k in ("model", "alpha_high", "alpha_low", "layer_alpha_scale") if k in result}))
+    print(json.dumps({k: result[k] for k in ("model", "high", "low", "alpha_high", "alpha_low", "layer_alpha_scale")
+                      if k in result}))
     if not args.dry_run:
         print(f"wrote {write_settings(result, settings_dir)}", file=sys.stderr)
     return 0

@@ -36,10 +36,12 @@ def _uniform(name: str, precision: str, family: str = "uniform") -> KVConfig:
 
 
 def diffkv_config(alpha_high: float | None, alpha_low: float | None, name: str = "diffkv",
-                  low: str | None = None) -> KVConfig:
-    """DiffKV K8V4/K4V2 (or the calibrated `low` precision); None alphas leave the engine's per-model settings
-    in charge."""
+                  low: str | None = None, high: str | None = None) -> KVConfig:
+    """DiffKV K8V4/K4V2 (or the calibrated `high` / `low` precisions); None alphas leave the engine's per-model
+    settings in charge."""
     cache = {"kv_mode": "diffkv"}
+    if high is not None:
+        cache["high"] = high
     if low is not None:
         cache["low"] = low
     if alpha_high is not None:
@@ -47,8 +49,8 @@ def diffkv_config(alpha_high: float | None, alpha_low: float | None, name: str =
     if alpha_low is not None:
         cache["alpha_low"] = alpha_low
     label = "DiffKV" if alpha_high is None else f"DiffKV a_h={alpha_high:g} a_l={alpha_low:g}"
-    if low is not None and low != CacheConfig().low:
-        label += f" low={low}"
+    if (high or low) and (high, low) != (CacheConfig().high, CacheConfig().low):
+        label += f" {high or CacheConfig().high}/{low or CacheConfig().low}"
     return KVConfig(name, label, "diffkv", cache)
 
 

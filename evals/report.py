@@ -72,8 +72,29 @@ def task_table(rows: dict, task: str) -> list[str]:
     return out
 
 
+def task_calibration_table(calib: dict) -> list[str]:
+    """evals.task_calibration's sweep: every precision pair and threshold point on the calib problems."""
+    c = calib["calibration"]
+    out = [f"Calibration split: {c['problems']} problems of {', '.join(c['tasks'])} (`calib`, disjoint from the "
+           f"evaluation; fp16 solves {_pct(c['fp16_accuracy'])}), teacher-forced fidelity on "
+           f"{c['fidelity_generations']} x {c['gen_tokens']} tokens as a secondary number; rule: {c['criterion']}."
+           + ("" if c["within_tolerance"] else " No point was within the tolerance."), "",
+           "| high / low | alpha_high | alpha_low | accuracy | vs fp16 [95% CI] | KV memory | top-1 agreement | "
+           "high / low / pruned |", "|---|---|---|---|---|---|---|---|"]
+    for p in sorted(c["points"], key=lambda p: p["memory_fraction"]):
+        mark = " **chosen**" if p == c["chosen"] else ""
+        agree = f"{p['fidelity']['top1_agreement']:.4f}" if "fidelity" in p else "-"
+        tf = _fractions(p["token_fractions"]) if p.get("token_fractions") else "-"
+        out.append(f"| {p['high']} / {p['low']}{mark} | {p['alpha_high']:g} | {p['alpha_low']:g} | "
+                   f"{_pct(p['accuracy'])} | {p['diff_vs_fp16_points']:+.1f} pts "
+                   f"{_ci(*p['diff_ci95_points'], fmt='{:+.1f}')} | {_pct(p['memory_fraction'])} | {agree} | {tf} |")
+    return out
+
+
 def calibration_table(calib: dict) -> list[str]:
     c = calib.get("calibration", {})
+    if c.get("by") == "task accuracy":
+        return task_calibration_table(calib)
     if c.get("from_settings_file") or "sweep_alpha_high" not in c:
         return [f"Thresholds from the model's settings file: alpha_high = {calib['alpha_high']:g}, "
                 f"alpha_low = {calib['alpha_low']:g}."]
@@ -186,7 +207,8 @@ def model_section(summary: dict, per_layer: list[dict] = ()) -> list[str]:
            f"Device: {summary.get('gpu') or summary['device']}; torch {summary['torch']}; study took "
            f"{summary['seconds'] / 60:.1f} min (of the last command, with --resume). Command:", "",
            "```bash", study_command(s), "```", "",
-           f"DiffKV thresholds: alpha_high = {calib['alpha_high']:g}, alpha_low = {calib['alpha_low']:g}.", "",
+           f"DiffKV: {calib.get('high') or 'K8V4'} / {calib.get('low') or 'K4V2'}, alpha_high = "
+           f"{calib['alpha_high']:g}, alpha_low = {calib['alpha_low']:g}.", "",
            f"### Fidelity vs the fp16 cache ({s['fidelity_n']} generations x {s['gen_len']} tokens, teacher forced)", ""]
     out += fidelity_table(rows) + [""]
     tasks = sorted({t for r in rows.values() for t in r.get("tasks", {})})

@@ -32,8 +32,9 @@ from evals.memory import fp16_token_bytes, token_bytes
 from evals.problems import TASKS, load_problems
 from evals.runner import EvalModel
 from evals.stats import paired_diff
+from evals.task_calibration import calibrate_on_tasks
 
-SMOKE = dict(fidelity_n=2, gen_len=24, calib_n=2, calib_gen_len=24, task_n=3, calib_task_n=0,
+SMOKE = dict(fidelity_n=2, gen_len=24, calib_n=2, calib_gen_len=24, task_n=3, calib_task_n=3,
              max_tokens={"gsm_symbolic": 24, "basic_arithmetic": 16, "chain_sum": 16})
 
 
@@ -111,9 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-len", type=int, default=512, help="tokens per fidelity generation")
     ap.add_argument("--calib-n", type=int, default=32, help="calibration generations")
     ap.add_argument("--calib-gen-len", type=int, default=512)
-    ap.add_argument("--calib-task-n", type=int, default=0, help="calibration problems per task (accuracy, recorded)")
+    ap.add_argument("--calib-task-n", type=int, default=None,
+                    help="calibration problems per task (default: 200 by tasks, none by agreement)")
     ap.add_argument("--max-tokens", type=json.loads, default={}, help='per-task generation limit, JSON {"task": n}')
-    ap.add_argument("--tolerance", type=float, default=0.01, help="calibration: agreement tolerance per stage")
+    ap.add_argument("--criterion", choices=("tasks", "agreement"), default="tasks",
+                    help="calibration: paired task accuracy on the calib problems (evals.task_calibration), or "
+                         "teacher-forced top-1 agreement (evals.calibrate)")
+    ap.add_argument("--tolerance-points", type=float, default=1.0,
+                    help="calibration by tasks: accuracy a point may lose against fp16 (points)")
+    ap.add_argument("--tolerance", type=float, default=0.01, help="calibration by agreement: tolerance per stage")
     ap.add_argument("--no-calibrate", action="store_true", help="use the model's settings file instead")
     ap.add_argument("--write-settings", action="store_true", help="write the calibrated alphas to engine/model_settings")
     ap.add_argument("--configs", nargs="+", default=None, help="only these configurations (fp16 always runs)")
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     tasks = tuple(args.tasks)
     problems = load_problems(split="eval", tasks=tasks, limit=args.task_n)
-    calib_problems = load_problems(split="calib", tasks=tasks, limit=args.calib_task_n) if args.calib_task_n else []
+    calib_task_n = args.calib_task_n if args.calib_task_n is not None else (200 if args.criterion == "tasks" else 0)
+    calib_problems = load_problems(split="calib", tasks=tasks, limit=calib_task_n) if calib_task_n else []
     fid = fidelity_prompts(model, load_problems(split="fidelity", limit=args.fidelity_n))
     cal = fidelity_prompts(model, load_problems(split="calib", tasks=("gsm_symbolic",), limit=args.calib_n))
     max_tokens = {**DEFAULT_MAX_TOKENS, **args.max_tokens}
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings is None:
             raise SystemExit(f"--no-calibrate: {model.name} has no settings file; run without it to calibrate")
         calib = {"model": model.name, "alpha_high": settings["alpha_high"], "alpha_low": settings["alpha_low"],
-                 "low": settings.get("low"),
+                 "low": settings.get("low"), "high": settings.get("high"),
                  "calibration": {"from_settings_file": True, **settings.get("calibration", {})}}
     else:
         # Key centers first (evals.key_center): the sweep and every quantized configuration use them.
@@ -170,10 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             model.key_center = measure_key_centers(model, [p + r for p, r in zip(cal, refs["calib"])])
             _dump(kc_path, {"key_center": key_centering.to_settings(model.key_center)})
         cal_path = out / "calibration.json"
-        # --resume re-picks from the recorded sweep points and measures only the missing ones.
-        previous = measured_points(json.loads(cal_path.read_text())) if args.resume and cal_path.is_file() else None
-        calib = calibrate(model, cal, refs["calib"], calib_problems, max_tokens, tolerance=args.tolerance,
-                          measured=previous)
+        recorded = json.loads(cal_path.read_text()) if args.resume and cal_path.is_file() else None
+        if args.criterion == "tasks":
+            if recorded and recorded["calibration"].get("by") == "task accuracy":
+                calib = recorded  # --resume: a finished task calibration is reused whole
+            else:
+                calib = calibrate_on_tasks(model, calib_problems, cal, refs["calib"], max_tokens,
+                                           tolerance_points=args.tolerance_points)
+        else:
+            # --resume re-picks from the recorded sweep points and measures only the missing ones.
+            calib = calibrate(model, cal, refs["calib"], calib_problems, max_tokens, tolerance=args.tolerance,
+                              measured=measured_points(recorded) if recorded else None)
         calib.update({key_centering.SETTINGS_KEY: key_centering.to_settings(model.key_center),
                       "key_center_calibration": center_summary(model.key_center)})
         _dump(cal_path, calib)
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"memory {100 * f['memory_fraction']:.1f}% of fp16")
 
     run(baseline_configs()[0])
-    run(diffkv_config(calib["alpha_high"], calib["alpha_low"], low=calib.get("low")))
+    run(diffkv_config(calib["alpha_high"], calib["alpha_low"], low=calib.get("low"), high=calib.get("high")))
     for kvc in baseline_configs(model.ckpt.arch.attention_bias)[1:]:
         run(kvc)
     if "diffkv" in results:

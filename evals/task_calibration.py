@@ -1,0 +1,118 @@
+"""Calibration by task accuracy: choose DiffKV's precision pair and thresholds as the most compressive point whose
+accuracy on the `calib` problems (disjoint from the evaluation) stays within `tolerance_points` of the fp16 cache,
+paired over the same problems. Teacher-forced top-1 agreement and NLL are recorded beside each point, as a
+secondary number: on Qwen2.5-Coder-1.5B agreement within 0.01 of the best candidate chose a point that lost 13
+points of gsm_symbolic accuracy (pruning the agreement replay never exercised), so it cannot be the criterion.
+
+Every (high, low) precision pair runs on its own engine; its threshold points run as one batch, each request with
+its own thresholds (the engine's per-request kv_compression). Keys are centered as the model's engines center
+them (the measured centers when the caller set `model.key_center`).
+"""
+from __future__ import annotations
+
+import time
+
+from evals.fidelity import score_fidelity, teacher_forced_requests
+from evals.harness import DEFAULT_MAX_TOKENS
+from evals.runner import run_requests
+from evals.stats import paired_diff
+from evals.tasks import score_tasks, task_requests
+
+PRECISION_PAIRS = (("K8V4", "K4V2"), ("K8V4", "K4V4"), ("K4V4", "K4V2"))
+ALPHA_HIGH_GRID = (0.5, 1.0, 2.0, 4.0)
+ALPHA_LOW_GRID = (0.0, 0.02)
+CRITERION = ("the lowest KV memory (measured on the calib problems) among points whose gsm_symbolic accuracy on the "
+             "calib split is within {tol:g} points of the fp16 cache's (paired over the same problems); ties go to "
+             "the higher accuracy; if no point qualifies, the most accurate one")
+
+
+def _accuracy(task_result: dict) -> tuple[float, list[int]]:
+    """Accuracy over every task of a run and the per-problem correctness in problem order."""
+    correct = [c for t in sorted(task_result) for c in task_result[t]["correct"]]
+    return sum(correct) / len(correct), correct
+
+
+def _pair_points(model, high: str, low: str, points, problems, prompts, refs, max_tokens) -> list[dict]:
+    """Every (alpha_high, alpha_low) of one precision pair, in one batch of one engine."""
+    reqs, spans = [], []
+    for ah, al in points:
+        kv = {"alpha_high": ah, "alpha_low": al}
+        fid = teacher_forced_requests(prompts, refs, kv)
+        tasks = task_requests(model, problems, max_tokens, kv)
+        spans.append((len(reqs), len(fid), len(tasks)))
+        reqs += fid + tasks
+    with model.engine({"kv_mode": "diffkv", "high": high, "low": low}) as eng:
+        outs = run_requests(eng, reqs, f"calibrate {high}/{low}")
+        base = eng.config.cache
+    result = []
+    for (ah, al), (start, n_fid, n_tasks) in zip(points, spans):
+        cache = base.model_copy(update={"alpha_high": ah, "alpha_low": al})
+        tasks = score_tasks(cache, model.head_dim, problems, outs[start + n_fid:start + n_fid + n_tasks])
+        point = {"high": high, "low": low, "alpha_high": ah, "alpha_low": al, "tasks": tasks}
+        if n_fid:
+            f = score_fidelity(cache, model.head_dim, refs, outs[start:start + n_fid], "calibrate")
+            point["fidelity"] = {k: f[k] for k in ("top1_agreement", "nll", "memory_fraction", "token_fractions")}
+        result.append(point)
+    return result
+
+
+def _fp16_reference(model, problems, max_tokens) -> dict:
+    with model.engine({"kv_mode": "fp16"}) as eng:
+        outs = run_requests(eng, task_requests(model, problems, max_tokens), "calibrate fp16")
+        return score_tasks(eng.config.cache, model.head_dim, problems, outs)
+
+
+def _summarize(point: dict, fp16_correct: list[int]) -> dict:
+    """A point's accuracy, paired difference to fp16 (points) and memory, without the per-problem lists."""
+    acc, correct = _accuracy(point["tasks"])
+    d = paired_diff(fp16_correct, correct)
+    tasks = point["tasks"]
+    n = sum(t["n"] for t in tasks.values())
+    memory = sum(t["memory_fraction"] * t["n"] for t in tasks.values()) / n
+    out = {k: point[k] for k in ("high", "low", "alpha_high", "alpha_low")}
+    out.update({"accuracy": acc, "diff_vs_fp16_points": 100 * d["mean"],
+                "diff_ci95_points": [100 * d["ci_low"], 100 * d["ci_high"]], "memory_fraction": memory,
+                "token_fractions": next(iter(tasks.values()))["token_fractions"] if len(tasks) == 1 else None})
+    if "fidelity" in point:
+        out["fidelity"] = point["fidelity"]
+    return out
+
+
+def pick(points: list[dict], tolerance_points: float) -> tuple[dict, bool]:
+    """The chosen point and whether it met the tolerance (see CRITERION)."""
+    ok = [p for p in points if p["diff_vs_fp16_points"] >= -tolerance_points]
+    if ok:
+        return min(ok, key=lambda p: (round(p["memory_fraction"], 4), -p["accuracy"])), True
+    return max(points, key=lambda p: (p["accuracy"], -p["memory_fraction"])), False
+
+
+def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | None = None,
+                       tolerance_points: float = 1.0, pairs=PRECISION_PAIRS, alpha_high_grid=ALPHA_HIGH_GRID,
+                       alpha_low_grid=ALPHA_LOW_GRID) -> dict:
+    """The settings-file fields (model, high, low, alpha_high, alpha_low, calibration) of the chosen point."""
+    problems, prompts, refs = list(problems), list(prompts), list(refs)
+    if len(problems) < 1:
+        raise ValueError("calibrate_on_tasks: needs calibration problems (the calib split)")
+    if tolerance_points < 0:
+        raise ValueError(f"tolerance_points={tolerance_points}: must be >= 0")
+    t0 = time.perf_counter()
+    max_tokens = {**DEFAULT_MAX_TOKENS, **(max_tokens or {})}
+    fp16 = _fp16_reference(model, problems, max_tokens)
+    fp16_acc, fp16_correct = _accuracy(fp16)
+    grid = [(ah, al) for ah in alpha_high_grid for al in alpha_low_grid if al <= ah]
+    points = []
+    for high, low in pairs:
+        points += [_summarize(p, fp16_correct)
+                   for p in _pair_points(model, high, low, grid, problems, prompts, refs, max_tokens)]
+    chosen, within = pick(points, tolerance_points)
+    return {
+        "model": model.name, "high": chosen["high"], "low": chosen["low"],
+        "alpha_high": chosen["alpha_high"], "alpha_low": chosen["alpha_low"],
+        "calibration": {
+            "split": "calib", "criterion": CRITERION.format(tol=tolerance_points), "by": "task accuracy",
+            "tolerance_points": tolerance_points, "within_tolerance": within,
+            "problems": len(problems), "tasks": sorted(fp16), "fp16_accuracy": fp16_acc,
+            "fidelity_generations": len(refs), "gen_tokens": len(refs[0]) if refs else 0,
+            "chosen": chosen, "points": points, "seconds": time.perf_counter() - t0,
+        },
+    }

@@ -1,0 +1,51 @@
+"""Calibration by task accuracy (evals.task_calibration): the pick rule, and the sweep end to end on a tiny model."""
+from __future__ import annotations
+
+import pytest
+
+from evals import task_calibration as tc
+from evals.problems import load_problems
+from evals.runner import EvalModel
+from engine_helpers import TEST_DEVICE
+
+
+def _point(mem, diff, acc, name="p"):
+    return {"name": name, "memory_fraction": mem, "diff_vs_fp16_points": diff, "accuracy": acc}
+
+
+def test_pick_lowest_memory_within_tolerance():
+    pts = [_point(0.25, -3.0, 0.45, "too lossy"), _point(0.27, -0.5, 0.49, "ok small"),
+           _point(0.27, +0.5, 0.50, "ok small, better"), _point(0.35, +1.0, 0.51, "ok big")]
+    chosen, within = tc.pick(pts, tolerance_points=1.0)
+    assert within and chosen["name"] == "ok small, better"
+    chosen, within = tc.pick(pts, tolerance_points=5.0)
+    assert within and chosen["name"] == "too lossy"
+    chosen, within = tc.pick([_point(0.25, -3.0, 0.45, "a"), _point(0.3, -2.0, 0.46, "b")], tolerance_points=1.0)
+    assert not within and chosen["name"] == "b"  # nothing within: the most accurate
+
+
+def test_calibrate_on_tasks_end_to_end():
+    """Every precision pair x threshold point is measured on the same problems as fp16, paired, with fidelity
+    beside it; the settings-file fields name the chosen precisions and thresholds."""
+    from test_key_centering import planted_checkpoint
+
+    model = EvalModel(device=TEST_DEVICE, max_model_len=256, max_num_seqs=16, checkpoint=planted_checkpoint())
+    problems = load_problems(split="calib", tasks=("chain_sum",), limit=2)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    refs = [[20 + i for i in range(6)], [40 + i for i in range(6)]]
+    pairs = (("K8V4", "K4V2"), ("K4V4", "K4V2"))
+    r = tc.calibrate_on_tasks(model, problems, prompts, refs, {"chain_sum": 4}, tolerance_points=1.0, pairs=pairs,
+                              alpha_high_grid=(1.0, 4.0), alpha_low_grid=(0.0, 0.5))
+    c = r["calibration"]
+    assert c["by"] == "task accuracy" and c["problems"] == 2 and len(c["points"]) == 2 * 4
+    assert {(p["high"], p["low"]) for p in c["points"]} == set(pairs)
+    for p in c["points"]:
+        assert 0 < p["memory_fraction"] < 1 and "top1_agreement" in p["fidelity"]
+        lo, hi = p["diff_ci95_points"]
+        assert lo <= p["diff_vs_fp16_points"] <= hi
+    chosen = c["chosen"]
+    assert (r["high"], r["low"], r["alpha_high"], r["alpha_low"]) == (
+        chosen["high"], chosen["low"], chosen["alpha_high"], chosen["alpha_low"])
+    assert chosen == tc.pick(c["points"], 1.0)[0]
+    with pytest.raises(ValueError, match="tolerance_points"):
+        tc.calibrate_on_tasks(model, problems, tolerance_points=-1)
