@@ -79,6 +79,16 @@ def quantiles(name: str, qs=(0.5, 0.9, 0.99), by: str = "le", sel: str = "") -> 
              "legendFormat": f"{legend}p{int(q * 100)}"} for q in qs]
 
 
+def mean(name: str, sel: str = "", by: str = "", legend: str = "mean") -> dict:
+    """The mean of histogram `name` over the rate window, from its exact-sum counter (Ray's `_sum` is
+    computed from bucket midpoints, so it is not used)."""
+    m = _metrics()
+    exact = m.PROMETHEUS_PREFIX + m.BY_NAME[name + m.EXACT_SUM_SUFFIX].name
+    agg = f"sum by ({by}) " if by else "sum"
+    return {"expr": f"{agg}(rate({exact}{sel}[{RATE}])) / {agg}(rate({series(name, '_count')}{sel}[{RATE}]))",
+            "legendFormat": ("{{" + by + "}} " if by else "") + legend}
+
+
 def panel(title: str, targets: list[dict], unit: str = "short", kind: str = "timeseries", desc: str = "",
           stack: bool = False, w: int = 8, h: int = 8, minimum: Optional[float] = 0,
           maximum: Optional[float] = None) -> dict:
@@ -142,14 +152,14 @@ def panels() -> list[dict]:
         row("Latency"),
         panel("Time to first token", quantiles("diffkv_ttft_seconds") + [
             {"expr": f"max({s('diffkv_admission_predicted_ttft_seconds')})",
-             "legendFormat": "predicted by admission control"}], unit="s"),
-        panel("Time per output token", quantiles("diffkv_tpot_seconds"), unit="s"),
-        panel("End-to-end latency", quantiles("diffkv_e2e_latency_seconds"), unit="s"),
+             "legendFormat": "predicted by admission control"}, mean("diffkv_ttft_seconds")], unit="s"),
+        panel("Time per output token", quantiles("diffkv_tpot_seconds") + [mean("diffkv_tpot_seconds")], unit="s"),
+        panel("End-to-end latency", quantiles("diffkv_e2e_latency_seconds") + [mean("diffkv_e2e_latency_seconds")],
+              unit="s"),
 
         row("Engine"),
         panel("Batch size", quantiles("diffkv_batch_size", (0.5, 0.9), sel=ENGINE) + [
-            {"expr": f"sum(rate({s('diffkv_batch_size', '_sum')}{ENGINE}[{RATE}])) / "
-                     f"sum(rate({s('diffkv_batch_size', '_count')}{ENGINE}[{RATE}]))", "legendFormat": "mean"}],
+            mean("diffkv_batch_size", ENGINE)],
               desc="Sequences per engine step (prefill or decode)."),
         panel("Running and waiting requests", [
             {"expr": f"sum by (replica) ({s('diffkv_requests_running')}{ENGINE})",
@@ -180,7 +190,8 @@ def panels() -> list[dict]:
              "legendFormat": "total {{replica}} rank {{rank}}"}]),
         panel("Compaction latency (memory management per step)",
               quantiles("diffkv_mm_seconds", (0.5, 0.99), sel=ENGINE)
-              + quantiles("diffkv_mm_seconds", (0.99,), by="le, rank", sel=ENGINE), unit="s",
+              + quantiles("diffkv_mm_seconds", (0.99,), by="le, rank", sel=ENGINE)
+              + [mean("diffkv_mm_seconds", ENGINE)], unit="s",
               desc="Page allocation, recycling and page-table updates of a decode step (parallel KV compaction)."),
         panel("Compression ratio", [
             {"expr": f"max by (replica, kv_mode) ({s('diffkv_kv_compression_ratio')}{ENGINE})",
@@ -315,7 +326,10 @@ def check(dashboard: dict, available: dict[str, set[str]], require_all: Iterable
         if not names:
             errors.append(f"{title!r}: names no metric: {expr!r}")
         for n in sorted(names):
-            if n not in available:
+            if n.endswith("_sum") and n[:-4] + "_bucket" in available:
+                errors.append(f"{title!r}: {n} is approximated from bucket midpoints by Ray; use "
+                              f"{n[:-4]}{_metrics().EXACT_SUM_SUFFIX} ({expr!r})")
+            elif n not in available:
                 errors.append(f"{title!r}: {n} is not exported by the service ({expr!r})")
         carried = set().union(*(available.get(n, set()) for n in names)) | TARGET_LABELS
         for label in sorted(labels - carried):

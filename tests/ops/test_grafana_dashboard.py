@@ -71,6 +71,8 @@ def _replace_expr(dashboard, old, new):
     ("ray_diffkv_kv_page_occupancy", "diffkv_kv_page_occupancy", ["diffkv_kv_page_occupancy", "not exported"]),
     ("by (replica, rank)", "by (replica, tp_rank)", ["'tp_rank'", "not a label"]),
     ("by (reason)", "by (reasons)", ["'reasons'"]),
+    ("ray_diffkv_batch_size_exact_sum_total", "ray_diffkv_batch_size_sum", ["bucket midpoints",
+                                                                             "ray_diffkv_batch_size_exact_sum_total"]),
     ("sum by (le) (rate(ray_diffkv_tpot_seconds_bucket", "sum by (le) (rate(ray_diffkv_tpot_seconds_bucket[",
      ["not PromQL"]),
 ])
@@ -90,6 +92,7 @@ def test_missing_metric_fails(dashboard):
 
 def test_broken_json_file_fails_the_cli(tmp_path, monkeypatch, dashboard):
     bad = tmp_path / "diffkv-serve.json"
-    bad.write_text(json.dumps(_replace_expr(dashboard, "ray_diffkv_batch_size_sum", "ray_diffkv_batch_sum")))
+    bad.write_text(json.dumps(_replace_expr(dashboard, "ray_diffkv_batch_size_exact_sum_total",
+                                            "ray_diffkv_batch_exact_sum_total")))
     monkeypatch.setattr(dash, "DASHBOARD_PATH", bad)
     assert dash.main(["--check"]) == 1
