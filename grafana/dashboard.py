@@ -33,7 +33,7 @@ def _metrics():
 
 # ---- series names, from the service's own definitions ------------------------------------------------------
 def series(name: str, suffix: str = "") -> str:
-    """The scraped name of a metric defined in service/metrics.py ('diffkv_ttft_seconds', '_bucket')."""
+    """The scraped name of a metric defined in service/metrics.py ('diffkv_time_to_first_token_seconds', '_bucket')."""
     m = _metrics()
     spec = m.BY_NAME[name]  # KeyError: not a metric the service defines
     if suffix and (spec.kind != "histogram" or suffix not in HISTOGRAM_SUFFIXES):
@@ -122,7 +122,7 @@ def panels() -> list[dict]:
         panel("Request rate", [{"expr": f"sum(rate({admitted}[{RATE}])) + sum(rate({rejected}[{RATE}]))",
                                 "legendFormat": "arrivals"}], unit="reqps", kind="stat", w=6, h=4,
               desc="Requests reaching the ingress per second (admitted + rejected)."),
-        panel("TTFT p99", quantiles("diffkv_ttft_seconds", (0.99,)), unit="s", kind="stat", w=6, h=4),
+        panel("TTFT p99", quantiles("diffkv_time_to_first_token_seconds", (0.99,)), unit="s", kind="stat", w=6, h=4),
         panel("Max KV page occupancy", [{"expr": f"max(max_over_time({s('diffkv_kv_page_occupancy')}{ENGINE}"
                                                  f"[{RATE}]))", "legendFormat": "occupancy"}],
               unit="percentunit", kind="stat", w=6, h=4, maximum=1),
@@ -150,11 +150,20 @@ def panels() -> list[dict]:
                    "capacity; in flight is a count."),
 
         row("Latency"),
-        panel("Time to first token", quantiles("diffkv_ttft_seconds") + [
+        panel("Time to first token", quantiles("diffkv_time_to_first_token_seconds") + [
             {"expr": f"max({s('diffkv_admission_predicted_ttft_seconds')})",
-             "legendFormat": "predicted by admission control"}, mean("diffkv_ttft_seconds")], unit="s"),
-        panel("Time per output token", quantiles("diffkv_tpot_seconds") + [mean("diffkv_tpot_seconds")], unit="s"),
-        panel("End-to-end latency", quantiles("diffkv_e2e_latency_seconds") + [mean("diffkv_e2e_latency_seconds")],
+             "legendFormat": "predicted by admission control"}, mean("diffkv_time_to_first_token_seconds")], unit="s"),
+        panel("Time per output token", quantiles("diffkv_request_time_per_output_token_seconds")
+              + [mean("diffkv_request_time_per_output_token_seconds")], unit="s",
+              desc="Per request: (end - first token) / (tokens - 1)."),
+        panel("Inter-token latency", quantiles("diffkv_inter_token_latency_seconds", (0.5, 0.99))
+              + [mean("diffkv_inter_token_latency_seconds"),
+                 dict(mean("diffkv_time_per_output_token_seconds"), legendFormat="mean (vLLM's older name)")],
+              unit="s", desc="Per token: the gap between consecutive output tokens at the ingress."),
+        panel("Queue time", quantiles("diffkv_request_queue_time_seconds", sel=ENGINE)
+              + [mean("diffkv_request_queue_time_seconds", ENGINE)], unit="s",
+              desc="From a request's arrival at an engine replica to its first scheduling."),
+        panel("End-to-end latency", quantiles("diffkv_e2e_request_latency_seconds") + [mean("diffkv_e2e_request_latency_seconds")],
               unit="s"),
 
         row("Engine"),
@@ -162,16 +171,18 @@ def panels() -> list[dict]:
             mean("diffkv_batch_size", ENGINE)],
               desc="Sequences per engine step (prefill or decode)."),
         panel("Running and waiting requests", [
-            {"expr": f"sum by (replica) ({s('diffkv_requests_running')}{ENGINE})",
+            {"expr": f"sum by (replica) ({s('diffkv_num_requests_running')}{ENGINE})",
              "legendFormat": "running {{replica}}"},
-            {"expr": f"sum by (replica) ({s('diffkv_requests_waiting')}{ENGINE})",
+            {"expr": f"sum by (replica) ({s('diffkv_num_requests_waiting')}{ENGINE})",
              "legendFormat": "waiting {{replica}}"}]),
         panel("Preemptions and tokens", [
-            {"expr": f"sum by (replica) (rate({s('diffkv_preemptions_total')}{ENGINE}[{RATE}]))",
+            {"expr": f"sum by (replica) (rate({s('diffkv_prompt_tokens_total')}{ENGINE}[{RATE}]))",
+             "legendFormat": "prompt tokens/s {{replica}}"},
+            {"expr": f"sum by (replica) (rate({s('diffkv_num_preemptions_total')}{ENGINE}[{RATE}]))",
              "legendFormat": "preemptions/s {{replica}}"},
-            {"expr": f"sum by (replica) (rate({s('diffkv_generated_tokens_total')}{ENGINE}[{RATE}]))",
-             "legendFormat": "tokens/s {{replica}}"}], unit="short",
-              desc="Preemptions (recompute for lack of KV pages) and generated tokens per second."),
+            {"expr": f"sum by (replica) (rate({s('diffkv_generation_tokens_total')}{ENGINE}[{RATE}]))",
+             "legendFormat": "generation tokens/s {{replica}}"}], unit="short",
+              desc="Preemptions (recompute for lack of KV pages), prompt and generated tokens per second."),
         panel("Prefix cache hit rate", [
             {"expr": f"sum by (replica) (rate({s('diffkv_prefix_cache_hits_total')}{ENGINE}[{RATE}])) / "
                      f"clamp_min(sum by (replica) (rate({s('diffkv_prefix_cache_queries_total')}{ENGINE}[{RATE}])), "
@@ -179,6 +190,10 @@ def panels() -> list[dict]:
               desc="Prompt tokens read from cached prefix blocks / prompt tokens looked up (docs/PREFIX_CACHING.md)."),
 
         row("KV cache (DiffKV)"),
+        panel("KV cache usage per replica", [
+            {"expr": f"max by (replica) ({s('diffkv_kv_cache_usage_perc')}{ENGINE})",
+             "legendFormat": "{{replica}}"}], unit="percentunit", maximum=1,
+              desc="Fraction of the replica's KV page pool in use (vLLM's kv_cache_usage_perc)."),
         panel("KV page occupancy per replica and rank", [
             {"expr": f"max by (replica, rank) ({s('diffkv_kv_page_occupancy')}{ENGINE})",
              "legendFormat": "{{replica}} rank {{rank}}"}], unit="percentunit", maximum=1,
@@ -224,7 +239,7 @@ def _layout(items: list[dict]) -> list[dict]:
 
 
 def build() -> dict:
-    replica_query = f"label_values({series('diffkv_requests_running')}, replica)"
+    replica_query = f"label_values({series('diffkv_num_requests_running')}, replica)"
     return {
         "uid": UID, "title": "DiffKV Serve", "tags": ["diffkv", "llm", "ray-serve"],
         "description": "Traffic, admission, latency, batching and the DiffKV-compressed KV cache of DiffKV Serve. "
@@ -344,7 +359,8 @@ def check_static(dashboard: dict) -> list[str]:
     """Against the service's definitions: every exported metric on some panel, nothing else."""
     available = exported_series()
     m = _metrics()
-    required = {m.PROMETHEUS_PREFIX + s.name + ("_bucket" if s.kind == "histogram" else "") for s in m.SPECS}
+    # a histogram is shown by its mean (its _count); its exact-sum counter is a metric of its own
+    required = {m.PROMETHEUS_PREFIX + s.name + ("_count" if s.kind == "histogram" else "") for s in m.SPECS}
     return check(dashboard, available, required)
 
 

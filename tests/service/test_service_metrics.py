@@ -1,8 +1,9 @@
 """What the metrics export, read back from Ray's Prometheus endpoint: histogram means computed from the
-exported series equal the true means (Ray's own `_sum` does not)."""
+exported series equal the true means (Ray's own `_sum` does not), and every counter is there at 0 from the
+start."""
 import pytest
 
-from _cluster import parse_metrics, values, wait_for
+from _cluster import parse_metrics, served, values, wait_for
 from service.metrics import EXACT_SUM_SUFFIX, PROMETHEUS_PREFIX as P, Metrics
 
 
@@ -35,3 +36,32 @@ def test_exported_histogram_mean_is_the_true_mean(cluster):
     exact = _scraped(cluster, P + "diffkv_mm_seconds" + EXACT_SUM_SUFFIX, replica=replica, rank="7")
     count = _scraped(cluster, P + "diffkv_mm_seconds_count", replica=replica, rank="7")
     assert exact / count == pytest.approx(sum(latencies) / len(latencies), rel=1e-9)
+
+
+def test_every_counter_is_exported_at_zero_from_the_start(cluster):
+    """A fresh app, before any request: each counter of both deployments is in the scrape, at 0 (not "No
+    data" until its first event), for every label value known up front; prefix-cache counters only with
+    prefix caching on (here: fp16, whose 'auto' turns it on)."""
+    from service.metrics import ENDPOINTS, FINISH_REASONS, REJECT_REASONS, SPECS
+
+    config = {"device": "cpu", "model": "random:tiny", "kv_mode": "fp16", "default_max_tokens": 8}
+    with served(cluster, config, "zero-counters", "/zero-counters") as s:
+        rid = s["engine"].info.remote().result()["replica"]
+        counters = [spec for spec in SPECS if spec.kind == "counter"]
+
+        def all_there():
+            samples = parse_metrics(cluster.scrape())
+            engine = {spec.name: values(samples, P + spec.name, replica=rid)
+                      for spec in counters if spec.where == "engine"}
+            return (samples, engine) if all(engine.values()) else None
+
+        samples, engine = wait_for(all_there, 30, what="every engine counter in the scrape")
+        assert all(v == [0.0] for v in engine.values()), engine
+        assert values(samples, P + "diffkv_mm_seconds" + EXACT_SUM_SUFFIX, replica=rid, rank="0") == [0.0]
+        for endpoint in ENDPOINTS:
+            assert values(samples, P + "diffkv_requests_admitted_total", endpoint=endpoint)
+            for reason in REJECT_REASONS:
+                assert values(samples, P + "diffkv_requests_rejected_total", endpoint=endpoint, reason=reason)
+            for reason in FINISH_REASONS:
+                assert values(samples, P + "diffkv_requests_finished_total", endpoint=endpoint, reason=reason)
+            assert values(samples, P + "diffkv_time_to_first_token_seconds" + EXACT_SUM_SUFFIX, endpoint=endpoint)
