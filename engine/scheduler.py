@@ -22,6 +22,7 @@ first, before anything is refused or preempted.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Optional, Protocol
 
@@ -179,6 +180,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot = mm.alloc_slot()
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:  # a preempted one's recompute is not queue time
+                seq.first_scheduled_time = time.monotonic()
             admitted.append(seq)
             if self.prefix_cache is not None:
                 self._take_prefix(seq, hits, new)

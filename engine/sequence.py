@@ -41,6 +41,7 @@ class Sequence:
     emitted_chars: int = 0  # stop-string requests: how much of `text` was already streamed
     emitted_tokens: int = 0  # output tokens already reported
     emitted_text_tokens: int = 0  # detokenizer tokens already reported (other requests' text position)
+    first_scheduled_time: Optional[float] = None  # its first prefill was scheduled (queue time ends)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_preemptions: int = 0
@@ -151,22 +152,23 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "finished", "finish_reason", "arrival_time", "first_token_time",
-                 "finish_time", "kv_usage", "_token_ids", "_text", "_new_token_ids", "_delta_text", "_logprobs",
+                 "first_scheduled_time", "finish_time", "kv_usage", "_token_ids", "_text", "_new_token_ids", "_delta_text", "_logprobs",
                  "_teacher_agree", "_seq", "_n", "_n_before", "_n_logprobs", "_n_agree", "_text_src", "_t0", "_t1")
     _FIELDS = ("request_id", "prompt_token_ids", "token_ids", "text", "new_token_ids", "delta_text", "finished",
                "finish_reason", "logprobs", "arrival_time", "first_token_time", "finish_time", "kv_usage",
-               "teacher_agree")
+               "teacher_agree", "first_scheduled_time")  # __init__'s order: __reduce__ passes them positionally
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int], text: str,
                  new_token_ids: list[int], delta_text: str, finished: bool, finish_reason: Optional[str],
                  logprobs: Optional[list[float]], arrival_time: float, first_token_time: Optional[float],
                  finish_time: Optional[float], kv_usage: Optional[dict] = None,
-                 teacher_agree: Optional[list[bool]] = None):
+                 teacher_agree: Optional[list[bool]] = None, first_scheduled_time: Optional[float] = None):
         self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, finished
         self._token_ids, self._text, self._new_token_ids, self._delta_text = token_ids, text, new_token_ids, delta_text
         self.finish_reason, self._logprobs, self.arrival_time = finish_reason, logprobs, arrival_time
         self.first_token_time, self.finish_time, self.kv_usage = first_token_time, finish_time, kv_usage
         self._teacher_agree, self._seq = teacher_agree, None
+        self.first_scheduled_time = first_scheduled_time
 
     @classmethod
     def snapshot(cls, seq: Sequence, n_before: int, text_src: Optional[str], t0: int, t1: int) -> "RequestOutput":
@@ -175,6 +177,7 @@ class RequestOutput:
         out = cls.__new__(cls)
         out.request_id, out.prompt_token_ids, out.finished = seq.request_id, seq.prompt_token_ids, seq.finished
         out.finish_reason, out.arrival_time = seq.finish_reason, seq.arrival_time
+        out.first_scheduled_time = seq.first_scheduled_time
         out.first_token_time, out.finish_time, out.kv_usage, out._seq = (seq.first_token_time, seq.finish_time,
                                                                          seq.kv_usage, seq)
         out._token_ids = out._text = out._new_token_ids = out._delta_text = out._logprobs = out._teacher_agree = _LAZY

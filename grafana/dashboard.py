@@ -33,7 +33,7 @@ def _metrics():
 
 # ---- series names, from the service's own definitions ------------------------------------------------------
 def series(name: str, suffix: str = "") -> str:
-    """The scraped name of a metric defined in service/metrics.py ('diffkv_ttft_seconds', '_bucket')."""
+    """The scraped name of a metric defined in service/metrics.py ('diffkv_time_to_first_token_seconds', '_bucket')."""
     m = _metrics()
     spec = m.BY_NAME[name]  # KeyError: not a metric the service defines
     if suffix and (spec.kind != "histogram" or suffix not in HISTOGRAM_SUFFIXES):
@@ -79,6 +79,16 @@ def quantiles(name: str, qs=(0.5, 0.9, 0.99), by: str = "le", sel: str = "") -> 
              "legendFormat": f"{legend}p{int(q * 100)}"} for q in qs]
 
 
+def mean(name: str, sel: str = "", by: str = "", legend: str = "mean") -> dict:
+    """The mean of histogram `name` over the rate window, from its exact-sum counter (Ray's `_sum` is
+    computed from bucket midpoints, so it is not used)."""
+    m = _metrics()
+    exact = m.PROMETHEUS_PREFIX + m.BY_NAME[name + m.EXACT_SUM_SUFFIX].name
+    agg = f"sum by ({by}) " if by else "sum"
+    return {"expr": f"{agg}(rate({exact}{sel}[{RATE}])) / {agg}(rate({series(name, '_count')}{sel}[{RATE}]))",
+            "legendFormat": ("{{" + by + "}} " if by else "") + legend}
+
+
 def panel(title: str, targets: list[dict], unit: str = "short", kind: str = "timeseries", desc: str = "",
           stack: bool = False, w: int = 8, h: int = 8, minimum: Optional[float] = 0,
           maximum: Optional[float] = None) -> dict:
@@ -112,7 +122,7 @@ def panels() -> list[dict]:
         panel("Request rate", [{"expr": f"sum(rate({admitted}[{RATE}])) + sum(rate({rejected}[{RATE}]))",
                                 "legendFormat": "arrivals"}], unit="reqps", kind="stat", w=6, h=4,
               desc="Requests reaching the ingress per second (admitted + rejected)."),
-        panel("TTFT p99", quantiles("diffkv_ttft_seconds", (0.99,)), unit="s", kind="stat", w=6, h=4),
+        panel("TTFT p99", quantiles("diffkv_time_to_first_token_seconds", (0.99,)), unit="s", kind="stat", w=6, h=4),
         panel("Max KV page occupancy", [{"expr": f"max(max_over_time({s('diffkv_kv_page_occupancy')}{ENGINE}"
                                                  f"[{RATE}]))", "legendFormat": "occupancy"}],
               unit="percentunit", kind="stat", w=6, h=4, maximum=1),
@@ -140,28 +150,39 @@ def panels() -> list[dict]:
                    "capacity; in flight is a count."),
 
         row("Latency"),
-        panel("Time to first token", quantiles("diffkv_ttft_seconds") + [
+        panel("Time to first token", quantiles("diffkv_time_to_first_token_seconds") + [
             {"expr": f"max({s('diffkv_admission_predicted_ttft_seconds')})",
-             "legendFormat": "predicted by admission control"}], unit="s"),
-        panel("Time per output token", quantiles("diffkv_tpot_seconds"), unit="s"),
-        panel("End-to-end latency", quantiles("diffkv_e2e_latency_seconds"), unit="s"),
+             "legendFormat": "predicted by admission control"}, mean("diffkv_time_to_first_token_seconds")], unit="s"),
+        panel("Time per output token", quantiles("diffkv_request_time_per_output_token_seconds")
+              + [mean("diffkv_request_time_per_output_token_seconds")], unit="s",
+              desc="Per request: (end - first token) / (tokens - 1)."),
+        panel("Inter-token latency", quantiles("diffkv_inter_token_latency_seconds", (0.5, 0.99))
+              + [mean("diffkv_inter_token_latency_seconds"),
+                 dict(mean("diffkv_time_per_output_token_seconds"), legendFormat="mean (vLLM's older name)")],
+              unit="s", desc="Per token: the gap between consecutive output tokens at the ingress."),
+        panel("Queue time", quantiles("diffkv_request_queue_time_seconds", sel=ENGINE)
+              + [mean("diffkv_request_queue_time_seconds", ENGINE)], unit="s",
+              desc="From a request's arrival at an engine replica to its first scheduling."),
+        panel("End-to-end latency", quantiles("diffkv_e2e_request_latency_seconds") + [mean("diffkv_e2e_request_latency_seconds")],
+              unit="s"),
 
         row("Engine"),
         panel("Batch size", quantiles("diffkv_batch_size", (0.5, 0.9), sel=ENGINE) + [
-            {"expr": f"sum(rate({s('diffkv_batch_size', '_sum')}{ENGINE}[{RATE}])) / "
-                     f"sum(rate({s('diffkv_batch_size', '_count')}{ENGINE}[{RATE}]))", "legendFormat": "mean"}],
+            mean("diffkv_batch_size", ENGINE)],
               desc="Sequences per engine step (prefill or decode)."),
         panel("Running and waiting requests", [
-            {"expr": f"sum by (replica) ({s('diffkv_requests_running')}{ENGINE})",
+            {"expr": f"sum by (replica) ({s('diffkv_num_requests_running')}{ENGINE})",
              "legendFormat": "running {{replica}}"},
-            {"expr": f"sum by (replica) ({s('diffkv_requests_waiting')}{ENGINE})",
+            {"expr": f"sum by (replica) ({s('diffkv_num_requests_waiting')}{ENGINE})",
              "legendFormat": "waiting {{replica}}"}]),
         panel("Preemptions and tokens", [
-            {"expr": f"sum by (replica) (rate({s('diffkv_preemptions_total')}{ENGINE}[{RATE}]))",
+            {"expr": f"sum by (replica) (rate({s('diffkv_prompt_tokens_total')}{ENGINE}[{RATE}]))",
+             "legendFormat": "prompt tokens/s {{replica}}"},
+            {"expr": f"sum by (replica) (rate({s('diffkv_num_preemptions_total')}{ENGINE}[{RATE}]))",
              "legendFormat": "preemptions/s {{replica}}"},
-            {"expr": f"sum by (replica) (rate({s('diffkv_generated_tokens_total')}{ENGINE}[{RATE}]))",
-             "legendFormat": "tokens/s {{replica}}"}], unit="short",
-              desc="Preemptions (recompute for lack of KV pages) and generated tokens per second."),
+            {"expr": f"sum by (replica) (rate({s('diffkv_generation_tokens_total')}{ENGINE}[{RATE}]))",
+             "legendFormat": "generation tokens/s {{replica}}"}], unit="short",
+              desc="Preemptions (recompute for lack of KV pages), prompt and generated tokens per second."),
         panel("Prefix cache hit rate", [
             {"expr": f"sum by (replica) (rate({s('diffkv_prefix_cache_hits_total')}{ENGINE}[{RATE}])) / "
                      f"clamp_min(sum by (replica) (rate({s('diffkv_prefix_cache_queries_total')}{ENGINE}[{RATE}])), "
@@ -169,6 +190,10 @@ def panels() -> list[dict]:
               desc="Prompt tokens read from cached prefix blocks / prompt tokens looked up (docs/PREFIX_CACHING.md)."),
 
         row("KV cache (DiffKV)"),
+        panel("KV cache usage per replica", [
+            {"expr": f"max by (replica) ({s('diffkv_kv_cache_usage_perc')}{ENGINE})",
+             "legendFormat": "{{replica}}"}], unit="percentunit", maximum=1,
+              desc="Fraction of the replica's KV page pool in use (vLLM's kv_cache_usage_perc)."),
         panel("KV page occupancy per replica and rank", [
             {"expr": f"max by (replica, rank) ({s('diffkv_kv_page_occupancy')}{ENGINE})",
              "legendFormat": "{{replica}} rank {{rank}}"}], unit="percentunit", maximum=1,
@@ -180,7 +205,8 @@ def panels() -> list[dict]:
              "legendFormat": "total {{replica}} rank {{rank}}"}]),
         panel("Compaction latency (memory management per step)",
               quantiles("diffkv_mm_seconds", (0.5, 0.99), sel=ENGINE)
-              + quantiles("diffkv_mm_seconds", (0.99,), by="le, rank", sel=ENGINE), unit="s",
+              + quantiles("diffkv_mm_seconds", (0.99,), by="le, rank", sel=ENGINE)
+              + [mean("diffkv_mm_seconds", ENGINE)], unit="s",
               desc="Page allocation, recycling and page-table updates of a decode step (parallel KV compaction)."),
         panel("Compression ratio", [
             {"expr": f"max by (replica, kv_mode) ({s('diffkv_kv_compression_ratio')}{ENGINE})",
@@ -213,7 +239,7 @@ def _layout(items: list[dict]) -> list[dict]:
 
 
 def build() -> dict:
-    replica_query = f"label_values({series('diffkv_requests_running')}, replica)"
+    replica_query = f"label_values({series('diffkv_num_requests_running')}, replica)"
     return {
         "uid": UID, "title": "DiffKV Serve", "tags": ["diffkv", "llm", "ray-serve"],
         "description": "Traffic, admission, latency, batching and the DiffKV-compressed KV cache of DiffKV Serve. "
@@ -315,7 +341,10 @@ def check(dashboard: dict, available: dict[str, set[str]], require_all: Iterable
         if not names:
             errors.append(f"{title!r}: names no metric: {expr!r}")
         for n in sorted(names):
-            if n not in available:
+            if n.endswith("_sum") and n[:-4] + "_bucket" in available:
+                errors.append(f"{title!r}: {n} is approximated from bucket midpoints by Ray; use "
+                              f"{n[:-4]}{_metrics().EXACT_SUM_SUFFIX} ({expr!r})")
+            elif n not in available:
                 errors.append(f"{title!r}: {n} is not exported by the service ({expr!r})")
         carried = set().union(*(available.get(n, set()) for n in names)) | TARGET_LABELS
         for label in sorted(labels - carried):
@@ -330,7 +359,8 @@ def check_static(dashboard: dict) -> list[str]:
     """Against the service's definitions: every exported metric on some panel, nothing else."""
     available = exported_series()
     m = _metrics()
-    required = {m.PROMETHEUS_PREFIX + s.name + ("_bucket" if s.kind == "histogram" else "") for s in m.SPECS}
+    # a histogram is shown by its mean (its _count); its exact-sum counter is a metric of its own
+    required = {m.PROMETHEUS_PREFIX + s.name + ("_count" if s.kind == "histogram" else "") for s in m.SPECS}
     return check(dashboard, available, required)
 
 

@@ -140,6 +140,7 @@ class _Stream:
         self.rid = "chatcmpl-" + req["request_id"][4:] if endpoint == "chat" else "cmpl-" + req["request_id"][4:]
         self.gen = ingress.engine.options(stream=True).generate.remote(req)
         self.t_first: Optional[float] = None
+        self.t_last: Optional[float] = None  # when the latest tokens arrived
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
         self.failed = False  # ended by an error (400 / 503 from the replica)
@@ -166,15 +167,28 @@ class _Stream:
             err = item["error"]
             raise APIError(err["status"], err["message"], err["type"], err.get("param"),
                            retry_after=RETRY_AFTER_DEAD_S if err["status"] == 503 else None)
-        if item.get("tokens") and self.t_first is None:
-            self.t_first = time.monotonic()
-            self.ingress.metrics.observe("diffkv_ttft_seconds", self.t_first - self.t0, endpoint=self.endpoint)
+        if item.get("tokens"):
+            self._token_times(item["tokens"])
         self.completion_tokens = item.get("completion_tokens", self.completion_tokens)
         if item.get("finish_reason"):
             self.finish_reason = item["finish_reason"]
             if item.get("load"):
                 self.ingress.admission.report(ReplicaLoad(**item["load"]))
         return item
+
+    def _token_times(self, n: int) -> None:
+        """TTFT on the first tokens; after it, the gap since the previous tokens, split over the n tokens that
+        arrived together (one inter-token latency observation per token, as vLLM records them)."""
+        now, m = time.monotonic(), self.ingress.metrics
+        if self.t_first is None:
+            self.t_first = now
+            m.observe("diffkv_time_to_first_token_seconds", now - self.t0, endpoint=self.endpoint)
+        else:
+            gap = (now - self.t_last) / n
+            for _ in range(n):
+                m.observe("diffkv_inter_token_latency_seconds", gap, endpoint=self.endpoint)
+                m.observe("diffkv_time_per_output_token_seconds", gap, endpoint=self.endpoint)
+        self.t_last = now
 
     async def first(self) -> dict:
         try:
@@ -238,10 +252,10 @@ class _Stream:
         reason = self.finish_reason or ("error" if self.failed else "abort")
         m.inc("diffkv_requests_finished_total", endpoint=self.endpoint, reason=reason)
         if self.finish_reason is not None:
-            m.observe("diffkv_e2e_latency_seconds", now - self.t0, endpoint=self.endpoint)
+            m.observe("diffkv_e2e_request_latency_seconds", now - self.t0, endpoint=self.endpoint)
             if self.t_first is not None and self.completion_tokens > 1:
-                m.observe("diffkv_tpot_seconds", (now - self.t_first) / (self.completion_tokens - 1),
-                          endpoint=self.endpoint)
+                m.observe("diffkv_request_time_per_output_token_seconds",
+                          (now - self.t_first) / (self.completion_tokens - 1), endpoint=self.endpoint)
         self.ingress.admission.release()
         self.ingress._publish_admission_gauges()
 
@@ -273,6 +287,7 @@ class OpenAIIngress:
             max_replicas=scaling.get("max_replicas") if scaling else self.cfg.num_replicas,
             share=1.0 / self.cfg.ingress_replicas)
         self.metrics = Metrics()
+        self.metrics.start_counters("ingress")
         self._info: Optional[dict] = None
         self._schema: Optional[dict] = None
         app.state.ingress = self

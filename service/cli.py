@@ -230,34 +230,102 @@ def _deploy_with_progress(app, name: str, stop) -> None:
         raise err[0]
 
 
+def _check_ports_free(host: str, ports: dict[str, Optional[int]]) -> None:
+    """Refuse to start when a port is taken: Ray would time out 30 s later with "The current node timed out
+    during startup", and the real cause (address in use) would show only in Ray's own log."""
+    import socket
+
+    for flag, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind it: TIME_WAIT is free
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                raise ValueError(f"{flag} {port}: {host}:{port} is already in use ({e.strerror}); stop what holds "
+                                 f"it (a server stopped a moment ago may still hold it) or choose another port")
+
+
+# Ray's switch for the single-machine mode it uses on macOS/Windows: the node's address is loopback, so the
+# metrics exporter binds loopback (ray.init's _node_ip_address turns 127.0.0.1 into the machine's address).
+_RAY_LOOPBACK_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _local_ray_env(args) -> dict[str, str]:
+    """Environment for the Ray this command starts (set before Ray is imported: Ray reads it then, and its
+    processes inherit it). A loopback --host keeps the whole node on loopback, so --metrics-port is bound
+    there too rather than on every interface."""
+    loopback = args.host in ("localhost", "::1") or args.host.startswith("127.")  # not Ray's: it reads the env
+    return {_RAY_LOOPBACK_NODE_ENV: "0"} if loopback else {}
+
+
+def _local_ray_init_kwargs(args) -> dict:
+    init: dict = {"include_dashboard": False}
+    if args.num_cpus is not None:
+        init["num_cpus"] = args.num_cpus
+    if args.metrics_port is not None:
+        init["_metrics_export_port"] = args.metrics_port
+    return init
+
+
+def _reap(procs: list, grace_s: float = 3.0) -> None:
+    """Wait for the processes of the Ray this command started; terminate (then kill) what outlives ray.shutdown()
+    by grace_s (its dashboard and runtime-env agents otherwise linger a minute, holding --metrics-port)."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=5.0)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5.0)
+
+
+def _stop_on_signals(stop) -> None:
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
+        signal.signal(sig, lambda *_: stop.set())
+
+
 def cmd_serve(args) -> int:
     import os
-    import signal
     import threading
+
+    import psutil
 
     cfg = _serve_config(args)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not args.address:
+        for key, value in _local_ray_env(args).items():
+            os.environ.setdefault(key, value)
     import ray
     from ray import serve
 
     from service.app import APP_NAME, build_app
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
-        signal.signal(sig, lambda *_: stop.set())
+    _stop_on_signals(stop)
     if args.address:
+        _check_ports_free(args.host, {"--port": args.port})
         ray.init(address=args.address)
     else:
-        init = {"include_dashboard": False}
-        if args.num_cpus is not None:
-            init["num_cpus"] = args.num_cpus
-        if args.metrics_port is not None:
-            init["_metrics_export_port"] = args.metrics_port
-        ray.init(**init)
+        _check_ports_free(args.host, {"--port": args.port, "--metrics-port": args.metrics_port})
+        ray.init(**_local_ray_init_kwargs(args))
+    # again: Ray's core worker installs its own SIGTERM handler (a crash report, then exit) in ray.init
+    _stop_on_signals(stop)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
-        metrics = f", Prometheus metrics on :{args.metrics_port}/metrics" if args.metrics_port else ""
+        metrics = f", Prometheus metrics on {args.host}:{args.metrics_port}/metrics" if args.metrics_port else ""
         print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
               f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}). Ctrl-C stops.",
               file=sys.stderr, flush=True)
@@ -267,6 +335,7 @@ def cmd_serve(args) -> int:
         pass
     finally:
         print("shutting down...", file=sys.stderr, flush=True)
+        ours = [] if args.address else psutil.Process().children(recursive=True)  # the Ray we started
         try:
             if args.address:
                 serve.delete(APP_NAME)  # a shared cluster: remove only our app
@@ -274,6 +343,7 @@ def cmd_serve(args) -> int:
                 serve.shutdown()
         finally:
             ray.shutdown()
+            _reap(ours)
     return 0
 
 
@@ -321,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-admission", action="store_true", help="admit every request (no 429s)")
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
-    s.add_argument("--metrics-port", type=int, default=None, help="Prometheus export port of the local Ray")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus export port of the local Ray (on loopback when --host is)")
     s.set_defaults(func=cmd_serve)
     from evals import cli as evals_cli  # accuracy commands live with the evaluation package
 

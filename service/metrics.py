@@ -2,12 +2,19 @@
 
 Metrics go through Ray's metrics system (ray.util.metrics): every process records its own, each node's
 agent exports them in Prometheus format on the metrics export port with a `ray_` prefix
-(`diffkv_requests_running` is scraped as `ray_diffkv_requests_running`), and Prometheus sums across
+(`diffkv_num_requests_running` is scraped as `ray_diffkv_num_requests_running`), and Prometheus sums across
 replicas with the labels below. The README lists the same table; the Grafana dashboard and the scrape
 test use these names.
+
+Ray's recorder exports a histogram's `_sum` from bucket midpoints, not from the observed values (112 steps at
+batch size 1 export a sum of 56), so every histogram has a counter beside it, `<name>_exact_sum_total`,
+carrying the exact sum: means are `rate(<name>_exact_sum_total) / rate(<name>_count)`. `_count` and the
+buckets are exact.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +31,11 @@ MM_BUCKETS_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
+ENDPOINTS = ("chat", "completions")
+REJECT_REASONS = ("queue_delay", "arrival_rate", "invalid", "engine_dead", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     name: str
@@ -31,14 +43,26 @@ class MetricSpec:
     description: str
     tags: tuple[str, ...] = ()
     buckets: Optional[tuple[float, ...]] = None
-    feature: Optional[str] = None  # CacheConfig switch without which the series never appears (first inc)
+    feature: Optional[str] = None  # CacheConfig switch without which the series never appears
+    vllm: Optional[str] = None  # the vLLM engine metric with this meaning (docs/METRICS.md maps them)
+    where: str = "engine"  # engine | ingress: the deployment that records it
+    label_values: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a label's values known up front
+
+
+def _ingress(*specs: MetricSpec) -> tuple[MetricSpec, ...]:
+    return tuple(dataclasses.replace(s, where="ingress") for s in specs)
 
 
 SPECS: tuple[MetricSpec, ...] = (
     # ---- engine replicas (recorded by each engine replica) ----
-    MetricSpec("diffkv_requests_running", "gauge", "Requests in the engine's running batch.", (REPLICA,)),
-    MetricSpec("diffkv_requests_waiting", "gauge", "Requests queued in the engine, waiting for a batch slot or KV "
-                                                   "pages (includes preempted ones).", (REPLICA,)),
+    MetricSpec("diffkv_num_requests_running", "gauge", "Requests in the engine's running batch.", (REPLICA,),
+               vllm="vllm:num_requests_running"),
+    MetricSpec("diffkv_num_requests_waiting", "gauge", "Requests queued in the engine, waiting for a batch slot "
+                                                       "or KV pages (includes preempted ones).", (REPLICA,),
+               vllm="vllm:num_requests_waiting"),
+    MetricSpec("diffkv_kv_cache_usage_perc", "gauge", "Fraction of the replica's KV page pool in use (0-1; pages "
+                                                      "summed over tensor-parallel ranks).", (REPLICA,),
+               vllm="vllm:kv_cache_usage_perc"),
     MetricSpec("diffkv_batch_size", "histogram", "Sequences in each engine step (prefill or decode).", (REPLICA,),
                tuple(BATCH_BUCKETS)),
     MetricSpec("diffkv_kv_pages_used", "gauge", "KV pages in use, per replica and tensor-parallel rank.",
@@ -57,31 +81,54 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("diffkv_kv_tokens_low_fraction", "gauge", "Fraction kept at low precision.", (REPLICA, KV_MODE)),
     MetricSpec("diffkv_kv_tokens_pruned_fraction", "gauge", "Fraction pruned (dropped from the cache).",
                (REPLICA, KV_MODE)),
-    MetricSpec("diffkv_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV pages.",
-               (REPLICA,)),
-    MetricSpec("diffkv_generated_tokens_total", "counter", "Tokens generated.", (REPLICA,)),
+    MetricSpec("diffkv_num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV "
+                                                          "pages.", (REPLICA,), vllm="vllm:num_preemptions_total"),
+    MetricSpec("diffkv_prompt_tokens_total", "counter", "Prompt tokens of the requests that reached their first "
+                                                        "token (prefill done).", (REPLICA,),
+               vllm="vllm:prompt_tokens_total"),
+    MetricSpec("diffkv_generation_tokens_total", "counter", "Tokens generated.", (REPLICA,),
+               vllm="vllm:generation_tokens_total"),
     MetricSpec("diffkv_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache "
                                                                "(admitted prompts).", (REPLICA,),
-               feature="enable_prefix_caching"),
+               feature="enable_prefix_caching", vllm="vllm:prefix_cache_queries_total"),
     MetricSpec("diffkv_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (read from "
                                                             "cached blocks instead of computed).", (REPLICA,),
-               feature="enable_prefix_caching"),
+               feature="enable_prefix_caching", vllm="vllm:prefix_cache_hits_total"),
+    MetricSpec("diffkv_request_queue_time_seconds", "histogram", "Time a request waited in the engine's queue, "
+                                                                 "from its arrival at the replica to its first "
+                                                                 "scheduling.", (REPLICA,), tuple(LATENCY_BUCKETS_S),
+               vllm="vllm:request_queue_time_seconds"),
     MetricSpec("diffkv_service_rate", "gauge", "Measured requests per second one replica completes at its KV "
                                                "capacity (the admission model's c * mu; 0 until measured).",
                (REPLICA,)),
+) + _ingress(
     # ---- the ingress (recorded by each ingress replica) ----
-    MetricSpec("diffkv_ttft_seconds", "histogram", "Time to first token, from arrival at the ingress.", (ENDPOINT,),
-               tuple(LATENCY_BUCKETS_S)),
-    MetricSpec("diffkv_tpot_seconds", "histogram", "Time per output token after the first (mean over a request).",
-               (ENDPOINT,), tuple(TPOT_BUCKETS_S)),
-    MetricSpec("diffkv_e2e_latency_seconds", "histogram", "End-to-end request latency at the ingress.", (ENDPOINT,),
-               tuple(LATENCY_BUCKETS_S)),
+    MetricSpec("diffkv_time_to_first_token_seconds", "histogram", "Time to first token, from arrival at the "
+                                                                  "ingress.", (ENDPOINT,), tuple(LATENCY_BUCKETS_S),
+               vllm="vllm:time_to_first_token_seconds"),
+    MetricSpec("diffkv_inter_token_latency_seconds", "histogram", "Time between consecutive output tokens at the "
+                                                                  "ingress, one observation per token after the "
+                                                                  "first.", (ENDPOINT,), tuple(TPOT_BUCKETS_S),
+               vllm="vllm:inter_token_latency_seconds"),
+    MetricSpec("diffkv_time_per_output_token_seconds", "histogram", "Same observations as "
+                                                                    "diffkv_inter_token_latency_seconds (vLLM's "
+                                                                    "older name for it).", (ENDPOINT,),
+               tuple(TPOT_BUCKETS_S), vllm="vllm:time_per_output_token_seconds"),
+    MetricSpec("diffkv_request_time_per_output_token_seconds", "histogram", "Time per output token after the "
+                                                                            "first, one observation per request "
+                                                                            "(its mean).", (ENDPOINT,),
+               tuple(TPOT_BUCKETS_S), vllm="vllm:request_time_per_output_token_seconds"),
+    MetricSpec("diffkv_e2e_request_latency_seconds", "histogram", "End-to-end request latency at the ingress.",
+               (ENDPOINT,), tuple(LATENCY_BUCKETS_S), vllm="vllm:e2e_request_latency_seconds"),
     MetricSpec("diffkv_requests_admitted_total", "counter", "Requests admitted by admission control.", (ENDPOINT,)),
     MetricSpec("diffkv_requests_rejected_total", "counter", "Requests rejected, by reason: queue_delay / "
                                                             "arrival_rate (admission, 429), invalid (400), "
-                                                            "engine_dead (503).", (ENDPOINT, REASON)),
+                                                            "engine_dead (503), error (other failures before the "
+                                                            "first token).", (ENDPOINT, REASON),
+               label_values=((REASON, REJECT_REASONS),)),
     MetricSpec("diffkv_requests_finished_total", "counter", "Admitted requests that completed, by finish reason "
-                                                            "(stop, length, abort, error).", (ENDPOINT, REASON)),
+                                                            "(stop, length, abort, error).", (ENDPOINT, REASON),
+               label_values=((REASON, FINISH_REASONS),)),
     MetricSpec("diffkv_arrival_rate", "gauge", "Estimated arrival rate (requests/s) at this ingress (Poisson "
                                                "estimate, exponentially weighted).", ()),
     MetricSpec("diffkv_admission_predicted_ttft_seconds", "gauge", "Predicted TTFT of the last arrival under the "
@@ -89,6 +136,18 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("diffkv_requests_in_flight", "gauge", "Admitted requests not yet finished at this ingress.", ()),
 )
 
+EXACT_SUM_SUFFIX = "_exact_sum_total"
+
+
+def exact_sum_spec(hist: MetricSpec) -> MetricSpec:
+    """The counter carrying a histogram's exact sum (Ray's own `_sum` is computed from bucket midpoints)."""
+    return MetricSpec(hist.name + EXACT_SUM_SUFFIX, "counter", f"Exact sum of the values observed by "
+                      f"{hist.name} (use it for means: its `_sum` is approximated from bucket midpoints).",
+                      hist.tags, feature=hist.feature, where=hist.where)
+
+
+SPECS = SPECS + tuple(exact_sum_spec(s) for s in SPECS if s.kind == "histogram")
+LABEL_VALUES: dict[str, tuple[str, ...]] = {ENDPOINT: ENDPOINTS}  # labels whose values every metric shares
 BY_NAME = {s.name: s for s in SPECS}
 PROMETHEUS_PREFIX = "ray_"  # Ray's exporter prefixes application metrics
 
@@ -121,6 +180,23 @@ class Metrics:
     def _tags(self, name: str, tags: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
         return {k: str(v) for k, v in tags.items()} if tags else None
 
+    def start_counters(self, where: str, features: Optional[dict[str, bool]] = None, **known) -> None:
+        """Export every counter that deployment `where` records at 0 now, for each label set known up front
+        (its labels' values from LABEL_VALUES, the spec's label_values and `known`, e.g. rank=("0", "1")), so
+        that rate() and increase() read 0 rather than "No data" until the first event. A counter whose
+        feature is off in `features` is left out."""
+        features = features or {}
+        for s in SPECS:
+            if s.kind != "counter" or s.where != where or not features.get(s.feature, True):
+                continue
+            free = [t for t in s.tags if t not in self._default_tags]
+            values = {**LABEL_VALUES, **dict(s.label_values), **known}
+            if any(t not in values for t in free):
+                continue  # a label whose values appear only at run time
+            for combo in itertools.product(*(values[t] for t in free)):
+                # Counter.inc refuses 0; _record is what it calls, and records a 0 increment as a series at 0
+                self._get(s.name)._record(0, tags=dict(zip(free, combo)) or None)
+
     def inc(self, name: str, value: float = 1.0, **tags) -> None:
         if value > 0:
             self._get(name).inc(value, tags=self._tags(name, tags))
@@ -129,4 +205,6 @@ class Metrics:
         self._get(name).set(float(value), tags=self._tags(name, tags))
 
     def observe(self, name: str, value: float, **tags) -> None:
+        """Observe `value` in histogram `name` and add it to the histogram's exact-sum counter."""
         self._get(name).observe(float(value), tags=self._tags(name, tags))
+        self.inc(name + EXACT_SUM_SUFFIX, value, **tags)

@@ -70,6 +70,9 @@ class EngineReplica:
         sched = self.engine.config.scheduler
         self.meter = ServiceMeter(self.cfg.admission.rate_window_s, sched.max_num_seqs)
         self.metrics = Metrics({REPLICA: self.replica_id, KV_MODE: self.engine.config.cache.kv_mode})
+        cache = self.engine.config.cache
+        self.metrics.start_counters("engine", {"enable_prefix_caching": cache.prefix_caching()},
+                                    rank=tuple(str(r) for r in range(self.cfg.tensor_parallel_size)))
         self._batch_sizes: collections.deque[int] = collections.deque(maxlen=100_000)  # step thread -> poller
         self.aeng = AsyncLLMEngine(self.engine, on_step=self._on_step)
         await self.aeng.start()
@@ -158,6 +161,7 @@ class EngineReplica:
                                                 kv_compression=req.get("kv_compression")):
                 if ttft is None and out.token_ids:
                     ttft = time.monotonic() - t0
+                    self._first_token_metrics(out)
                 n = len(out.token_ids)
                 item = {"text": out.delta_text, "tokens": n - sent, "finish_reason": None,
                         "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n}
@@ -196,6 +200,13 @@ class EngineReplica:
             self.in_flight -= 1
             if not departed:
                 self.meter.finished(None, None, False)
+
+    def _first_token_metrics(self, out) -> None:
+        """Prefill done: its prompt tokens, and how long it waited in the engine's queue."""
+        self.metrics.inc("diffkv_prompt_tokens_total", len(out.prompt_token_ids))
+        scheduled = getattr(out, "first_scheduled_time", None)
+        if scheduled is not None:
+            self.metrics.observe("diffkv_request_queue_time_seconds", max(0.0, scheduled - out.arrival_time))
 
     # ---- health, routing stats, stats ---------------------------------------------------------------------
     def engine_healthy(self) -> bool:
@@ -259,8 +270,9 @@ class EngineReplica:
         self.meter.pages_total = st["pages_total"]
         if not st["num_running"]:
             self.meter.set_running(0)
-        m.set("diffkv_requests_running", st["num_running"])
-        m.set("diffkv_requests_waiting", st["num_waiting"])
+        m.set("diffkv_num_requests_running", st["num_running"])
+        m.set("diffkv_num_requests_waiting", st["num_waiting"])
+        m.set("diffkv_kv_cache_usage_perc", st["pages_used"] / max(1, st["pages_total"]))
         ranks = st.get("ranks") or [{"rank": 0, "pages_total": st["pages_total"], "pages_used": st["pages_used"],
                                      "last_mm_seconds": st.get("last_mm_seconds", 0.0)}]
         for r in ranks:
@@ -278,8 +290,8 @@ class EngineReplica:
                                  "diffkv_kv_tokens_pruned_fraction": st["tokens_pruned"] / entries}
         for name, value in self._compression.items():
             m.set(name, value)
-        for key, name in (("num_preemptions", "diffkv_preemptions_total"),
-                          ("num_generated_tokens", "diffkv_generated_tokens_total"),
+        for key, name in (("num_preemptions", "diffkv_num_preemptions_total"),
+                          ("num_generated_tokens", "diffkv_generation_tokens_total"),
                           ("prefix_cache_queries", "diffkv_prefix_cache_queries_total"),
                           ("prefix_cache_hits", "diffkv_prefix_cache_hits_total")):
             m.inc(name, st[key] - self._prev_counters[key])

@@ -210,7 +210,8 @@ class EagerText:
                              new_ids, delta, seq.finished, seq.finish_reason,
                              list(seq.output_logprobs) if seq.params.logprobs else None,
                              seq.arrival_time, seq.first_token_time, seq.finish_time, seq.kv_usage,
-                             list(seq.teacher_agree) if seq.params.teacher_tokens is not None else None)
+                             list(seq.teacher_agree) if seq.params.teacher_tokens is not None else None,
+                             seq.first_scheduled_time)
 
 
 def script_model(engine, scripts: dict[str, list[int]]) -> None:

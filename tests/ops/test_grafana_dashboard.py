@@ -66,12 +66,14 @@ def _replace_expr(dashboard, old, new):
 
 
 @pytest.mark.parametrize("old,new,words", [
-    ("ray_diffkv_ttft_seconds_bucket", "ray_diffkv_ttft_second_bucket", ["ray_diffkv_ttft_second_bucket",
+    ("ray_diffkv_time_to_first_token_seconds_bucket", "ray_diffkv_ttft_bucket", ["ray_diffkv_ttft_bucket",
                                                                           "not exported"]),
     ("ray_diffkv_kv_page_occupancy", "diffkv_kv_page_occupancy", ["diffkv_kv_page_occupancy", "not exported"]),
     ("by (replica, rank)", "by (replica, tp_rank)", ["'tp_rank'", "not a label"]),
     ("by (reason)", "by (reasons)", ["'reasons'"]),
-    ("sum by (le) (rate(ray_diffkv_tpot_seconds_bucket", "sum by (le) (rate(ray_diffkv_tpot_seconds_bucket[",
+    ("ray_diffkv_batch_size_exact_sum_total", "ray_diffkv_batch_size_sum", ["bucket midpoints",
+                                                                             "ray_diffkv_batch_size_exact_sum_total"]),
+    ("sum by (le) (rate(ray_diffkv_inter_token_latency_seconds_bucket", "sum by (le) (rate(ray_diffkv_inter_token_latency_seconds_bucket[",
      ["not PromQL"]),
 ])
 def test_broken_query_fails(dashboard, old, new, words):
@@ -84,12 +86,13 @@ def test_missing_metric_fails(dashboard):
     broken = copy.deepcopy(dashboard)
     broken["panels"] = [p for p in broken["panels"] if p.get("title") != "Preemptions and tokens"]
     errors = dash.check_static(broken)
-    assert "no panel shows ray_diffkv_preemptions_total" in errors
-    assert "no panel shows ray_diffkv_generated_tokens_total" in errors
+    assert "no panel shows ray_diffkv_num_preemptions_total" in errors
+    assert "no panel shows ray_diffkv_generation_tokens_total" in errors
 
 
 def test_broken_json_file_fails_the_cli(tmp_path, monkeypatch, dashboard):
     bad = tmp_path / "diffkv-serve.json"
-    bad.write_text(json.dumps(_replace_expr(dashboard, "ray_diffkv_batch_size_sum", "ray_diffkv_batch_sum")))
+    bad.write_text(json.dumps(_replace_expr(dashboard, "ray_diffkv_batch_size_exact_sum_total",
+                                            "ray_diffkv_batch_exact_sum_total")))
     monkeypatch.setattr(dash, "DASHBOARD_PATH", bad)
     assert dash.main(["--check"]) == 1

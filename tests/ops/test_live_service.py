@@ -254,11 +254,12 @@ def test_prometheus_scrapes_the_service_and_answers_the_dashboard(service, prome
     assert scalar(prometheus, 'up{job="diffkv-serve"}') == 1.0
     s = dash.series  # scraped names from service/metrics.py
     queries = {
-        "batch size (mean)": f"sum(rate({s('diffkv_batch_size', '_sum')}[1m])) / "
+        "batch size (mean)": f"sum(rate({s('diffkv_batch_size_exact_sum_total')}[1m])) / "
                              f"sum(rate({s('diffkv_batch_size', '_count')}[1m]))",
         "page occupancy": f"max(max_over_time({s('diffkv_kv_page_occupancy')}[1m]))",
         "compaction p99": f"histogram_quantile(0.99, sum by (le) (rate({s('diffkv_mm_seconds', '_bucket')}[1m])))",
-        "TTFT p50": f"histogram_quantile(0.5, sum by (le) (rate({s('diffkv_ttft_seconds', '_bucket')}[1m])))",
+        "TTFT p50": f"histogram_quantile(0.5, sum by (le) "
+                    f"(rate({s('diffkv_time_to_first_token_seconds', '_bucket')}[1m])))",
     }
 
     def values():

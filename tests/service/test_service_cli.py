@@ -69,6 +69,80 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
         httpx.get(base + "/health", timeout=5)
 
 
+def _serve(tmp_path, name, port, metrics):
+    log = open(tmp_path / name, "w")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--model", "random:tiny",
+                             "--port", str(port), "--metrics-port", str(metrics), "--num-cpus", "4"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, log
+
+
+@pytest.mark.parametrize("busy_flag", ["--port", "--metrics-port"])
+def test_busy_port_fails_at_once_naming_it(tmp_path, busy_flag):
+    import socket
+    import time
+
+    port, metrics = free_port(), free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port if busy_flag == "--port" else metrics))
+        holder.listen()
+        t0 = time.monotonic()
+        proc, log = _serve(tmp_path, "serve.log", port, metrics)
+        rc = proc.wait(timeout=60)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    busy = port if busy_flag == "--port" else metrics
+    assert rc == 2 and f"{busy_flag} {busy}" in text and "already in use" in text, text[-2000:]
+    assert time.monotonic() - t0 < 30, "it must fail before starting Ray (whose own timeout is 30 s)"
+
+
+def test_metrics_port_binds_to_host():
+    from service.cli import _local_ray_env
+
+    assert _local_ray_env(parse("--host", "127.0.0.1")) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    assert _local_ray_env(parse("--host", "localhost")) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    assert _local_ray_env(parse("--host", "0.0.0.0")) == {}  # every interface: Ray's default
+
+
+def test_sigterm_stops_cleanly_and_the_same_ports_serve_again(tmp_path):
+    """SIGTERM shuts down like Ctrl-C (no crash trace, no process of its Ray left holding a port), so a restart
+    on the same --port / --metrics-port comes up; the metrics port listens on --host (loopback) only."""
+    import psutil
+
+    port, metrics = free_port(), free_port()
+    for attempt in ("first.log", "second.log"):
+        proc, log = _serve(tmp_path, attempt, port, metrics)
+        try:
+            def healthy():
+                assert proc.poll() is None, (tmp_path / attempt).read_text()[-3000:]
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+                except httpx.HTTPError:
+                    return False
+            wait_for(healthy, 180, interval=1.0, what=f"diffkv serve to come up ({attempt})")
+            listening = {c.laddr.ip for c in psutil.net_connections("inet")
+                         if c.laddr and c.laddr.port == metrics and c.status == psutil.CONN_LISTEN}
+            assert listening == {"127.0.0.1"}, listening
+            children = psutil.Process(proc.pid).children(recursive=True)
+            assert children, "the Ray it started"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=90) == 0
+        finally:
+            if proc.poll() is None:  # a failed check: stop it the clean way first, so its Ray goes too
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log.close()
+        text = (tmp_path / attempt).read_text()
+        assert "shutting down" in text and "SIGTERM received" not in text, text[-3000:]
+        left = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, [(p.pid, p.name()) for p in left]
+
+
 # ---- packaging: what the README's commands need is what its extras install ----------------------------------------
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,3 +17,14 @@ def test_admission_page_has_the_model():
     page = (ROOT / "docs" / "ADMISSION.md").read_text()
     for needle in ("Erlang", "E[W | n] = (n - C + 1) / M", "λ_max", "Retry-After", "thinning"):
         assert needle in page
+
+
+def test_metrics_page_maps_every_vllm_name():
+    page = (ROOT / "docs" / "METRICS.md").read_text()
+    mapped = [spec for spec in SPECS if spec.vllm]
+    assert len(mapped) >= 13
+    for spec in mapped:
+        assert f"| `{spec.name}` | `{spec.vllm}` |" in page, f"{spec.name} -> {spec.vllm} is not in docs/METRICS.md"
+        prefix_swapped = "diffkv_" + spec.vllm.removeprefix("vllm:")
+        assert spec.name == prefix_swapped, f"{spec.name} does not port from {spec.vllm} by prefix substitution"
+    assert "docs/METRICS.md" in (ROOT / "README.md").read_text()

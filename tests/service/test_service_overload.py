@@ -101,7 +101,7 @@ def test_poisson_burst_at_several_times_capacity(service):
     rate = 4 * capacity
     n = 40
     rng = random.Random(0)
-    gauges = [PROMETHEUS_PREFIX + g for g in ("diffkv_requests_running", "diffkv_requests_waiting",
+    gauges = [PROMETHEUS_PREFIX + g for g in ("diffkv_num_requests_running", "diffkv_num_requests_waiting",
                                               "diffkv_kv_pages_used", "diffkv_requests_in_flight")]
     scraper = Scraper(service["cluster"], gauges)
     scraper.start()
@@ -141,7 +141,7 @@ def test_poisson_burst_at_several_times_capacity(service):
           f"max {ttfts[-1]:.2f}s (target {CONFIG['admission']['ttft_target_s']}s)")
     assert median_ttft < 3 * CONFIG["admission"]["ttft_target_s"]
     # the burst really loaded the replica (seen by the metrics while it ran)
-    assert scraper.max[PROMETHEUS_PREFIX + "diffkv_requests_running"] >= 2, scraper.max
+    assert scraper.max[PROMETHEUS_PREFIX + "diffkv_num_requests_running"] >= 2, scraper.max
     assert scraper.max[PROMETHEUS_PREFIX + "diffkv_kv_pages_used"] > 0
 
     # afterwards: every KV page free again, read from the metrics
@@ -151,7 +151,7 @@ def test_poisson_burst_at_several_times_capacity(service):
         s = parse_metrics(service["cluster"].scrape())
         used = values(s, PROMETHEUS_PREFIX + "diffkv_kv_pages_used", replica=rid)
         total = values(s, PROMETHEUS_PREFIX + "diffkv_kv_pages_total", replica=rid)
-        running = values(s, PROMETHEUS_PREFIX + "diffkv_requests_running", replica=rid)
+        running = values(s, PROMETHEUS_PREFIX + "diffkv_num_requests_running", replica=rid)
         in_flight = values(s, PROMETHEUS_PREFIX + "diffkv_requests_in_flight")  # admission released them all
         return (used and total and sum(used) == 0 and sum(total) > 0 and sum(running) == 0
                 and in_flight and sum(in_flight) == 0)
@@ -177,7 +177,7 @@ def test_metrics_endpoint_shows_every_metric_with_non_trivial_values(service):
     for spec in SPECS:
         full = P + spec.name
         if spec.feature == "enable_prefix_caching":  # off: this service runs diffkv, whose 'auto' is off
-            assert full not in names, f"{full} exported with its feature off"
+            assert not values(samples, full, replica=rid), f"{full} exported with its feature off"
         elif spec.kind == "histogram":
             counts = values(samples, full + "_count")
             assert counts and sum(counts) > 0, f"{full}: no observations"
@@ -189,8 +189,8 @@ def test_metrics_endpoint_shows_every_metric_with_non_trivial_values(service):
                v("diffkv_requests_rejected_total", reason="arrival_rate")) > 0
     assert sum(v("diffkv_requests_finished_total", reason="length") + v("diffkv_requests_finished_total",
                                                                            reason="stop")) > 0
-    assert sum(v("diffkv_preemptions_total", replica=rid)) > 0, "the small pool should have preempted"
-    assert sum(v("diffkv_generated_tokens_total", replica=rid)) > 0
+    assert sum(v("diffkv_num_preemptions_total", replica=rid)) > 0, "the small pool should have preempted"
+    assert sum(v("diffkv_generation_tokens_total", replica=rid)) > 0
     assert max(v("diffkv_arrival_rate")) > 0 and max(v("diffkv_admission_predicted_ttft_seconds")) > 0
     assert max(v("diffkv_service_rate", replica=rid)) > 0
     assert max(v("diffkv_kv_pages_total", replica=rid, rank="0")) == CONFIG["cache"]["num_pages"]
@@ -200,6 +200,10 @@ def test_metrics_endpoint_shows_every_metric_with_non_trivial_values(service):
     assert sum(values(samples, P + "diffkv_batch_size_count", replica=rid)) > 0
     assert sum(values(samples, P + "diffkv_mm_seconds_count", replica=rid, rank="0")) > 0
     # the bucket counts are cumulative and end at the count
-    for name in ("diffkv_ttft_seconds", "diffkv_tpot_seconds", "diffkv_e2e_latency_seconds"):
+    assert sum(v("diffkv_prompt_tokens_total", replica=rid)) > 0
+    assert max(v("diffkv_kv_cache_usage_perc", replica=rid)) <= 1.0
+    for name in ("diffkv_time_to_first_token_seconds", "diffkv_request_time_per_output_token_seconds",
+                 "diffkv_e2e_request_latency_seconds", "diffkv_inter_token_latency_seconds",
+                 "diffkv_request_queue_time_seconds"):
         inf = values(samples, P + name + "_bucket", le="+Inf")
         assert sum(inf) == sum(values(samples, P + name + "_count")) > 0

@@ -49,6 +49,6 @@ def test_requests_spread_over_both_replicas(service):
 
     def per_replica_series():  # the metrics carry one series per replica
         samples = parse_metrics(service["cluster"].scrape())
-        return all(sum(values(samples, "ray_diffkv_generated_tokens_total", replica=rid)) == n
+        return all(sum(values(samples, "ray_diffkv_generation_tokens_total", replica=rid)) == n
                    for rid, n in served.items())
     wait_for(per_replica_series, 15, what="per-replica generated-token counters")
