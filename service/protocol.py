@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
-ALPHA_MAX = 1e6  # kv_compression thresholds: far above any useful value (alpha / position vs scores <= 1)
+ALPHA_MAX = 1e6  # upper bound of a kv_compression threshold
 
 
 class _Strict(BaseModel):
