@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 calib = recorded  # --resume: a finished task calibration is reused whole
             else:
                 calib = calibrate_on_tasks(model, calib_problems, cal, refs["calib"], max_tokens,
-                                           tolerance_points=args.tolerance_points)
+                                           tolerance_points=args.tolerance_points,
+                                           progress=out / "task_calibration_progress.json")
         else:
             # --resume re-picks from the recorded sweep points and measures only the missing ones.
             calib = calibrate(model, cal, refs["calib"], calib_problems, max_tokens, tolerance=args.tolerance,

@@ -10,7 +10,9 @@ them (the measured centers when the caller set `model.key_center`).
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from evals.fidelity import score_fidelity, teacher_forced_requests
 from evals.harness import DEFAULT_MAX_TOKENS
@@ -88,8 +90,10 @@ def pick(points: list[dict], tolerance_points: float) -> tuple[dict, bool]:
 
 def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | None = None,
                        tolerance_points: float = 1.0, pairs=PRECISION_PAIRS, alpha_high_grid=ALPHA_HIGH_GRID,
-                       alpha_low_grid=ALPHA_LOW_GRID) -> dict:
-    """The settings-file fields (model, high, low, alpha_high, alpha_low, calibration) of the chosen point."""
+                       alpha_low_grid=ALPHA_LOW_GRID, progress: Path | None = None) -> dict:
+    """The settings-file fields (model, high, low, alpha_high, alpha_low, calibration) of the chosen point.
+    `progress`: a JSON file where the fp16 reference and each finished precision pair are kept, so a run cut
+    off by a time limit resumes at the next pair (the whole sweep takes ~10 GPU minutes at 200 problems)."""
     problems, prompts, refs = list(problems), list(prompts), list(refs)
     if len(problems) < 1:
         raise ValueError("calibrate_on_tasks: needs calibration problems (the calib split)")
@@ -97,13 +101,30 @@ def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | 
         raise ValueError(f"tolerance_points={tolerance_points}: must be >= 0")
     t0 = time.perf_counter()
     max_tokens = {**DEFAULT_MAX_TOKENS, **(max_tokens or {})}
-    fp16 = _fp16_reference(model, problems, max_tokens)
-    fp16_acc, fp16_correct = _accuracy(fp16)
     grid = [(ah, al) for ah in alpha_high_grid for al in alpha_low_grid if al <= ah]
+    ids = [p.id for p in problems]
+    state = json.loads(progress.read_text()) if progress is not None and progress.is_file() else {}
+    if state.get("problems") != ids or state.get("grid") != grid:
+        state = {"problems": ids, "grid": grid, "pairs": {}}  # another sweep: start over
+
+    def save() -> None:
+        if progress is not None:
+            progress.parent.mkdir(parents=True, exist_ok=True)
+            progress.write_text(json.dumps(state))
+
+    if "fp16" not in state:
+        state["fp16"] = _fp16_reference(model, problems, max_tokens)
+        save()
+    fp16 = state["fp16"]
+    fp16_acc, fp16_correct = _accuracy(fp16)
     points = []
     for high, low in pairs:
-        points += [_summarize(p, fp16_correct)
-                   for p in _pair_points(model, high, low, grid, problems, prompts, refs, max_tokens)]
+        key = f"{high}/{low}"
+        if key not in state["pairs"]:
+            state["pairs"][key] = [_summarize(p, fp16_correct) for p in
+                                   _pair_points(model, high, low, grid, problems, prompts, refs, max_tokens)]
+            save()
+        points += state["pairs"][key]
     chosen, within = pick(points, tolerance_points)
     return {
         "model": model.name, "high": chosen["high"], "low": chosen["low"],

@@ -35,3 +35,15 @@ def make_engine(smollm):
     yield make
     for eng in engines:
         assert_all_pages_free(eng)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Commands run in-process (diffkv eval / generate) set torch's thread count for the machine's load; a test
+    that follows must not inherit it (float sums differ with the thread count, and bit-for-bit checks compare
+    against Ray workers that set their own)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

@@ -24,7 +24,7 @@ def test_pick_lowest_memory_within_tolerance():
     assert not within and chosen["name"] == "b"  # nothing within: the most accurate
 
 
-def test_calibrate_on_tasks_end_to_end():
+def test_calibrate_on_tasks_end_to_end(tmp_path):
     """Every precision pair x threshold point is measured on the same problems as fp16, paired, with fidelity
     beside it; the settings-file fields name the chosen precisions and thresholds."""
     from test_key_centering import planted_checkpoint
@@ -34,8 +34,12 @@ def test_calibrate_on_tasks_end_to_end():
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
     refs = [[20 + i for i in range(6)], [40 + i for i in range(6)]]
     pairs = (("K8V4", "K4V2"), ("K4V4", "K4V2"))
-    r = tc.calibrate_on_tasks(model, problems, prompts, refs, {"chain_sum": 4}, tolerance_points=1.0, pairs=pairs,
-                              alpha_high_grid=(1.0, 4.0), alpha_low_grid=(0.0, 0.5))
+    kw = dict(tolerance_points=1.0, alpha_high_grid=(1.0, 4.0), alpha_low_grid=(0.0, 0.5),
+              progress=tmp_path / "progress.json")
+    # A run cut off after its first pair resumes at the second: the first pair's points are read back.
+    first = tc.calibrate_on_tasks(model, problems, prompts, refs, {"chain_sum": 4}, pairs=pairs[:1], **kw)
+    r = tc.calibrate_on_tasks(model, problems, prompts, refs, {"chain_sum": 4}, pairs=pairs, **kw)
+    assert r["calibration"]["points"][:4] == first["calibration"]["points"]
     c = r["calibration"]
     assert c["by"] == "task accuracy" and c["problems"] == 2 and len(c["points"]) == 2 * 4
     assert {(p["high"], p["low"]) for p in c["points"]} == set(pairs)
