@@ -260,6 +260,15 @@ def _local_ray_env(args) -> dict[str, str]:
     return {_RAY_LOOPBACK_NODE_ENV: "0"} if loopback else {}
 
 
+def _check_joined_port(args) -> None:
+    """Joining a cluster: --port is checked only when Serve is not running there yet. A running Serve's proxies
+    already listen on its HTTP port (a previous run's serve.delete leaves them up), and this app joins them."""
+    from ray import serve
+
+    if not serve.status().proxies:
+        _check_ports_free(args.host, {"--port": args.port})
+
+
 def _local_ray_init_kwargs(args) -> dict:
     init: dict = {"include_dashboard": False}
     if args.num_cpus is not None:
@@ -315,8 +324,8 @@ def cmd_serve(args) -> int:
     stop = threading.Event()
     _stop_on_signals(stop)
     if args.address:
-        _check_ports_free(args.host, {"--port": args.port})
         ray.init(address=args.address)
+        _check_joined_port(args)
     else:
         _check_ports_free(args.host, {"--port": args.port, "--metrics-port": args.metrics_port})
         ray.init(**_local_ray_init_kwargs(args))

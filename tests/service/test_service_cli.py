@@ -105,6 +105,16 @@ def test_metrics_port_binds_to_host():
     assert _local_ray_env(parse("--host", "0.0.0.0")) == {}  # every interface: Ray's default
 
 
+def test_joining_a_cluster_whose_serve_holds_the_port(cluster):
+    """A second `diffkv serve --address` on a cluster: Serve's proxy (left up by the first run's serve.delete)
+    listens on --port, and the app joins it instead of failing as if a stranger held the port."""
+    from service.cli import _check_joined_port, _check_ports_free
+
+    with pytest.raises(ValueError, match="already in use"):  # the port is taken, by Serve
+        _check_ports_free("127.0.0.1", {"--port": cluster.http_port})
+    _check_joined_port(parse("--address", "auto", "--port", str(cluster.http_port)))
+
+
 def test_sigterm_stops_cleanly_and_the_same_ports_serve_again(tmp_path):
     """SIGTERM shuts down like Ctrl-C (no crash trace, no process of its Ray left holding a port), so a restart
     on the same --port / --metrics-port comes up; the metrics port listens on --host (loopback) only."""
