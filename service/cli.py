@@ -269,6 +269,30 @@ def _check_joined_port(args) -> None:
         _check_ports_free(args.host, {"--port": args.port})
 
 
+def _metrics_banner(args, node: Optional[dict] = None) -> str:
+    """Where Prometheus finds the metrics, for the startup line. The local Ray binds --metrics-port on loopback
+    only with a loopback --host (_local_ray_env), on every interface otherwise; a joined cluster's node exports
+    on the port it was started with (`node`: this node's entry in ray.nodes()), whatever --metrics-port says."""
+    if args.address:
+        if node is None:
+            return ""
+        port = node["MetricsExportPort"]
+        ignored = f"; --metrics-port {args.metrics_port} is ignored" if args.metrics_port not in (None, port) else ""
+        return f", this node's Prometheus metrics on {node['NodeManagerAddress']}:{port}/metrics{ignored}"
+    if not args.metrics_port:
+        return ""
+    if _local_ray_env(args):  # a loopback node
+        return f", Prometheus metrics on {args.host}:{args.metrics_port}/metrics"
+    return f", Prometheus metrics on 0.0.0.0:{args.metrics_port}/metrics (every interface)"
+
+
+def _this_node() -> Optional[dict]:
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    return next((n for n in ray.nodes() if n["NodeID"] == me), None)
+
+
 def _local_ray_init_kwargs(args) -> dict:
     init: dict = {"include_dashboard": False}
     if args.num_cpus is not None:
@@ -334,7 +358,7 @@ def cmd_serve(args) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
-        metrics = f", Prometheus metrics on {args.host}:{args.metrics_port}/metrics" if args.metrics_port else ""
+        metrics = _metrics_banner(args, _this_node() if args.address else None)
         print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
               f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}). Ctrl-C stops.",
               file=sys.stderr, flush=True)

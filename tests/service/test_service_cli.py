@@ -105,6 +105,22 @@ def test_metrics_port_binds_to_host():
     assert _local_ray_env(parse("--host", "0.0.0.0")) == {}  # every interface: Ray's default
 
 
+def test_startup_line_says_where_the_metrics_are():
+    from service.cli import _metrics_banner
+
+    assert _metrics_banner(parse()) == ""
+    assert _metrics_banner(parse("--metrics-port", "8080")) == ", Prometheus metrics on 127.0.0.1:8080/metrics"
+    # Ray binds the export port on every interface unless the node is loopback: the line says so
+    for host in ("0.0.0.0", "10.1.2.3"):
+        line = _metrics_banner(parse("--host", host, "--metrics-port", "8080"))
+        assert line == ", Prometheus metrics on 0.0.0.0:8080/metrics (every interface)", line
+    node = {"NodeManagerAddress": "10.1.2.3", "MetricsExportPort": 44217}  # a joined cluster's node
+    assert _metrics_banner(parse("--address", "auto"), node) == \
+        ", this node's Prometheus metrics on 10.1.2.3:44217/metrics"
+    line = _metrics_banner(parse("--address", "auto", "--metrics-port", "8080"), node)
+    assert line.endswith("10.1.2.3:44217/metrics; --metrics-port 8080 is ignored"), line
+
+
 def test_joining_a_cluster_whose_serve_holds_the_port(cluster):
     """A second `diffkv serve --address` on a cluster: Serve's proxy (left up by the first run's serve.delete)
     listens on --port, and the app joins it instead of failing as if a stranger held the port."""
