@@ -32,7 +32,7 @@ from evals.memory import fp16_token_bytes, token_bytes
 from evals.problems import TASKS, load_problems
 from evals.runner import EvalModel
 from evals.stats import paired_diff
-from evals.task_calibration import calibrate_on_tasks
+from evals.task_calibration import calib_pairs, calibrate_on_tasks
 
 SMOKE = dict(fidelity_n=2, gen_len=24, calib_n=2, calib_gen_len=24, task_n=3, calib_task_n=3,
              max_tokens={"gsm_symbolic": 24, "basic_arithmetic": 16, "chain_sum": 16})
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-gen-len", type=int, default=512)
     ap.add_argument("--calib-task-n", type=int, default=None,
                     help="calibration problems per task (default: 200 by tasks, none by agreement)")
+    ap.add_argument("--calib-pairs", nargs="+", default=None, metavar="HIGH/LOW",
+                    help="calibration by tasks: only these precision pairs (default: all of task_calibration's)")
     ap.add_argument("--max-tokens", type=json.loads, default={}, help='per-task generation limit, JSON {"task": n}')
     ap.add_argument("--criterion", choices=("tasks", "agreement"), default="tasks",
                     help="calibration: paired task accuracy on the calib problems (evals.task_calibration), or "
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 calib = recorded  # --resume: a finished task calibration is reused whole
             else:
                 calib = calibrate_on_tasks(model, calib_problems, cal, refs["calib"], max_tokens,
-                                           tolerance_points=args.tolerance_points,
+                                           tolerance_points=args.tolerance_points, pairs=calib_pairs(args.calib_pairs),
                                            progress=out / "task_calibration_progress.json")
         else:
             # --resume re-picks from the recorded sweep points and measures only the missing ones.

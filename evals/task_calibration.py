@@ -23,6 +23,19 @@ from evals.tasks import score_tasks, task_requests
 PRECISION_PAIRS = (("K8V4", "K4V2"), ("K8V4", "K4V4"), ("K4V4", "K4V2"))
 ALPHA_HIGH_GRID = (0.5, 1.0, 2.0, 4.0)
 ALPHA_LOW_GRID = (0.0, 0.02)
+
+
+def calib_pairs(names: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """Precision pairs named "HIGH/LOW" (e.g. K4V4/K4V2); None means every pair of PRECISION_PAIRS."""
+    if not names:
+        return PRECISION_PAIRS
+    known = {f"{h}/{l}": (h, l) for h, l in PRECISION_PAIRS}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"calib_pairs: unknown precision pair(s) {bad}; choose from {sorted(known)}")
+    return tuple(known[n] for n in names)
+
+
 CRITERION = ("the lowest KV memory (measured on the calib problems) among points whose gsm_symbolic accuracy on the "
              "calib split is within {tol:g} points of the fp16 cache's (paired over the same problems); ties go to "
              "the higher accuracy; if no point qualifies, the most accurate one")

@@ -53,3 +53,11 @@ def test_calibrate_on_tasks_end_to_end(tmp_path):
     assert chosen == tc.pick(c["points"], 1.0)[0]
     with pytest.raises(ValueError, match="tolerance_points"):
         tc.calibrate_on_tasks(model, problems, tolerance_points=-1)
+
+
+def test_calib_pairs_by_name():
+    from evals.task_calibration import PRECISION_PAIRS, calib_pairs
+    assert calib_pairs(None) == PRECISION_PAIRS
+    assert calib_pairs(["K4V4/K4V2", "K8V4/K4V2"]) == (("K4V4", "K4V2"), ("K8V4", "K4V2"))
+    with pytest.raises(ValueError, match="calib_pairs"):
+        calib_pairs(["K2V2/K4V4"])

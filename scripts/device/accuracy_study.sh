@@ -18,10 +18,11 @@ if [ ! -f /tmp/site/.done ]; then
     && touch /tmp/site/.done || exit 3
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# .carry/prev (optional): an earlier study's references.json / key_center.json, reused by --resume.
-if [ -d .carry/prev ] && [ ! -d /tmp/qout ]; then mkdir -p /tmp/qout && cp .carry/prev/*.json /tmp/qout/; fi
+# .carry/prev (optional): an earlier study's output (references.json, key_center.json, or a whole qout/ that came
+# back from a box handed back mid-study), reused by --resume.
+if [ -d .carry/prev ] && [ ! -d /tmp/qout ]; then mkdir -p /tmp/qout && cp -r .carry/prev/. /tmp/qout/; fi
 timeout "${STUDY_LIMIT:-540}" python3 -m evals.study --model qwen2.5-coder-1.5b --device cuda --out /tmp/qout --resume "$@" 2>&1 \
-  | grep -v "it/s\]\|tok/s\]\|s/it\]\|s/tok\]" | tee -a /tmp/qout.log
+  | tr '\r' '\n' | grep --line-buffered -v "it/s\]\|tok/s\]\|s/it\]\|s/tok\]" | tee -a /tmp/qout.log
 rc=${PIPESTATUS[0]}
 cp /tmp/qout.log "$OUT/study.log"
 tar czf "$OUT/qout.tgz" -C /tmp qout
