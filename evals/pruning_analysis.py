@@ -160,11 +160,13 @@ class EngineRun:
 
 
 def ablation_runs(base: dict, phases: list[str], windows: list[int], queries: list[int]) -> list[EngineRun]:
-    """In the order they run: fp16; DiffKV as set with each other prune_phase (per request, one batch); each other
-    window and significance_queries (one change from the base each, an engine each)."""
-    runs = [EngineRun({"kv_mode": "fp16"}, (("fp16", None),)),
-            EngineRun(dict(base), (("diffkv", None),) + tuple((f"phase_{p}", {"prune_phase": p})
-                                                              for p in phases if p != "both"))]
+    """In the order they run (most telling first): fp16; DiffKV as set; its other prune_phase values (per
+    request, one batch on one engine); each other window and significance_queries (one change from the base
+    each, an engine each)."""
+    runs = [EngineRun({"kv_mode": "fp16"}, (("fp16", None),)), EngineRun(dict(base), (("diffkv", None),))]
+    other = tuple((f"phase_{p}", {"prune_phase": p}) for p in phases if p != "both")
+    if other:
+        runs.append(EngineRun(dict(base), other))
     runs += [EngineRun({**base, "window": w}, ((f"window_{w}", None),)) for w in windows]
     runs += [EngineRun({**base, "significance_queries": q}, ((f"queries_{q}", None),)) for q in queries]
     return runs
@@ -311,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--time-limit", type=float, default=None,
-                    help="seconds: no configuration is started that the slowest one so far says would not end "
-                         "in time (rerun with --resume for the rest)")
+                    help="seconds: stop before an engine run that the slowest configuration so far says would not "
+                         "end in time (rerun with --resume for the rest)")
     ap.add_argument("--resume", action="store_true", help="reuse configs/<name>.json already in --out")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="a few problems, short generations, one of each ablation")
@@ -350,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         spent = time.perf_counter() - t_start
         per_config = max((r["seconds"] for r in results.values()), default=0.0)
-        if args.time_limit is not None and results and spent + 1.2 * per_config * len(names) > args.time_limit:
-            pending += names
+        if pending or (args.time_limit is not None and results
+                       and spent + 1.2 * per_config * len(names) > args.time_limit):
+            pending += names  # and every later run: they keep their order for the next --resume
             continue
         done = run_engine(model, run, problems, args.max_tokens, results.get("fp16"))
         for n, r in done.items():
