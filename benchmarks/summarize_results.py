@@ -271,7 +271,8 @@ def render_index() -> str:
              SERVE_SWEEP, TENSOR_PARALLEL]
     lines = ["# Recorded results", "",
              "The runs behind [docs/PERFORMANCE.md](../../docs/PERFORMANCE.md), which shows them with their commands "
-             "(`python benchmarks/summarize_results.py` writes both pages). `.json.gz` files hold per-step traces.",
+             "(`python benchmarks/summarize_results.py` writes both pages). A `.json.gz` file is the JSON its command "
+             "wrote, gzipped (it holds a per-step trace).",
              "", "| file | device | date | shown as |", "|---|---|---|---|"]
     for name in shown:
         d = load(name)
