@@ -34,14 +34,14 @@ from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
 # Work in flight per SM that the split count aims for, in warps x (head_dim / 64): a decode program streams one
-# (sequence, KV head) serially, so batch x KV heads alone leaves SMs idle or starved of loads (decode_splits
-# sweep on an H200, benchmarks/results/decode_splits_H200.json: at SmolLM2's 3 KV heads and head_dim 64,
-# batch 16 ran 3x faster split 8 ways than the old rule's 2, batch 64 1.4x faster split 2 ways than unsplit;
-# at the 8B shape (8 KV heads, head_dim 128) batch >= 32 stays unsplit). 16 = two 4-warp programs of head_dim 128
-# per SM: an H100 sweep at the 8B shape (num_splits 1-32, CUDA-graph timing) had batch 8 fastest at 4 splits
-# for every precision (256 programs on 132 SMs, e.g. K8V8 at S=16384 105 us vs 129 us at the old rule's 3: 192 programs leave 72 SMs with one program)
-# and batch 32 fastest unsplit (2 splits: 9-30% slower). The quartered kernel's one-warp programs (launch_config)
-# get four times the splits from the same target (batch 8: 16, batch 32: 4), which its sweep kept.
+# (sequence, KV head) serially, so batch x KV heads alone leaves SMs idle or starved of loads. Measured
+# (benchmarks/results/decode_splits_H200.json): at SmolLM2's 3 KV heads and head_dim 64, batch 16 ran 3x faster
+# split 8 ways than 2 ways, batch 64 1.4x faster split 2 ways than unsplit. On an H100 at the 8B shape (8 KV
+# heads, head_dim 128) batch >= 32 is fastest unsplit (2 splits: 9-30% slower) and batch 8 at 4 splits for every
+# precision (256 programs on 132 SMs; K8V8 at 16384 tokens 105 us against 129 us at 3 splits, whose 192
+# programs leave 72 SMs with one program). 16 = two 4-warp programs of head_dim 128 per SM. The quartered
+# kernel's one-warp programs (launch_config) get four times the splits from the same target (batch 8: 16,
+# batch 32: 4), which its own sweep confirmed.
 TARGET_WARP_DIMS_PER_SM = 16
 MAX_SPLITS = 64
 
