@@ -1,4 +1,4 @@
-"""On-device KV memory manager (DESIGN.md "Memory manager", paper §5).
+"""On-device KV memory manager (docs/DESIGN.md "Memory manager", paper §5).
 
 All state lives on the model's device:
   pool        uint8 [num_pages, page_bytes]   unified pages shared by every layer, head and precision

@@ -1,4 +1,4 @@
-"""Byte layout of a unified KV page (DESIGN.md "Memory manager").
+"""Byte layout of a unified KV page (docs/DESIGN.md "Memory manager").
 
 A page belongs to one (sequence, layer, KV head) and one precision (key bits, value bits). It has six
 segments, each 16-byte aligned:

@@ -380,6 +380,46 @@ def cmd_serve(args) -> int:
     return 0
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose arguments may be added only when it is used (parsed or its help shown):
+    eval / calibrate live in the evaluation package, which the serving commands should not import."""
+
+    def __init__(self, *args, populate=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _ensure_populated(self) -> None:
+        if self._populate is not None:
+            populate, self._populate = self._populate, None
+            populate(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._ensure_populated()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._ensure_populated()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._ensure_populated()
+        return super().format_help()
+
+
+def _eval_command(p: argparse.ArgumentParser) -> None:
+    from evals import cli as evals_cli
+
+    evals_cli.add_eval_args(p)
+    p.set_defaults(func=evals_cli.cmd_eval)
+
+
+def _calibrate_command(p: argparse.ArgumentParser) -> None:
+    from evals import cli as evals_cli
+
+    evals_cli.add_calibrate_args(p)
+    p.set_defaults(func=evals_cli.cmd_calibrate)
+
+
 def _service_default(field: str):
     """ServiceConfig's default of a field (serve's flags default to None: --config's value comes first)."""
     from service.config import ServiceConfig
@@ -391,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffkv", description="DiffKV Serve: LLM serving with a compressed KV cache",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
     g = add("generate", help="generate a completion for one prompt")
     g.add_argument("--prompt", required=True)
@@ -427,14 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus export port of the local Ray (on loopback when --host is)")
     s.set_defaults(func=cmd_serve)
-    from evals import cli as evals_cli  # accuracy commands live with the evaluation package
-
-    e = add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
-    evals_cli.add_eval_args(e)
-    e.set_defaults(func=evals_cli.cmd_eval)
-    k = add("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file")
-    evals_cli.add_calibrate_args(k)
-    k.set_defaults(func=evals_cli.cmd_calibrate)
+    # the evaluation package is imported only when one of these is parsed or its help shown
+    add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)",
+        populate=_eval_command)
+    add("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file",
+        populate=_calibrate_command)
     return parser
 
 

@@ -120,17 +120,21 @@ def test_throughput_mode_settings():
 
 def test_recorded_results_docs_are_generated_not_typed():
     """benchmarks/results/README.md and docs/PERFORMANCE.md are exactly what the recorded JSON files render."""
-    import importlib.util
-    from pathlib import Path
+    mod = _load_script("summarize_results")
+    index, performance = mod.render()
+    assert (ROOT / "benchmarks" / "results" / "README.md").read_text() == index
+    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == performance
+    assert "vs fp16" in performance and "`python benchmarks/throughput.py" in performance
+    assert len(performance.splitlines()) <= 250 and "/root/" not in performance
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("summarize_results", root / "benchmarks" / "summarize_results.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    readme, performance = mod.render()
-    assert (root / "benchmarks" / "results" / "README.md").read_text() == readme
-    assert (root / "docs" / "PERFORMANCE.md").read_text() == performance
-    assert "vs fp16" in performance and "Command: `python benchmarks/throughput.py" in performance
+
+def test_recorded_results_are_small_and_all_indexed():
+    """Every recorded file is listed in the index, and the folder stays small."""
+    results = ROOT / "benchmarks" / "results"
+    files = [p for p in results.iterdir() if p.name != "README.md"]
+    index = (results / "README.md").read_text()
+    assert all(f"`{p.name}`" in index for p in files)
+    assert sum(p.stat().st_size for p in results.iterdir()) <= 2 * 1024 * 1024
 
 
 def _load_script(name: str):
@@ -255,32 +259,23 @@ def test_step_breakdown_reads_profiler_events():
 
 
 def test_step_breakdown_renders_into_recorded_docs(step_breakdown_json, tmp_path, monkeypatch):
-    """A recorded step_breakdown_H200.json appears in benchmarks/results/README.md and docs/PERFORMANCE.md."""
+    """A recorded step breakdown appears in docs/PERFORMANCE.md with its GPU, date and command."""
     mod = _load_script("summarize_results")
-    sb = _load_script("step_breakdown")
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded yet
-    readme, performance = mod.render()
-    assert "Step breakdown" not in readme and "- A per-category step breakdown" in performance
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded
+    index, performance = mod.render()
+    assert "Where a step's time goes" not in performance and "Not measured" not in performance
     d = json.loads(json.dumps(step_breakdown_json))
-    d["device"] = "NVIDIA H200"
-    for r in d["rows"]:
-        if r["mode"] == "diffkv" and r["batch"] == 3:
-            r["batch"] = 64  # so the targets line has generation rows to judge
-    d["targets"] = sb.targets([r for r in d["rows"] if "skipped" not in r])
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)
-    (tmp_path / "step_breakdown_H200.json").write_text(json.dumps(d))
-    readme, performance = mod.render()
-    decode64 = next(r for r in d["rows"] if r.get("phase") == "decode" and r["batch"] == 64 and r["seq"] == 16)
-    row = (f"| diffkv | 64 | 16 | decode | {decode64['wall_ms']:.2f} | {decode64['model_ms']:.2f} "
-           f"({decode64['pct']['model']:.1f}%) |")
-    t = d["targets"]
-    assert t["rows"] == 2
-    verdict = f"memory < 1%: {'PASS' if t['memory']['pass'] else 'FAIL'} (max {t['memory']['max_pct']:.2f}%)"
-    for text, head in ((readme, "### Step breakdown, NVIDIA H200"), (performance, "## Step breakdown, NVIDIA H200")):
-        assert head in text and row in text and verdict in text
-        assert "- skipped: fp16 batch 3 seq 64: needs 60 KV pages" in text
-        assert "Command: `python benchmarks/step_breakdown.py --smoke" in text
-    assert "- A per-category step breakdown" not in performance  # measured now
+    d["device"], d["date"] = "NVIDIA H200", "2030-01-02"
+    (tmp_path / mod.STEP_BREAKDOWN_RUNS[0]).write_text(json.dumps(d))
+    index, performance = mod.render()
+    decode = next(r for r in d["rows"] if r["mode"] == "diffkv" and r.get("phase") == "decode" and r["batch"] == 3
+                  and r["seq"] == 16)
+    row = (f"| diffkv | 3 | 16 | decode | {decode['wall_ms']:.2f} | {decode['pct']['model']:.1f} | "
+           f"{decode['pct']['attention']:.1f} |")
+    assert "## Where a step's time goes" in performance and row in performance
+    assert "NVIDIA H200, 2030-01-02: `python benchmarks/step_breakdown.py --smoke" in performance
+    assert "- skipped: fp16 batch 3 tokens 64: needs 60 KV pages" in performance
+    assert f"`{mod.STEP_BREAKDOWN_RUNS[0]}` | NVIDIA H200 | 2030-01-02 |" in index
 
 
 def _serve_run(label, ttft_p90_ms, per_token_ms, skipped=()):
@@ -293,14 +288,13 @@ def _serve_run(label, ttft_p90_ms, per_token_ms, skipped=()):
 
 
 def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
-    """A recorded serve_sweep_H200.json (scripts/device/serve_sweep.sh) appears in both documents, with the
-    sustained rates under its SLO, a row per rate and mode, and its plot drawn from the JSON."""
+    """A recorded serve sweep (scripts/device/serve_sweep.sh) appears in docs/PERFORMANCE.md, with the sustained
+    rates under its SLO, a row per rate and mode, and its plot drawn from the JSON."""
     mod = _load_script("summarize_results")
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded yet
-    readme, performance = mod.render()
-    assert "The service: latency" not in readme and "- The service on a GPU" in performance
-    assert mod.serve_sweep_section("serve_sweep_H200.json") == [] and not mod.serve_sweep_plot(
-        "serve_sweep_H200.json", tmp_path / "none.png")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded
+    _, performance = mod.render()
+    assert "Serving: latency" not in performance
+    assert mod.serve_sweep_section() == [] and not mod.serve_sweep_plot(tmp_path / "none.png")
     sweep = mod._sweep_module()
     runs = [_serve_run("fp16", [400, 2600, 9000], [14.5, 41.0, 220.0]),
             _serve_run("diffkv", [300, 900, 3000], [13.0, 16.2, 95.0], skipped=[4])]
@@ -308,25 +302,22 @@ def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
     setup = {"command": "bash scripts/device/serve_sweep.sh --rates 0.5,1,2", "kv_cache_memory_gb": 0.125,
              "max_num_seqs": 64, "admission": False, "prefix_caching": False}
     record = sweep.slo_summary(runs, ttft_ms=2000, percentile=90, device="NVIDIA H200", setup=setup)
-    assert record["sustained_rate"] == {"fp16": None, "diffkv": 1}
-    (tmp_path / "serve_sweep_H200.json").write_text(json.dumps(record))
-    readme, performance = mod.render()
-    for text, head in ((readme, "### The service: latency vs Poisson request rate, NVIDIA H200"),
-                       (performance, "## The service: latency vs Poisson request rate, NVIDIA H200")):
-        assert head in text
-        assert "Highest rate sustained under the TTFT SLO (p90 <= 2 s, every request completed, at that rate and " \
-               "every lower one): fp16 none, diffkv 1 req/s." in text
-        assert "KV pool 0.125 GiB and max_num_seqs 64 for every mode, admission control off, prefix caching off" in text
-        assert "Command: `bash scripts/device/serve_sweep.sh --rates 0.5,1,2`" in text
-        assert "![per-token latency and TTFT vs request rate](/docs/serve_sweep_H200.png)" in text
-        # rows by rate, then in the record's run order
-        lines = [ln for ln in text.splitlines() if ln.startswith("| 0.5 |") or ln.startswith("| 1 |")]
-        assert lines == ["| 0.5 | fp16 | 3/4 | 0.45 | 200 | 14 | 200 | 400 | 12 | 9000 | misses |",
-                         "| 0.5 | diffkv | 4/4 | 0.45 | 200 | 13 | 150 | 300 | 12 | 9000 | meets |",
-                         "| 1 | fp16 | 4/4 | 0.90 | 400 | 41 | 1300 | 2600 | 12 | 9000 | misses |",
-                         "| 1 | diffkv | 4/4 | 0.90 | 400 | 16 | 450 | 900 | 12 | 9000 | meets |"]
-        assert "Rates skipped for time: diffkv 4." in text
-    assert "- The service on a GPU" not in performance  # measured now
-    png = tmp_path / "serve_sweep_H200.png"
-    assert mod.serve_sweep_plot("serve_sweep_H200.json", png)
+    assert record["sustained_rate"] == {"fp16": None, "diffkv": 1} and record["date"]
+    (tmp_path / mod.SERVE_SWEEP).write_text(json.dumps(record))
+    _, text = mod.render()
+    assert "## Serving: latency against Poisson request rate" in text
+    assert "Highest rate sustained under the TTFT SLO (p90 <= 2 s, every request completed, at that rate and " \
+           "every lower one): fp16 none, diffkv 1 req/s." in text
+    assert "KV pool 0.125 GiB and max_num_seqs 64 for every mode, admission control off, prefix caching off" in text
+    assert f"NVIDIA H200, {record['date']}: `bash scripts/device/serve_sweep.sh --rates 0.5,1,2`" in text
+    assert f"![per-token latency and TTFT vs request rate]({Path(mod.SERVE_SWEEP).stem}.png)" in text
+    # rows by rate, then in the record's run order
+    lines = [ln for ln in text.splitlines() if ln.startswith("| 0.5 |") or ln.startswith("| 1 |")]
+    assert lines == ["| 0.5 | fp16 | 3/4 | 0.45 | 200 | 14 | 200 | 400 | 12 | 9000 | misses |",
+                     "| 0.5 | diffkv | 4/4 | 0.45 | 200 | 13 | 150 | 300 | 12 | 9000 | meets |",
+                     "| 1 | fp16 | 4/4 | 0.90 | 400 | 41 | 1300 | 2600 | 12 | 9000 | misses |",
+                     "| 1 | diffkv | 4/4 | 0.90 | 400 | 16 | 450 | 900 | 12 | 9000 | meets |"]
+    assert "Rates skipped for time: diffkv 4." in text
+    png = tmp_path / "sweep.png"
+    assert mod.serve_sweep_plot(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -15,6 +15,8 @@ import pytest
 from _cluster import free_port, wait_for
 from service.cli import _serve_config, build_parser
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def parse(*argv):
     return build_parser().parse_args(["serve", *argv])
@@ -296,6 +298,21 @@ def test_help_shows_defaults():
                          (evaluate, "(default: 2048)"), (evaluate, "(default: ['chain_sum'])")]:
         assert needle in " ".join(text.split()), needle
     assert "(default: None)" not in serve + generate + evaluate and "(default: False)" not in generate
+
+
+def test_serving_imports_no_evaluation_code():
+    """service.cli, engine and a parsed serve command leave the evals package unimported; eval loads it."""
+    code = ("import sys, engine, service.cli as c; c.build_parser().parse_args(['serve']); "
+            "before = sorted(m for m in sys.modules if m.split('.')[0] == 'evals'); "
+            "args = c.build_parser().parse_args(['eval', '--limit', '3']); "
+            "print(before, args.func.__module__, args.limit)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["[]", "evals.cli", "3"]
+    plain = subprocess.run([sys.executable, "-c", "import sys, service.cli; "
+                            "print([m for m in sys.modules if m.split('.')[0] == 'evals'])"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert plain.returncode == 0 and plain.stdout.strip() == "[]", plain.stderr
 
 
 def test_cpu_threads_default_and_flag(monkeypatch):
