@@ -56,11 +56,30 @@ def test_decode_sass_smoke(tmp_path):
 
 def test_memory_manager_smoke(tmp_path):
     out = tmp_path / "mm.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300)
-    rows = json.loads(out.read_text())["rows"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--engine",
+                        "--out", str(out)], check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    d = json.loads(out.read_text())
+    rows = d["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["prompt_mm_ms"] > 0 and r["gen_mm_ms"] > 0 for r in rows)
+    # one engine for every engine batch, each timed with its memory-management share
+    assert [e["batch"] for e in d["engine"]] == [2, 3] and d["skipped"] == []
+    for e in d["engine"]:
+        assert e["steps"] == 3 and e["decode_step_ms"] > 0 and 0 < e["engine_mm_ms"] < e["decode_step_ms"]
+        assert e["mm_share_engine"] == pytest.approx(e["engine_mm_ms"] / e["decode_step_ms"])
+    assert d["engine"][0]["mm_share_isolated"] > 0  # batch 2 has an isolated row too
+    # progress lines as each phase ends, with the time since the start
+    assert "engine batch 3: first decode step" in r.stdout and "] cpu batch 1: prompt MM" in r.stdout
+
+
+def test_memory_manager_time_limit(tmp_path):
+    """Past --time-limit nothing starts, and the JSON still says what was skipped."""
+    out = tmp_path / "mm.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--engine",
+                    "--time-limit", "0.001", "--out", str(out)], check=True, cwd=ROOT, timeout=300)
+    d = json.loads(out.read_text())
+    assert d["rows"] == [] and d["skipped"] == [{"device": "cpu", "batch": 1}, {"device": "cpu", "batch": 2}]
+    assert [(e["batch"], e["skipped"]) for e in d["engine"]] == [(2, "time limit"), (3, "time limit")]
 
 
 def test_host_overhead_smoke(tmp_path):
