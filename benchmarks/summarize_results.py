@@ -482,8 +482,50 @@ def trace_plot(name: str, path: Path) -> bool:
     return True
 
 
+# throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
+THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H100.json", "throughput_natural_stop_qwen2.5-1.5b_H100.json")
+
+
+def throughput_accuracy_section(name: str) -> list[str]:
+    d = load(name)
+    if d is None:
+        return []
+    c = d["config"]
+    stop = "natural stops" if c["natural_stop"] else "ignore_eos"
+    task = d["accuracy_task"]
+    out = [f"### Generation throughput at accuracy, {d['model']}, {d['device']} (`{name}`)", "",
+           f"{c['num_prompts']} {'/'.join(c['tasks'])} eval prompts x up to {c['max_tokens']} new tokens ({stop}), "
+           f"one KV pool of {d['kv_memory_gb']:.2f} GiB for every mode; runs in the order "
+           f"{' '.join(d['order'])} (repeat:mode). Accuracy: {task} difference vs fp16 with its paired 95% interval "
+           f"from `{d['study'] or 'no study'}`; "
+           f"x best = vs {d['best_within'] or 'none'}, the fastest mode within {c['within']:g} point(s) of fp16.", "",
+           f"Command: `{d['command']}`", "",
+           f"| mode | study config | {task} vs fp16 (points) | sequences fit | tokens/s (median) | runs | spread | "
+           f"vs fp16 | x best | mean batch | compression | preemptions |",
+           "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+
+    def f(x, spec):
+        return format(x, spec) if x is not None else "-"
+
+    for r in d["rows"]:
+        a = r["accuracy"]
+        acc = (f"{a['diff_points']:+.1f} [{a['ci95_points'][0]:+.1f}, {a['ci95_points'][1]:+.1f}]"
+               if a["diff_points"] is not None else "not measured")
+        runs = " / ".join(f"{x['tokens_per_s']:.0f}{' (cut)' if x['cut'] else ''}" for x in r["runs"]) or "skipped"
+        spread = f"{100 * r['spread']:.1f}%" if r["spread"] is not None else "-"
+        out.append(f"| {r['mode']} | {a['study_config']} | {acc} | {r['seqs_fit']} | {f(r['tokens_per_s'], '.0f')} | "
+                   f"{runs} | {spread} | {f(r['vs_fp16'], '.2f')} | {f(r['vs_best_within'], '.2f')} | "
+                   f"{f(r['mean_batch'], '.1f')} | {f(r['compression_ratio'], '.2f')} | {f(r['preemptions'], '.0f')} |")
+    skipped = ", ".join(f"{s['repeat']}:{s['mode']}" for s in d.get("skipped_runs", []))
+    if skipped:
+        out.append(f"\nRuns not started for --time-limit: {skipped}.")
+    return out + [""]
+
+
 def results_sections() -> list[str]:
     lines = decode_section("decode_throughput_H100.json") + decode_section("decode_throughput_H200.json")
+    for name in THROUGHPUT_AT_ACCURACY_RUNS:
+        lines += throughput_accuracy_section(name)
     for name, title, _, _ in THROUGHPUT_RUNS:
         lines += throughput_section(name, title)
     lines += attention_section("attention_H100.json")
@@ -520,7 +562,9 @@ PERFORMANCE_OPEN = [
     "- Tensor parallelism on 2 GPUs (`python benchmarks/tensor_parallel.py --model random:llama3-8b --tp 1 2` on a "
     "2 x H200 machine, Ray carried as wheels).",
     "- The service on a GPU (`diffkv serve` + `loadtest/sweep.py`, fp16 vs diffkv latency vs Poisson rate).",
-    "- A per-category step breakdown (model, attention, policy, memory management, host) of the 8B shape.", "",
+    "- A per-category step breakdown (model, attention, policy, memory management, host) of the 8B shape.",
+    "- Generation throughput at accuracy on Qwen2.5-Coder-1.5B (`benchmarks/throughput_qwen.py` through "
+    "`scripts/device/qwen_run.sh`).", "",
 ]
 
 
@@ -544,6 +588,8 @@ def render() -> tuple[str, str]:
     still_open = [ln for ln in still_open if not (tp_measured and ln.startswith("- Tensor parallelism on 2 GPUs"))]
     serve_measured = any(load(name) is not None for name in SERVE_SWEEP_RUNS)
     still_open = [ln for ln in still_open if not (serve_measured and ln.startswith("- The service on a GPU"))]
+    qwen_measured = any(load(name) is not None for name in THROUGHPUT_AT_ACCURACY_RUNS)
+    still_open = [ln for ln in still_open if not (qwen_measured and ln.startswith("- Generation throughput at accuracy"))]
     return "\n".join(lines), "\n".join(intro + body + still_open)
 
 

@@ -288,7 +288,8 @@ def parse_args(argv):
     ap.add_argument("--within", type=float, default=1.0, help="accuracy points below fp16 a mode may be and "
                     "still count as fp16's accuracy (the 'x best' column)")
     ap.add_argument("--admission", choices=("worst_case", "learned"), default="worst_case")
-    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default: --num-prompts (every prompt may run at once; CUDA graphs up to that batch)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt + max_tokens")
@@ -302,9 +303,11 @@ def parse_args(argv):
     if args.smoke:
         args.model, args.device, args.dtype = "random:tiny-qwen2", "cpu", "auto"
         args.num_prompts, args.max_tokens, args.fp16_seqs, args.max_prompt_tokens = 6, 12, 2, 24
-        args.max_num_seqs, args.stats_every, args.quiet = 16, 1, True
+        args.stats_every, args.quiet = 1, True
     else:
         args.max_prompt_tokens = None
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.num_prompts
     try:
         if args.modes is None:
             args.modes = available_modes()
@@ -325,6 +328,14 @@ def parse_args(argv):
     except ValueError as e:
         ap.error(str(e))
     return args
+
+
+def repo_path(path: Path) -> str:
+    """A path as the repository names it (relative to its root) where it lies inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def default_name(ckpt_name: str, args) -> str:
@@ -403,7 +414,7 @@ def main(argv=None) -> int:
     print_table(table, best, args)
     result = {"benchmark": "throughput_at_accuracy", "device": gpu, "torch": torch.__version__, "model": ckpt.name,
               "command": "python benchmarks/throughput_qwen.py " + " ".join(argv),
-              "study": str(study_path) if study_path else None, "accuracy_task": args.accuracy_task,
+              "study": repo_path(study_path) if study_path else None, "accuracy_task": args.accuracy_task,
               "kv_memory_gb": args.kv_memory_gb, "seq_tokens": seq_tokens,
               "order": [f"{rep}:{m}" for rep, m in run_order(list(rows), args.repeats)],
               "best_within": best["mode"] if best else None, "skipped_runs": skipped,

@@ -352,12 +352,18 @@ def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_throughput_qwen_smoke(tmp_path):
+@pytest.fixture(scope="module")
+def throughput_qwen_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("throughput_qwen")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_qwen.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    return json.loads((out / "throughput_tiny-qwen2_smoke.json").read_text())  # named by what it measures
+
+
+def test_throughput_qwen_smoke(throughput_qwen_json):
     """One pool for every mode, forward then reversed runs, fits and accuracy lookups per row."""
     tq = _load_script("throughput_qwen")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_qwen.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, cwd=ROOT, timeout=300)
-    d = json.loads((tmp_path / "throughput_tiny-qwen2_smoke.json").read_text())
+    d = throughput_qwen_json
     modes = tq.available_modes()  # fp8 only where the engine has that kv_mode
     assert {"fp16", "int8", "k8v4", "int4", "diffkv"} <= set(modes)
     assert [r["mode"] for r in d["rows"]] == modes
@@ -439,3 +445,27 @@ def test_committed_qwen_study_covers_the_throughput_modes():
         cache = apply_model_settings(EngineConfig(cache=tq.mode_cache(mode)), name).cache.model_dump()
         got = sa.accuracy_vs_fp16(study, name, tq.STUDY_NAMES[mode], cache, "gsm_symbolic")
         assert (got["diff_points"] is None) == (mode == "fp8"), (mode, got)
+
+
+def test_throughput_at_accuracy_renders_into_recorded_docs(throughput_qwen_json, tmp_path, monkeypatch):
+    """A recorded throughput_qwen2.5-1.5b_H100.json appears in both documents with the accuracy column."""
+    mod = _load_script("summarize_results")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    readme, performance = mod.render()
+    assert "throughput at accuracy" not in readme and "- Generation throughput at accuracy" in performance
+    d = json.loads(json.dumps(throughput_qwen_json))
+    d.update(device="NVIDIA H100 80GB HBM3", study="evals/results/qwen2.5-coder-1.5b/summary.json",
+             best_within="int8", skipped_runs=[{"repeat": 1, "mode": "fp16", "expected_s": 40.0}])
+    rows = {r["mode"]: r for r in d["rows"]}
+    rows["int8"]["accuracy"] = {"study_config": "k8v8", "diff_points": 0.0, "ci95_points": [-1.47, 1.47], "n": 500}
+    (tmp_path / "throughput_qwen2.5-1.5b_H100.json").write_text(json.dumps(d))
+    readme, performance = mod.render()
+    r8 = rows["int8"]
+    line = (f"| int8 | k8v8 | +0.0 [-1.5, +1.5] | {r8['seqs_fit']} | {r8['tokens_per_s']:.0f} | "
+            f"{r8['runs'][0]['tokens_per_s']:.0f} / {r8['runs'][1]['tokens_per_s']:.0f} | {100 * r8['spread']:.1f}% |")
+    for text, head in ((readme, "### Generation throughput at accuracy, random:tiny-qwen2, NVIDIA H100 80GB HBM3"),
+                       (performance, "## Generation throughput at accuracy, random:tiny-qwen2, NVIDIA H100")):
+        assert head in text and line in text and "| fp16 | fp16 | not measured |" in text
+        assert "Runs not started for --time-limit: 1:fp16." in text and "from `evals/results/qwen2.5-coder-1.5b" in text
+        assert "Command: `python benchmarks/throughput_qwen.py --smoke" in text
+    assert "- Generation throughput at accuracy" not in performance
