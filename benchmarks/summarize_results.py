@@ -23,6 +23,8 @@ FIDELITY = ROOT / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
 STEP_BREAKDOWN_RUNS = ("step_breakdown_llama3_8b_H100.json", "step_breakdown_llama3_8b_s4096_H100.json")
 MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
+# throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
+THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H100.json", "throughput_natural_stop_qwen2.5-1.5b_H100.json")
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
@@ -101,6 +103,41 @@ def fidelity_by_cache(row: dict, fid: dict | None):
         if row["kv_mode"] != "diffkv" or all(cache[k] == s.get(k) for k in ("alpha_high", "alpha_low")):
             return name, c
     return None
+
+
+def throughput_accuracy_section(name: str) -> list[str]:
+    d = load(name)
+    if d is None:
+        return []
+    c = d["config"]
+    stop = "natural stops" if c["natural_stop"] else "ignore_eos"
+    task = d["accuracy_task"]
+    out = [f"## Generation throughput at accuracy: {d['model']}", "", *provenance(d),
+           f"{c['num_prompts']} {'/'.join(c['tasks'])} eval prompts x up to {c['max_tokens']} new tokens ({stop}), "
+           f"one KV pool of {d['kv_memory_gb']:.2f} GiB for every mode; runs in the order "
+           f"{' '.join(d['order'])} (repeat:mode). Accuracy: {task} difference vs fp16 with its paired 95% interval "
+           f"from `{d['study'] or 'no study'}`; "
+           f"x best = vs {d['best_within'] or 'none'}, the fastest mode within {c['within']:g} point(s) of fp16.", "",
+           f"| mode | study config | {task} vs fp16 (points) | sequences fit | tokens/s (median) | runs | spread | "
+           f"vs fp16 | x best | mean batch | compression | preemptions |",
+           "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+
+    def f(x, spec):
+        return format(x, spec) if x is not None else "-"
+
+    for r in d["rows"]:
+        a = r["accuracy"]
+        acc = (f"{a['diff_points']:+.1f} [{a['ci95_points'][0]:+.1f}, {a['ci95_points'][1]:+.1f}]"
+               if a["diff_points"] is not None else "not measured")
+        runs = " / ".join(f"{x['tokens_per_s']:.0f}{' (cut)' if x['cut'] else ''}" for x in r["runs"]) or "skipped"
+        spread = f"{100 * r['spread']:.1f}%" if r["spread"] is not None else "-"
+        out.append(f"| {r['mode']} | {a['study_config']} | {acc} | {r['seqs_fit']} | {f(r['tokens_per_s'], '.0f')} | "
+                   f"{runs} | {spread} | {f(r['vs_fp16'], '.2f')} | {f(r['vs_best_within'], '.2f')} | "
+                   f"{f(r['mean_batch'], '.1f')} | {f(r['compression_ratio'], '.2f')} | {f(r['preemptions'], '.0f')} |")
+    skipped = ", ".join(f"{s['repeat']}:{s['mode']}" for s in d.get("skipped_runs", []))
+    if skipped:
+        out.append(f"\nRuns not started for --time-limit: {skipped}.")
+    return out + [""]
 
 
 def throughput_section() -> list[str]:
@@ -259,15 +296,18 @@ def render_performance() -> str:
              "(listed in its README). Each table names the GPU, the date and the exact command, run from the "
              "repository root; the numbers within a table come from one run on one GPU. CI runs every benchmark's "
              "`--smoke` mode on CPU.", ""]
-    for section in (attention_section, decode_throughput_section, throughput_section, step_breakdown_section,
-                    memory_manager_section, serve_sweep_section, tensor_parallel_section):
+    lines += attention_section() + decode_throughput_section()
+    for name in THROUGHPUT_AT_ACCURACY_RUNS:
+        lines += throughput_accuracy_section(name)
+    for section in (throughput_section, step_breakdown_section, memory_manager_section, serve_sweep_section,
+                    tensor_parallel_section):
         lines += section()
     return "\n".join(lines)
 
 
 def render_index() -> str:
     """benchmarks/results/README.md: every recorded file, what it measures, where, when."""
-    shown = [ATTENTION, DECODE_THROUGHPUT, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
+    shown = [ATTENTION, DECODE_THROUGHPUT, *THROUGHPUT_AT_ACCURACY_RUNS, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
              SERVE_SWEEP, TENSOR_PARALLEL]
     lines = ["# Recorded results", "",
              "The runs behind [docs/PERFORMANCE.md](../../docs/PERFORMANCE.md), which shows them with their commands "

@@ -490,8 +490,9 @@ class MemoryManager:
         start, end = self.counters.tolist()
         n = self.num_pages
         assert 0 <= end - start <= n, f"free count {end - start} outside [0, {n}]"
-        fl = self.free_list[:n].cpu()
-        free_ids = [int(fl[(start + i) % n]) for i in range(end - start)]
+        # The free ids are the circular range [start, end) of the list: one roll, not a Python loop over pages
+        # (millions at benchmark pool sizes).
+        free_ids = self.free_list[:n].cpu().roll(-(start % n))[: end - start].tolist()
         used_ids = self.held_page_ids() + self._check_prefix_blocks(refcounts)
         assert all(0 <= p < n for p in used_ids), "page table points outside the pool"
         seen = free_ids + used_ids

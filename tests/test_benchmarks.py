@@ -1,5 +1,6 @@
 """Benchmark scripts keep working: their --smoke modes run tiny shapes on CPU."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -55,11 +56,30 @@ def test_decode_sass_smoke(tmp_path):
 
 def test_memory_manager_smoke(tmp_path):
     out = tmp_path / "mm.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300)
-    rows = json.loads(out.read_text())["rows"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--engine",
+                        "--out", str(out)], check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    d = json.loads(out.read_text())
+    rows = d["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["prompt_mm_ms"] > 0 and r["gen_mm_ms"] > 0 for r in rows)
+    # one engine for every engine batch, each timed with its memory-management share
+    assert [e["batch"] for e in d["engine"]] == [2, 3] and d["skipped"] == []
+    for e in d["engine"]:
+        assert e["steps"] == 3 and e["decode_step_ms"] > 0 and 0 < e["engine_mm_ms"] < e["decode_step_ms"]
+        assert e["mm_share_engine"] == pytest.approx(e["engine_mm_ms"] / e["decode_step_ms"])
+    assert d["engine"][0]["mm_share_isolated"] > 0  # batch 2 has an isolated row too
+    # progress lines as each phase ends, with the time since the start
+    assert "engine batch 3: first decode step" in r.stdout and "] cpu batch 1: prompt MM" in r.stdout
+
+
+def test_memory_manager_time_limit(tmp_path):
+    """Past --time-limit nothing starts, and the JSON still says what was skipped."""
+    out = tmp_path / "mm.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--engine",
+                    "--time-limit", "0.001", "--out", str(out)], check=True, cwd=ROOT, timeout=300)
+    d = json.loads(out.read_text())
+    assert d["rows"] == [] and d["skipped"] == [{"device": "cpu", "batch": 1}, {"device": "cpu", "batch": 2}]
+    assert [(e["batch"], e["skipped"]) for e in d["engine"]] == [(2, "time limit"), (3, "time limit")]
 
 
 def test_host_overhead_smoke(tmp_path):
@@ -321,3 +341,122 @@ def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
     png = tmp_path / "sweep.png"
     assert mod.serve_sweep_plot(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def throughput_qwen_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("throughput_qwen")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_qwen.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    return json.loads((out / "throughput_tiny-qwen2_smoke.json").read_text())  # named by what it measures
+
+
+def test_throughput_qwen_smoke(throughput_qwen_json):
+    """One pool for every mode, forward then reversed runs, fits and accuracy lookups per row."""
+    tq = _load_script("throughput_qwen")
+    d = throughput_qwen_json
+    modes = tq.available_modes()  # fp8 only where the engine has that kv_mode
+    assert {"fp16", "int8", "k8v4", "int4", "diffkv"} <= set(modes)
+    assert [r["mode"] for r in d["rows"]] == modes
+    assert d["order"] == [f"0:{m}" for m in modes] + [f"1:{m}" for m in reversed(modes)]
+    assert d["skipped_runs"] == [] and d["model"] == "random:tiny-qwen2"
+    rows = {r["mode"]: r for r in d["rows"]}
+    assert rows["fp16"]["seqs_fit"] == 2  # --fp16-seqs 2 sized the pool
+    for r in d["rows"]:
+        assert r["pages_total"] == rows["fp16"]["pages_total"]  # one pool for every mode
+        assert r["seqs_fit"] >= 2 and [x["repeat"] for x in r["runs"]] == [0, 1]
+        assert all(x["tokens"] == 6 * 12 and x["tokens_per_s"] > 0 and not x["cut"] for x in r["runs"])
+        assert r["tokens_per_s"] == pytest.approx(statistics.median(x["tokens_per_s"] for x in r["runs"]))
+        assert r["spread"] >= 0 and r["vs_fp16"] > 0
+        # no study of the tiny model: every row says so instead of borrowing Qwen's numbers
+        assert r["accuracy"]["diff_points"] is None and "no accuracy study" in r["accuracy"]["why"]
+    assert rows["fp16"]["vs_fp16"] == 1.0 and rows["int4"]["seqs_fit"] > rows["fp16"]["seqs_fit"]
+    assert rows["k8v4"]["cache"]["high"] == rows["k8v4"]["cache"]["low"] == "K8V4"
+
+
+def test_throughput_qwen_modes_and_time_limit():
+    tq = _load_script("throughput_qwen")
+    assert tq.run_order(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                (2, "a"), (2, "b"), (2, "c")]
+    assert tq.should_start(100.0, 30.0, 140.0) and not tq.should_start(100.0, 50.0, 140.0)
+    assert tq.should_start(100.0, None, 140.0) and not tq.should_start(150.0, None, 140.0)
+    assert tq.mode_cache("k8v4") == {"kv_mode": "diffkv", "high": "K8V4", "low": "K8V4", "alpha_high": 0.0,
+                                     "alpha_low": 0.0}
+    assert tq.mode_cache("int4") == {"kv_mode": "int4"} and tq.mode_cache("diffkv") == {"kv_mode": "diffkv"}
+    with pytest.raises(ValueError, match="'int3'"):
+        tq.mode_cache("int3")
+    assert tq.model_tag("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M") == "qwen2.5-1.5b"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_qwen.py"), "--modes", "int3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--modes 'int3'" in r.stderr
+
+
+def _summary(model="M", **cfgs):
+    def cfg(cache, diff, ci):
+        return {"cache": {"key_centering": "auto", **cache},
+                "tasks": {"gsm_symbolic": {"n": 300, "accuracy": 0.5 + diff / 100, "diff_vs_fp16_points": diff,
+                                           "diff_ci95_points": ci}}}
+    return {"model": model, "configs": {k: cfg(*v) for k, v in cfgs.items()}}
+
+
+def test_study_accuracy_lookup():
+    """A row borrows the study's number only for the same model and the same cache settings."""
+    sa = _load_script("study_accuracy")
+    dk = {"kv_mode": "diffkv", "high": "K4V4", "low": "K4V2", "alpha_high": 1.0, "alpha_low": 0.02, "window": 64,
+          "significance_queries": 64, "policy": "thresholds", "budget": 0.5, "layer_alpha_scale": None}
+    s = _summary(fp16=({"kv_mode": "fp16"}, 0.0, [0.0, 0.0]), k4v4=({"kv_mode": "int4"}, -1.6, [-4.6, 1.4]),
+                 diffkv=(dk, -1.2, [-4.2, 1.8]))
+    engine = {**dk, "key_centering": "auto"}
+    got = sa.accuracy_vs_fp16(s, "M", "diffkv", engine, "gsm_symbolic")
+    assert (got["diff_points"], got["ci95_points"], got["n"]) == (-1.2, [-4.2, 1.8], 300)
+    assert sa.accuracy_vs_fp16(s, "M", "k4v4", {"kv_mode": "int4", "key_centering": "auto", "high": "K8V4"},
+                               "gsm_symbolic")["diff_points"] == -1.6  # int4 ignores the diffkv fields
+    for cache, config, model, words in (({**engine, "alpha_low": 0.0}, "diffkv", "M", "alpha_low=0.02"),
+                                        ({"kv_mode": "int4", "key_centering": "off"}, "k4v4", "M", "key_centering"),
+                                        ({"kv_mode": "fp8", "key_centering": "auto"}, "fp8", "M", "no 'fp8'"),
+                                        (engine, "diffkv", "N", "the study is of M")):
+        got = sa.accuracy_vs_fp16(s, model, config, cache, "gsm_symbolic")
+        assert got["diff_points"] is None and words in got["why"] and got["why"].startswith("not measured")
+    assert "no chain_sum" in sa.accuracy_vs_fp16(s, "M", "k4v4", {"kv_mode": "int4", "key_centering": "auto"},
+                                                 "chain_sum")["why"]
+    rows = [{"mode": m, "tokens_per_s": t, "accuracy": {"diff_points": a}}
+            for m, t, a in (("fp16", 100.0, 0.0), ("int8", 180.0, -0.4), ("int4", 300.0, -1.6), ("fp8", 400.0, None))]
+    assert sa.fastest_within(rows, 1.0)["mode"] == "int8" and sa.fastest_within(rows, 2.0)["mode"] == "int4"
+
+
+def test_committed_qwen_study_covers_the_throughput_modes():
+    """Every mode of the Qwen throughput benchmark (but fp8, which the study predates) has its accuracy."""
+    from engine import EngineConfig
+    from engine.model_settings import apply_model_settings
+
+    tq, sa = _load_script("throughput_qwen"), _load_script("study_accuracy")
+    name = "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M"
+    study = sa.load_study(sa.find_study(name))
+    for mode in tq.available_modes():
+        cache = apply_model_settings(EngineConfig(cache=tq.mode_cache(mode)), name).cache.model_dump()
+        got = sa.accuracy_vs_fp16(study, name, tq.STUDY_NAMES[mode], cache, "gsm_symbolic")
+        assert (got["diff_points"] is None) == (mode == "fp8"), (mode, got)
+
+
+def test_throughput_at_accuracy_renders_into_recorded_docs(throughput_qwen_json, tmp_path, monkeypatch):
+    """A recorded throughput_qwen2.5-1.5b_H100.json appears in both documents with the accuracy column."""
+    mod = _load_script("summarize_results")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    readme, performance = mod.render()
+    assert "throughput at accuracy" not in performance and "throughput_qwen2.5-1.5b_H100.json" not in readme
+    d = json.loads(json.dumps(throughput_qwen_json))
+    d.update(device="NVIDIA H100 80GB HBM3", study="evals/results/qwen2.5-coder-1.5b/summary.json",
+             best_within="int8", skipped_runs=[{"repeat": 1, "mode": "fp16", "expected_s": 40.0}])
+    rows = {r["mode"]: r for r in d["rows"]}
+    rows["int8"]["accuracy"] = {"study_config": "k8v8", "diff_points": 0.0, "ci95_points": [-1.47, 1.47], "n": 500}
+    (tmp_path / "throughput_qwen2.5-1.5b_H100.json").write_text(json.dumps(d))
+    readme, performance = mod.render()
+    r8 = rows["int8"]
+    line = (f"| int8 | k8v8 | +0.0 [-1.5, +1.5] | {r8['seqs_fit']} | {r8['tokens_per_s']:.0f} | "
+            f"{r8['runs'][0]['tokens_per_s']:.0f} / {r8['runs'][1]['tokens_per_s']:.0f} | {100 * r8['spread']:.1f}% |")
+    assert "## Generation throughput at accuracy: random:tiny-qwen2" in performance
+    assert line in performance and "| fp16 | fp16 | not measured |" in performance
+    assert "Runs not started for --time-limit: 1:fp16." in performance
+    assert "from `evals/results/qwen2.5-coder-1.5b" in performance
+    assert "NVIDIA H100 80GB HBM3" in performance and "`python benchmarks/throughput_qwen.py --smoke" in performance
+    assert "| `throughput_qwen2.5-1.5b_H100.json` | NVIDIA H100 80GB HBM3 |" in readme
