@@ -61,8 +61,8 @@ class CacheConfig(BaseModel):
     budget: float = Field(0.5, gt=0, le=1, description="policy=budget: fraction of tokens each KV head keeps")
     enable_prefix_caching: Union[bool, Literal["auto"]] = Field(
         "auto", description="share the KV of prompt prefixes between requests (docs/PREFIX_CACHING.md); 'auto': "
-                            "on for fp16 / int8 / int4 / fp8 (no measurable cost when prompts share nothing), off for diffkv "
-                            "(its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
+                            "on for fp16 / int8 / int4 / fp8 (no measurable cost when prompts share nothing), off "
+                            "for diffkv (its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
     # Per-layer budgets (XKV-style; `diffkv calibrate --per-layer` measures them): layer l classifies with
     # alpha_high * s[l] and alpha_low * s[l], per-request alphas included. Unset: the model's settings file;
     # None: one global pair of thresholds.
@@ -115,7 +115,8 @@ class CacheConfig(BaseModel):
         for logs and APIs; the diffkv fields only in diffkv mode, the thresholds only under policy thresholds.
         Pool sizing is left out: it says how many tokens fit, not how each is kept."""
         high, low = self.precisions()
-        out: dict[str, Any] = {"kv_mode": self.kv_mode, "high": f"K{high[0]}V{high[1]}" + ("-e4m3" if self.float8 else ""),
+        code = "-e4m3" if self.float8 else ""  # PageFormat.name's spelling of e4m3 pages
+        out: dict[str, Any] = {"kv_mode": self.kv_mode, "high": f"K{high[0]}V{high[1]}{code}",
                                "low": f"K{low[0]}V{low[1]}" if low else None,
                                "prefix_caching": self.prefix_caching()}
         if self.kv_mode == "diffkv":
