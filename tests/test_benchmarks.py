@@ -18,6 +18,18 @@ def test_decode_throughput_smoke(tmp_path):
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in rows)
 
 
+def test_key_centering_cost_smoke(tmp_path):
+    out = tmp_path / "centering.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"), "--smoke", "--kv-mode", "int4",
+                    "--key-centering", "off", "bias", "--out", str(out)], check=True, cwd=ROOT, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["order"] == ["off", "bias", "bias", "off"]
+    assert r["modes"]["off"]["mode"] == "off" and r["modes"]["bias"]["mode"] == "bias"
+    row = r["rows"][0]
+    assert len(row["step_ms"]["bias"]) == 2 and all(t > 0 for t in row["step_ms"]["off"] + row["step_ms"]["bias"])
+    assert row["ratio_vs_off"]["off"] == 1.0
+
+
 def test_decode_splits_smoke(tmp_path):
     out = tmp_path / "splits.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_splits.py"), "--smoke", "--out", str(out)],
