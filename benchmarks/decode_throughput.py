@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
+from engine.config import KV_MODES  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_throughput_<gpu>.json)")
-    ap.add_argument("--kv-mode", default="fp16", help="the engine's kv_mode (fp16, int8, int4, diffkv, ...)")
+    ap.add_argument("--kv-mode", default="fp16", choices=KV_MODES, help="the engine's kv_mode")
     ap.add_argument("--key-centering", nargs="+", default=None, choices=("auto", "bias", "off"),
                     help="compare these key-centering modes side by side (an engine each, order A B B A)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI keeps the script alive)")

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
 from decode_throughput import timed_batch  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--kv-mode", default="fp16", choices=["fp16", "int8", "int4", "diffkv"])
+    ap.add_argument("--kv-mode", default="fp16", choices=KV_MODES)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="throughput runs (auto: bf16 on CUDA)")
     ap.add_argument("--check-dtype", default="float32", help="correctness check runs")

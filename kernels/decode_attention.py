@@ -450,8 +450,8 @@ KERNELS = ("f16", "q8", "quartered")
 
 
 def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
-    """Which kernel serves a call: "f16" (16-bit pages only), "q8" (K8V8 pages, no low section;
-    kernels/decode_attention_q8.py) or "quartered" (any precision, high + low sections)."""
+    """Which kernel serves a call: "f16" (16-bit pages only), "q8" (K8V8 pages, integer or e4m3 codes, no low
+    section; kernels/decode_attention_q8.py) or "quartered" (any integer precision, high + low sections)."""
     if fmt_low is None and fmt.key_bits == fmt.value_bits == 16:
         return "f16"
     if fmt_low is None and fmt.key_bits == fmt.value_bits == 8:
@@ -634,7 +634,7 @@ def _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits
         fmt.k_off, fmt.k_meta_off // 4, fmt.v_off, fmt.v_meta_off // 4,
         GROUP=group, T=fmt.tokens, SPLIT=num_splits > 1, BLOCK_G=max(cfg.min_rows, next_pow2(group)),
         BLOCK_N=block_n, D=D,
-        DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits, WRITE_LSE=write_lse,
+        DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits, WRITE_LSE=write_lse, FP8=fmt.float8,
         num_warps=warps, num_stages=stages,
     )
 
@@ -665,6 +665,10 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if kernel not in (picked, "quartered"):
         low_note = " with a low section" if has_low else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}")
+    if kernel == "quartered" and (fmt.float8 or (has_low and fmt_low.float8)):  # it unpacks integer codes only
+        low_name = f" + {fmt_low.name}" if has_low else ""
+        raise ValueError(f"the quartered decode kernel cannot serve e4m3 pages ({fmt.name}{low_name}); "
+                         "K8V8 e4m3 pages without a low section go to the q8 kernel")
     cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)

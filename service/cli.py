@@ -9,6 +9,8 @@ import json
 import sys
 from typing import Optional
 
+from engine.config import KV_MODES
+
 
 PACKAGE = "diffkv-serve"
 THREADS_HELP = "torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)"
@@ -54,8 +56,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights and unquantized cache values; auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--kv-mode", default="fp16", choices=["fp16", "int8", "int4", "diffkv"],
-                   help="fp16: uncompressed, in --dtype")
+    p.add_argument("--kv-mode", default="fp16", choices=KV_MODES,
+                   help="fp16: uncompressed, in --dtype; fp8: e4m3 with a scale per token and KV head")
     p.add_argument("--alpha-high", type=float, default=None,
                    help="diffkv: high-precision threshold (default: the model's calibrated value)")
     p.add_argument("--alpha-low", type=float, default=None,
@@ -450,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded)")
     s.add_argument("--device", default=None, help=f"auto | cpu | cuda (default: {_service_default('device')})")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    s.add_argument("--kv-mode", default=None, choices=["fp16", "int8", "int4", "diffkv"],
+    s.add_argument("--kv-mode", default=None, choices=KV_MODES,
                    help=f"(default: {_service_default('cache').kv_mode})")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

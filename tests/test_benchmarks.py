@@ -126,7 +126,7 @@ def test_throughput_mode_settings():
     spec = importlib.util.spec_from_file_location("throughput_bench", ROOT / "benchmarks" / "throughput.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.parse_mode("int4") == ("int4", {})
+    assert mod.parse_mode("int4") == ("int4", {}) and mod.parse_mode("fp8") == ("fp8", {})
     assert mod.parse_mode("diffkv:alpha_low=0.06,high=K8V8,window=32") == (
         "diffkv", {"alpha_low": 0.06, "high": "K8V8", "window": 32})
     for bad, words in (("int3", "kv mode"), ("diffkv:beta=1", "beta"), ("diffkv:alpha_low=x", "alpha_low"),

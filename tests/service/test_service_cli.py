@@ -355,3 +355,34 @@ def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys)
     page_bytes = kv["bytes_used"] // kv["pages_used"]
     held = (kv["pages_used"] + kv["pages_shared"]) * page_bytes
     assert kv["bytes_uncompressed"] <= held < 1.5 * kv["bytes_uncompressed"]
+
+
+def test_every_command_takes_each_kv_mode():
+    """--kv-mode of generate, chat, eval and serve offers engine.config.KV_MODES (fp8 included); an
+    unknown mode is refused by argparse."""
+    from engine.config import KV_MODES
+
+    assert "fp8" in KV_MODES
+    for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["serve"]):
+        p = build_parser()
+        for mode in KV_MODES:
+            assert p.parse_args([*command, "--kv-mode", mode]).kv_mode == mode
+        with pytest.raises(SystemExit):
+            p.parse_args([*command, "--kv-mode", "fp4"])
+    assert _serve_config(parse("--kv-mode", "fp8")).cache.kv_mode == "fp8"
+
+
+def test_generate_json_with_the_fp8_cache(capsys):
+    """kv_mode fp8 end to end from the command line: e4m3 K8V8 pages, a quarter of the float32 cache's bytes."""
+    import torch
+
+    from service.cli import main
+
+    argv = ["generate", "--prompt", "Explain KV caches in one sentence.", "--max-tokens", "8", "--ignore-eos",
+            "--json", "--device", "cpu", "--kv-mode", "fp8", "--threads", str(torch.get_num_threads())]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kv = out["kv"]
+    assert kv["kv_mode"] == "fp8" and len(out["token_ids"]) == 8
+    held = kv["bytes_used"] + kv["pages_shared"] * (kv["bytes_used"] // kv["pages_used"])
+    assert held < 0.5 * kv["bytes_uncompressed"]  # 1-byte codes + meta rows against 4-byte values
