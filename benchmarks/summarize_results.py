@@ -35,6 +35,8 @@ MEASURED_ALTERNATIVES = {
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",
+    "key_centering_decode_cost_H100.json": "decode step with key centering off / on (the rotated k_proj bias), "
+                                           "random-weight Qwen2.5-1.5B shape, int4, engines in order A B B A",
 }
 
 

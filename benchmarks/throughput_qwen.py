@@ -26,6 +26,7 @@ Smoke (CPU, tiny random model): python benchmarks/throughput_qwen.py --smoke
 from __future__ import annotations
 
 import argparse
+import json
 import gc
 import platform
 import re
@@ -297,6 +298,9 @@ def parse_args(argv):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--stats-every", type=int, default=16, help="steps between batch / compression samples")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--annotate", default=None, metavar="JSON",
+                    help="no run: refresh a recorded result's accuracy columns and ratios from the current study "
+                         "(a configuration the study measured after the run)")
     ap.add_argument("--out", default=None, help="JSON path, or a folder for the default name")
     ap.add_argument("--smoke", action="store_true", help="tiny random-weight model on CPU, short generations")
     args = ap.parse_args(argv)
@@ -342,9 +346,36 @@ def default_name(ckpt_name: str, args) -> str:
     return f"throughput{'_natural_stop' if args.natural_stop else ''}_{model_tag(ckpt_name)}"
 
 
+def annotate(path: Path, args) -> int:
+    """Re-read the accuracy study for a recorded run: each row's accuracy as the study now has it (matched on the
+    cache settings the run resolved, as a live run does), then the ratios that depend on it."""
+    from engine import EngineConfig
+    from engine.model_settings import apply_model_settings
+
+    d = json.loads(path.read_text())
+    study_path = Path(args.study) if args.study else find_study(d["model"])
+    study = load_study(study_path) if study_path else None
+    for row in d["rows"]:
+        cache = apply_model_settings(EngineConfig(cache=mode_cache(row["mode"])), d["model"]).cache
+        if cache.describe() != row["cache"]:
+            raise ValueError(f"{path}: mode {row['mode']!r} now resolves to {cache.describe()}, the run used "
+                             f"{row['cache']}; rerun the benchmark instead")
+        row["accuracy"] = accuracy_vs_fp16(study, d["model"], STUDY_NAMES.get(row["mode"], row["mode"]),
+                                           cache.model_dump(), d["accuracy_task"])
+    best = add_ratios(d["rows"], d["config"]["within"])
+    d["best_within"] = best["mode"] if best else None
+    d["study"] = repo_path(study_path) if study_path else None
+    print_table(d["rows"], best, argparse.Namespace(**d["config"]))
+    path.write_text(json.dumps(d, indent=1) + "\n")
+    print(f"annotated {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.annotate:
+        return annotate(Path(args.annotate), args)
     deadline = START + args.time_limit
     torch.manual_seed(0)
     ckpt = load_checkpoint(args.model)
