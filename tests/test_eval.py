@@ -273,3 +273,14 @@ def test_fidelity_compare_configs_and_run(tmp_path):
     assert 0 < row["memory_fraction"] < 1 and 0 <= row["top1_agreement"] <= 1
     assert "vs_baseline" in row and "vs_baseline" not in d["configs"]["k8v8"]
     assert row["cache"]["alpha_low"] == 0.5
+
+
+def test_study_max_tokens_option():
+    """--max-tokens takes N for every task or a per-task JSON object; anything else is a usage error naming it."""
+    from evals.study import parse_max_tokens
+
+    assert parse_max_tokens("300")["gsm_symbolic"] == 300 and len(set(parse_max_tokens("300").values())) == 1
+    assert parse_max_tokens('{"chain_sum": 20}') == {"chain_sum": 20}
+    for bad in ("x", "0", "-3", "true", '{"nope": 3}', '{"chain_sum": 0}', "[1]"):
+        with pytest.raises(ValueError, match="--max-tokens"):
+            parse_max_tokens(bad)
