@@ -298,9 +298,9 @@ def render_performance() -> str:
              "(listed in its README). Each table names the GPU, the date and the exact command, run from the "
              "repository root; the numbers within a table come from one run on one GPU. CI runs every benchmark's "
              "`--smoke` mode on CPU.", ""]
-    lines += attention_section() + decode_throughput_section()
-    for name in THROUGHPUT_AT_ACCURACY_RUNS:
+    for name in THROUGHPUT_AT_ACCURACY_RUNS:  # the headline: tokens/s per KV mode at its accuracy, a real model
         lines += throughput_accuracy_section(name)
+    lines += attention_section() + decode_throughput_section()
     for section in (throughput_section, step_breakdown_section, memory_manager_section, serve_sweep_section,
                     tensor_parallel_section):
         lines += section()
