@@ -1,6 +1,7 @@
 """Where benchmark scripts write their JSON: --out, else benchmarks/results/<name>_<device>.json."""
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ def gpu_tag(name: str) -> str:
 
 def write_result(result: dict, name: str, device: str, out: Optional[str], smoke: bool) -> Path:
     path = Path(out) if out else RESULTS / f"{name}_{'smoke' if smoke else gpu_tag(device)}.json"
+    result.setdefault("date", datetime.date.today().isoformat())  # docs/PERFORMANCE.md dates each table
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

@@ -52,7 +52,8 @@ from kernels.decode_attention import paged_decode_attention  # noqa: E402
 from kernels.kv_write import write_kv  # noqa: E402
 from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
-PRECISIONS = {"fp16": "K16V16", "K8V8": "K8V8", "K8V4": "K8V4", "K4V2": "K4V2", "mix": "K8V4+K4V2"}
+PRECISIONS = {"fp16": "K16V16", "K8V8": "K8V8", "fp8": "K8V8-e4m3", "K8V4": "K8V4", "K4V2": "K4V2",
+              "mix": "K8V4+K4V2"}
 SDPA_MODES = ("gqa", "fold")  # enable_gqa=True on q [B,Hq,1,D]; or q folded to [B,Hkv,G,D] (G rows per KV head)
 CHECK_TOL = 4e-3  # atol and rtol: Triton vs impl="ref" (same dequantized data, fp16 dots); fp16 ref vs SDPA
 FULL_TOL = 1e-2  # fp16 kernel vs SDPA at the timed shapes (long fp16 reductions; a wrong page is off by ~0.1+)
@@ -68,13 +69,13 @@ class Mismatch(RuntimeError):
 # ------------------------------------------------------------------------------------------------ formats
 
 def parse_spec(spec: str, head_dim: int, page_bytes: int, isz: int) -> tuple[PageFormat, PageFormat | None]:
-    """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low)."""
+    """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low); 'K8V8-e4m3': fp8 codes (kv_mode fp8)."""
     fmts = []
     for name in spec.split("+"):
-        m = re.fullmatch(r"K(\d+)V(\d+)", name)
+        m = re.fullmatch(r"K(\d+)V(\d+)(-e4m3)?", name)
         if not m:
-            raise ValueError(f"precision {spec!r}: expected KxVy or KaVb+KcVd")
-        fmts.append(PageFormat.make(int(m[1]), int(m[2]), head_dim, page_bytes, isz))
+            raise ValueError(f"precision {spec!r}: expected KxVy, KxVy-e4m3 or KaVb+KcVd")
+        fmts.append(PageFormat.make(int(m[1]), int(m[2]), head_dim, page_bytes, isz, float8=bool(m[3])))
     if len(fmts) > 2:
         raise ValueError(f"precision {spec!r}: at most a high and a low section")
     return fmts[0], (fmts[1] if len(fmts) == 2 else None)
@@ -258,7 +259,7 @@ def check_small(args, device, impl, page_bytes) -> list[dict]:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS),
-                    help="fp16 K8V8 K8V4 K4V2 mix, or any KxVy / KaVb+KcVd (high+low halves)")
+                    help="fp16 K8V8 fp8 K8V4 K4V2 mix, or any KxVy / KxVy-e4m3 / KaVb+KcVd (high+low halves)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 8 32 128 (smoke: 2)")
     ap.add_argument("--seqs", type=int, nargs="+", default=None, help="default 1024 4096 16384 (smoke: 50 200)")
     ap.add_argument("--hq", type=int, default=32)

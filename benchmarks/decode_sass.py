@@ -5,8 +5,8 @@ calls kernels/decode_attention.py's launcher on small CPU tensors with Triton's 
 each kernel it would have launched the way Triton's runtime does (same argument specialization), and counts
 the instructions of the kernel's main loop (its longest backward branch): per tile and per token
 (x warps / tile), by opcode. Register moves (IMAD.MOV / MOV), tensor-core mmas (HMMA) and shared-memory loads
-are what session 10's profiles pointed at. Use it to compare kernel variants before spending GPU time; times
-still need the GPU (benchmarks/attention.py).
+are what the ncu profiles of the decode kernels pointed at. Use it to compare kernel variants before spending
+GPU time; times still need the GPU (benchmarks/attention.py).
 
     python benchmarks/decode_sass.py                         # 8B shape: every precision, default configs
     python benchmarks/decode_sass.py --precisions K4V2 --min-rows 16 8

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
 from step_breakdown import abort_all, add_prompts, build_engine  # noqa: E402
 from engine.cuda_graph import DecodeGraphs  # noqa: E402
@@ -105,7 +106,7 @@ def measure(engine: LLMEngine, mode: str, batch: int, seq: int, steps: int) -> d
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama3-8b")
-    ap.add_argument("--modes", nargs="+", default=["int4", "diffkv"], choices=["fp16", "int8", "int4", "diffkv"])
+    ap.add_argument("--modes", nargs="+", default=["int4", "diffkv"], choices=KV_MODES)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--seq", type=int, default=1024, help="prompt length")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per (mode, batch)")

@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -388,7 +389,7 @@ def target_line(t: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama3-8b")
-    ap.add_argument("--modes", nargs="+", default=["fp16", "diffkv"], choices=["fp16", "int8", "int4", "diffkv"])
+    ap.add_argument("--modes", nargs="+", default=["fp16", "diffkv"], choices=KV_MODES)
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096], help="prompt lengths")
     ap.add_argument("--steps", type=int, default=8, help="generation steps timed, then as many profiled")

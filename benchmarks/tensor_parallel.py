@@ -25,8 +25,9 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
-from decode_throughput import run_batch  # noqa: E402
+from decode_throughput import timed_batch  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--kv-mode", default="fp16", choices=["fp16", "int8", "int4", "diffkv"])
+    ap.add_argument("--kv-mode", default="fp16", choices=KV_MODES)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="throughput runs (auto: bf16 on CUDA)")
     ap.add_argument("--check-dtype", default="float32", help="correctness check runs")
@@ -139,9 +140,8 @@ def main(argv=None) -> int:
             eng = build(args, tp, args.dtype, max_len, max_seqs)
         device = device or device_name(eng)
         dtype = str(eng.runner.dtype) if eng.runner is not None else eng.executor.dtype
-        run_batch(eng, 1, min(args.prompt_len, 32), 4, seed=0)  # warm-up: kernels compile, graphs capture
         for b in args.batches:
-            r = run_batch(eng, b, args.prompt_len, args.new_tokens, seed=b)
+            r = timed_batch(eng, b, args.prompt_len, args.new_tokens, seed=b)
             r.update({"tp": tp, "dtype": dtype, "pages_per_rank": [x["pages_total"] for x in eng.stats()["ranks"]]})
             rows.append(r)
         release(eng)

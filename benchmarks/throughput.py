@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.config import SchedulerConfig, parse_settings  # noqa: E402
+from engine.config import KV_MODES, SchedulerConfig, parse_settings  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
-MODES = ("fp16", "int8", "int4", "diffkv")
+MODES = KV_MODES
 # CacheConfig fields a --modes entry may set after a colon, with their types
 MODE_SETTINGS = {"alpha_high": float, "alpha_low": float, "window": int, "high": str, "low": str}
 # engine.stats() fields a --trace sample records, after the step count and the seconds since the start

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-KVMode = Literal["fp16", "int8", "int4", "diffkv"]
+KVMode = Literal["fp16", "int8", "int4", "fp8", "diffkv"]
+KV_MODES: tuple[str, ...] = get_args(KVMode)  # the --kv-mode choices of every command
 ExecutorKind = Literal["auto", "local", "ray"]
 # Which tokens DiffKV may prune, by the phase they came from: the prompt's (the prefill's classification and
 # later decode steps), the generated ones (decode steps), or both. A token outside it is kept, at low precision
@@ -45,7 +46,8 @@ class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kv_mode: KVMode = Field("fp16", description="fp16 (uncompressed, in the model's dtype: bfloat16 on CUDA, "
                                                 "float32 on CPU unless dtype says otherwise), int8 (K8V8), "
-                                                "int4 (K4V4) or diffkv")
+                                                "int4 (K4V4), fp8 (e4m3 keys and values with a scale per "
+                                                "token and KV head) or diffkv")
     block_size: int = Field(16, ge=1, description="tokens of a full-precision page; page bytes follow from it")
     num_pages: Optional[int] = Field(None, ge=1, description="fixed pool size; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: Optional[float] = Field(
@@ -72,8 +74,8 @@ class CacheConfig(BaseModel):
     budget: float = Field(0.5, gt=0, le=1, description="policy=budget: fraction of tokens each KV head keeps")
     enable_prefix_caching: Union[bool, Literal["auto"]] = Field(
         "auto", description="share the KV of prompt prefixes between requests (docs/PREFIX_CACHING.md); 'auto': "
-                            "on for fp16 / int8 / int4 (no measurable cost when prompts share nothing), off for diffkv "
-                            "(its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
+                            "on for fp16 / int8 / int4 / fp8 (no measurable cost when prompts share nothing), off "
+                            "for diffkv (its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
     # Per-layer budgets (XKV-style; `diffkv calibrate --per-layer` measures them): layer l classifies with
     # alpha_high * s[l] and alpha_low * s[l], per-request alphas included. Unset: the model's settings file;
     # None: one global pair of thresholds.
@@ -117,14 +119,20 @@ class CacheConfig(BaseModel):
         """(high, low) page precisions of this mode; low is None for single-precision modes."""
         if self.kv_mode == "diffkv":
             return parse_precision(self.high, "high"), parse_precision(self.low, "low")
-        return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4)}[self.kv_mode], None
+        return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4), "fp8": (8, 8)}[self.kv_mode], None
+
+    @property
+    def float8(self) -> bool:
+        """Whether the 8-bit pages hold e4m3 codes (kv_mode fp8) rather than integer codes."""
+        return self.kv_mode == "fp8"
 
     def describe(self) -> dict[str, Any]:
         """What decides how tokens are stored and dropped, resolved ('auto' prefix caching included), as JSON
         for logs and APIs; the diffkv fields only in diffkv mode, the thresholds only under policy thresholds.
         Pool sizing is left out: it says how many tokens fit, not how each is kept."""
         high, low = self.precisions()
-        out: dict[str, Any] = {"kv_mode": self.kv_mode, "high": f"K{high[0]}V{high[1]}",
+        code = "-e4m3" if self.float8 else ""  # PageFormat.name's spelling of e4m3 pages
+        out: dict[str, Any] = {"kv_mode": self.kv_mode, "high": f"K{high[0]}V{high[1]}{code}",
                                "low": f"K{low[0]}V{low[1]}" if low else None,
                                "prefix_caching": self.prefix_caching()}
         if self.kv_mode == "diffkv":

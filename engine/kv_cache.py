@@ -1,7 +1,7 @@
 """The KV cache of one worker: the memory manager plus the compression policy that decides where each
 token lives (DiffKV paper §4-§5). Every mode uses the same pages and kernels:
 
-  fp16 / int8 / int4   one precision, every token in the high section, nothing pruned
+  fp16 / int8 / int4 / fp8   one precision, every token in the high section, nothing pruned (fp8: e4m3 codes)
   diffkv               high (K8V4) and low (K4V2) sections per (sequence, layer, KV head), the rest pruned
 
 Prompt: each layer scores its tokens (attention from the last queries), classifies them (recent window
@@ -84,7 +84,7 @@ class KVCache:
                  device: torch.device, num_query_heads: int):
         self.config = config
         high, low = config.precisions()
-        self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low)
+        self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low, float8=config.float8)
         self.diffkv = low is not None
         config.check_num_layers(shape.num_layers)
         # Per-layer budgets: [L] multipliers of the alphas (None: one global pair of thresholds).

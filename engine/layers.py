@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelArch
+from kernels.rms_norm import rms_norm
+from kernels.rope import apply_rope
+from kernels.silu_mul import silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +28,11 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(self, h: torch.Tensor, delta: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, norm(h + delta)) for hidden states [N, H]: the residual add and the norm in one kernel on
+        CUDA (kernels/rms_norm.py); delta None: (h, norm(h))."""
+        return rms_norm(h, self.weight, self.eps, delta)
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
@@ -57,18 +65,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, D/2] (fp32) of these positions: gathered once per forward, shared by every layer."""
+        return self.cos[positions], self.sin[positions]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shift: Optional[torch.Tensor] = None,
+                tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """x [N, heads, D], positions [N] -> rotated x, minus `shift` [heads, D] if given (key centering,
-        engine.key_centering). Like the reference, the rotation runs in x's dtype; the shift rides on the
-        multiply-adds (addcmul), so it costs no extra kernel."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        base = x * cos2 if shift is None else torch.addcmul(-shift, x, cos2)
-        return torch.addcmul(base, torch.cat((-x2, x1), -1), sin2)
+        engine.key_centering). On CPU the rotation runs in x's dtype like the Hugging Face reference, the shift
+        riding on its multiply-adds; on CUDA one kernel rotates q and k (kernels/rope.py)."""
+        cos, sin = tables if tables is not None else self.tables(positions)
+        return apply_rope(x, cos, sin, shift)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """silu(gate) * up of the fused [N, 2I] projection (one kernel on CUDA: kernels/silu_mul.py)."""
+    return silu_mul(gate_up)

@@ -1,4 +1,4 @@
-"""On-device KV memory manager (DESIGN.md "Memory manager", paper §5).
+"""On-device KV memory manager (docs/DESIGN.md "Memory manager", paper §5).
 
 All state lives on the model's device:
   pool        uint8 [num_pages, page_bytes]   unified pages shared by every layer, head and precision
@@ -65,7 +65,8 @@ def worst_case_growth(heads: int, tokens_high: int, extra_prompt_pages: int, two
 
 class MemoryManager:
     def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device,
-                 high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None):
+                 high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None, float8: bool = False):
+        """float8: the high precision's 8-bit sides hold e4m3 codes (kv_mode fp8)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the page pool needs at least one page")
         self.shape = shape
@@ -73,7 +74,7 @@ class MemoryManager:
         self.cache_dtype = cache_dtype
         itemsize = torch.tensor([], dtype=cache_dtype).element_size()
         self.page_bytes = page_bytes_for(shape.block_size, shape.head_dim, itemsize)
-        self.fmt_high = PageFormat.make(*high, shape.head_dim, self.page_bytes, itemsize)
+        self.fmt_high = PageFormat.make(*high, shape.head_dim, self.page_bytes, itemsize, float8=float8)
         self.fmt_low = PageFormat.make(*low, shape.head_dim, self.page_bytes, itemsize) if low else None
         if self.fmt_low is not None and self.fmt_low.tokens < self.fmt_high.tokens:
             raise ValueError(f"low precision {self.fmt_low.name} must hold at least as many tokens per page as "
@@ -490,8 +491,9 @@ class MemoryManager:
         start, end = self.counters.tolist()
         n = self.num_pages
         assert 0 <= end - start <= n, f"free count {end - start} outside [0, {n}]"
-        fl = self.free_list[:n].cpu()
-        free_ids = [int(fl[(start + i) % n]) for i in range(end - start)]
+        # The free ids are the circular range [start, end) of the list: one roll, not a Python loop over pages
+        # (millions at benchmark pool sizes).
+        free_ids = self.free_list[:n].cpu().roll(-(start % n))[: end - start].tolist()
         used_ids = self.held_page_ids() + self._check_prefix_blocks(refcounts)
         assert all(0 <= p < n for p in used_ids), "page table points outside the pool"
         seen = free_ids + used_ids

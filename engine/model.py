@@ -6,7 +6,7 @@ itself is delegated to a backend object (engine.attention) that reads and writes
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from typing import Mapping, Optional, Protocol
 
 import torch
 from torch import nn
@@ -45,24 +45,26 @@ class DecoderLayer(nn.Module):
         self.register_buffer("qk_shift", None, persistent=False)
         self.key_observer = None  # calibration: called with (layer, keys) on eager forwards
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, delta: Optional[torch.Tensor], rope: RotaryEmbedding,
+                tables: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream h, the previous layer's MLP output delta or None) -> (h, this layer's MLP output).
+        The residual adds ride in the next norm's kernel (RMSNorm.add_and_norm); rope tables come per forward."""
         N, D = h.shape[0], self.head_dim
-        x = self.input_layernorm(h)
+        h, x = self.input_layernorm.add_and_norm(h, delta)
         qkv = self.qkv_proj(x)
         Hq, Hk = self.num_heads, self.num_kv_heads
         qk = qkv[:, : (Hq + Hk) * D].view(N, Hq + Hk, D)
         v = qkv[:, (Hq + Hk) * D:].view(N, Hk, D)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :Hq]), self.k_norm(qk[:, Hq:])], 1)
-        qk = rope(qk, positions, self.qk_shift)  # q and k rotate together: one set of kernels
+        qk = rope(qk, None, self.qk_shift, tables)  # q and k rotate together: one kernel
         q, k = qk[:, :Hq], qk[:, Hq:]
         if self.key_observer is not None:
             self.key_observer(self, k)
         o = attn(self.idx, q, k, v).reshape(N, self.num_heads * D)
-        h = h + self.pc.all_reduce(self.o_proj(o))
-        x = self.post_attention_layernorm(h)
-        return h + self.pc.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        h, x = self.post_attention_layernorm.add_and_norm(h, self.pc.all_reduce(self.o_proj(o)))
+        return h, self.pc.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class CausalLM(nn.Module):
@@ -78,10 +80,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Flat batch of tokens [N] -> final hidden states [N, hidden]."""
-        h = self.embed_tokens(input_ids)
+        h, delta = self.embed_tokens(input_ids), None
+        tables = self.rope.tables(positions)
         for layer in self.layers:
-            h = layer(h, positions, self.rope, attn)
-        return self.norm(h)
+            h, delta = layer(h, delta, self.rope, tables, attn)
+        return self.norm.add_and_norm(h, delta)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -22,11 +22,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    from engine.config import KV_MODES
     from evals.configs import baseline_configs
 
     p.add_argument("--config", default=None, choices=[c.name for c in baseline_configs(True)] + ["diffkv"],
                    help="a named configuration of docs/ACCURACY.md (else --kv-mode and the DiffKV options)")
-    p.add_argument("--kv-mode", default="diffkv", choices=["fp16", "int8", "int4", "diffkv"])
+    p.add_argument("--kv-mode", default="diffkv", choices=KV_MODES)
     p.add_argument("--alpha-high", type=float, default=None, help="diffkv (default: the model's calibrated value)")
     p.add_argument("--alpha-low", type=float, default=None)
     p.add_argument("--high", default=None, help="diffkv high precision, e.g. K8V4")

@@ -3,6 +3,7 @@
   fp16                16-bit cache (reference)
   diffkv              K8V4 / K4V2 / pruned by the model's calibrated alpha_high, alpha_low
   k8v8, k4v4          uniform int8 / int4 (kv_mode int8 / int4)
+  fp8                 e4m3 keys and values, a scale per token and KV head (kv_mode fp8: vLLM's fp8 cache)
   k8v4, k4v8,         uniform at one precision: diffkv with high = low = that precision and both alphas 0,
   k4v2, k2v4          so every token stays in the high section (the mirrors test "keys over values")
   kivi2               KIVI-like: the recent window at 16 bits, every older token at K2V2 (alpha_high out of
@@ -74,6 +75,7 @@ def baseline_configs(attention_bias: bool = False) -> list[KVConfig]:
     return [
         KVConfig("fp16", "fp16", "fp16", {"kv_mode": "fp16"}),
         KVConfig("k8v8", "uniform K8V8", "uniform", {"kv_mode": "int8"}),
+        KVConfig("fp8", "fp8 e4m3", "uniform", {"kv_mode": "fp8"}),
         KVConfig("k4v4", "uniform K4V4", "uniform", {"kv_mode": "int4"}),
         *centering,
         _uniform("k8v4", "K8V4"),

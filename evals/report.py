@@ -72,6 +72,24 @@ def task_table(rows: dict, task: str) -> list[str]:
     return out
 
 
+def target_text(rows: dict, task: str) -> list[str]:
+    """The accuracy target on a task: DiffKV's default within 1 point of fp16 with the interval's lower end at or
+    above -2.5 points, at <= 30% of fp16 KV memory and at least 25% less memory than uniform K8V4."""
+    d, k = rows.get("diffkv", {}).get("tasks", {}).get(task), rows.get("k8v4", {}).get("tasks", {}).get(task)
+    if not d:
+        return []
+    lo, hi = d["diff_ci95_points"]
+    ok = d["diff_vs_fp16_points"] >= -1.0 and lo >= -2.5 and d["memory_fraction"] <= 0.30
+    out = [f"- {task} target (within 1 point, interval's lower end >= -2.5, <= 30% memory): "
+           f"{'met' if ok else 'not met'}: DiffKV {d['diff_vs_fp16_points']:+.1f} pts [{lo:+.1f}, {hi:+.1f}] at "
+           f"{_pct(d['memory_fraction'])} of fp16 KV memory (n={d['n']})."]
+    if k:
+        out.append(f"- {task}: DiffKV uses {100 * (1 - d['memory_fraction'] / k['memory_fraction']):.0f}% less KV "
+                   f"memory than uniform K8V4 ({_pct(k['memory_fraction'])}, {k['diff_vs_fp16_points']:+.1f} pts "
+                   f"{_ci(*k['diff_ci95_points'], fmt='{:+.1f}')}).")
+    return out
+
+
 def task_calibration_table(calib: dict) -> list[str]:
     """evals.task_calibration's sweep: every precision pair and threshold point on the calib problems."""
     c = calib["calibration"]
@@ -88,6 +106,13 @@ def task_calibration_table(calib: dict) -> list[str]:
         out.append(f"| {p['high']} / {p['low']}{mark} | {p['alpha_high']:g} | {p['alpha_low']:g} | "
                    f"{_pct(p['accuracy'])} | {p['diff_vs_fp16_points']:+.1f} pts "
                    f"{_ci(*p['diff_ci95_points'], fmt='{:+.1f}')} | {_pct(p['memory_fraction'])} | {agree} | {tf} |")
+    half = sorted((p["diff_ci95_points"][1] - p["diff_ci95_points"][0]) / 2 for p in c["points"])
+    if half:
+        med = half[len(half) // 2]
+        out += ["", f"Noise: the median 95% half-width of a point's difference is +-{med:.1f} points at "
+                f"n={c['problems']}" + (f", wider than the {c['tolerance_points']:g}-point tolerance: points within "
+                "that noise of one another are not separable on this split, so the choice among them is partly "
+                "chance and the evaluation split below is the check." if med > c["tolerance_points"] else ".")]
     return out
 
 
@@ -218,7 +243,10 @@ def model_section(summary: dict, per_layer: list[dict] = ()) -> list[str]:
         if floor < 0.10:
             out += [f"fp16 itself solves {_pct(floor)} of these problems: at this floor task accuracy cannot "
                     "separate the configurations; fidelity above is the measure for this model.", ""]
-    out += ["### Claims, as measured", ""] + claims_text(summary["claims"]) + [""]
+    out += ["### Claims, as measured", ""] + claims_text(summary["claims"])
+    for task in tasks:
+        out += target_text(rows, task)
+    out += [""]
     out += ["### Calibration", ""] + calibration_table(calib) + [""]
     for r in per_layer:  # evals/layer_study.py results, the calibrated operating point first
         out += per_layer_section(r)
@@ -237,7 +265,8 @@ def variants_section(fp16: dict, variants: list[dict]) -> list[str]:
     for v in sorted(variants, key=lambda v: v["tasks"]["gsm_symbolic"]["memory_fraction"]):
         f, t, b = v["fidelity"], v["tasks"]["gsm_symbolic"], fp16["tasks"]["gsm_symbolic"]
         c = compare_to_fp16(f, fp16["fidelity"])
-        d = paired_diff(b["correct"], t["correct"])
+        fp16_by_id = dict(zip(b["ids"], b["correct"]))  # paired by problem id: a variant may run fewer problems
+        d = paired_diff([fp16_by_id[i] for i in t["ids"]], t["correct"])
         out.append(f"| {v['label']} | {_pct(t['memory_fraction'])} | {f['top1_agreement']:.4f} | "
                    f"{c['nll_increase']:+.4f} {_ci(*c['nll_increase_ci'])} | {_pct(t['accuracy'])} (n={t['n']}) | "
                    f"{100 * d['mean']:+.1f} pts {_ci(100 * d['ci_low'], 100 * d['ci_high'], fmt='{:+.1f}')} | "

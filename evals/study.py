@@ -101,6 +101,27 @@ def check_claims(rows: dict, memory_cap: float = 0.30) -> dict:
     return out
 
 
+class OptionError(ValueError, argparse.ArgumentTypeError):
+    """A bad option value: a ValueError to callers, a usage error with this message to argparse."""
+
+
+def parse_max_tokens(text: str) -> dict:
+    """--max-tokens: an integer (every task) or a JSON object of task -> integer."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"--max-tokens {text!r}: not an integer or a JSON object ({e})") from None
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = {task: v for task in DEFAULT_MAX_TOKENS}
+    if not isinstance(v, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                          for n in v.values()):
+        raise OptionError(f"--max-tokens {text!r}: expected a positive integer or {{\"task\": n}} with n > 0")
+    unknown = set(v) - set(DEFAULT_MAX_TOKENS)
+    if unknown:
+        raise OptionError(f"--max-tokens: unknown task(s) {sorted(unknown)}; tasks: {sorted(DEFAULT_MAX_TOKENS)}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="embedded (default), qwen2.5-coder-1.5b, a .gguf or HF folder")
@@ -116,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration problems per task (default: 200 by tasks, none by agreement)")
     ap.add_argument("--calib-pairs", nargs="+", default=None, metavar="HIGH/LOW",
                     help="calibration by tasks: only these precision pairs (default: all of task_calibration's)")
-    ap.add_argument("--max-tokens", type=json.loads, default={}, help='per-task generation limit, JSON {"task": n}')
+    ap.add_argument("--max-tokens", type=parse_max_tokens, default={},
+                    help='generation limit: N for every task, or per task as JSON {"task": n}')
     ap.add_argument("--criterion", choices=("tasks", "agreement"), default="tasks",
                     help="calibration: paired task accuracy on the calib problems (evals.task_calibration), or "
                          "teacher-forced top-1 agreement (evals.calibrate)")

@@ -34,15 +34,14 @@ from kernels.sections import section_columns, section_page, split_range
 
 LOG2E = 1.4426950408889634
 # Work in flight per SM that the split count aims for, in warps x (head_dim / 64): a decode program streams one
-# (sequence, KV head) serially, so batch x KV heads alone leaves SMs idle or starved of loads (decode_splits
-# sweep on an H200, benchmarks/results/decode_splits_H200.json: at SmolLM2's 3 KV heads and head_dim 64,
-# batch 16 ran 3x faster split 8 ways than the old rule's 2, batch 64 1.4x faster split 2 ways than unsplit;
-# at the 8B shape (8 KV heads, head_dim 128) batch >= 32 stays unsplit). 16 = two 4-warp programs of head_dim 128
-# per SM: an H100 sweep at the 8B shape (.carry/gpu/quarter_bench.py with
-# num_splits 1-32, CUDA-graph timing) had batch 8 fastest at 4 splits for every precision (256 programs on 132
-# SMs, e.g. K8V8 at S=16384 105 us vs 129 us at the old rule's 3: 192 programs leave 72 SMs with one program)
-# and batch 32 fastest unsplit (2 splits: 9-30% slower). The quartered kernel's one-warp programs (launch_config,
-# session 12) get four times the splits from the same target (batch 8: 16, batch 32: 4), which its sweep kept.
+# (sequence, KV head) serially, so batch x KV heads alone leaves SMs idle or starved of loads. Measured
+# (benchmarks/results/decode_splits_H200.json): at SmolLM2's 3 KV heads and head_dim 64, batch 16 ran 3x faster
+# split 8 ways than 2 ways, batch 64 1.4x faster split 2 ways than unsplit. On an H100 at the 8B shape (8 KV
+# heads, head_dim 128) batch >= 32 is fastest unsplit (2 splits: 9-30% slower) and batch 8 at 4 splits for every
+# precision (256 programs on 132 SMs; K8V8 at 16384 tokens 105 us against 129 us at 3 splits, whose 192
+# programs leave 72 SMs with one program). 16 = two 4-warp programs of head_dim 128 per SM. The quartered
+# kernel's one-warp programs (launch_config) get four times the splits from the same target (batch 8: 16,
+# batch 32: 4), which its own sweep confirmed.
 TARGET_WARP_DIMS_PER_SM = 16
 MAX_SPLITS = 64
 
@@ -451,8 +450,8 @@ KERNELS = ("f16", "q8", "quartered")
 
 
 def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
-    """Which kernel serves a call: "f16" (16-bit pages only), "q8" (K8V8 pages, no low section;
-    kernels/decode_attention_q8.py) or "quartered" (any precision, high + low sections)."""
+    """Which kernel serves a call: "f16" (16-bit pages only), "q8" (K8V8 pages, integer or e4m3 codes, no low
+    section; kernels/decode_attention_q8.py) or "quartered" (any integer precision, high + low sections)."""
     if fmt_low is None and fmt.key_bits == fmt.value_bits == 16:
         return "f16"
     if fmt_low is None and fmt.key_bits == fmt.value_bits == 8:
@@ -461,111 +460,26 @@ def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
 
 
 def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | None = None) -> LaunchConfig:
-    """Launch parameters of `kernel` (default: decode_kernel's pick), from the H200 variant sweep
-    (benchmarks/results/decode_kernel_variants_H200.json) and, for the 8B shape, H100 sweeps
-    (.carry/gpu/quarter_bench.py; 32 query / 8 KV heads, head_dim 128, fp16; us at B=128 S=4096 / B=32 S=16384).
-    16-bit only: the full-width kernel (kernels/decode_attention_f16.py), 128-token tiles, 4 warps, 2 stages:
-    722 / 719 us (99% of 3.0 TB/s); 3, 5 or 7 stages and 64-token tiles were within 1% at B=128 (715-726 us).
-    Quartered, head_dim >= 128 (sessions 8-11; one warp since, see the end): 128-token tiles, 4 warps, freely
-    scheduled unpacking, 5 stages, row sums as one
-    tuple reduction (red 1, see _attend_section): K8V4 353 / 362 us, K4V2 265 / 293, K8V4+K4V2 350 / 376
-    (2 stages and red 0: 477 / 547, 304 / 452, 375 / 553). Like q8's, 5 stages are the fewest that give two
-    cp.async buffers per tile (4 and 6 compile to the same code as 3 and 5). 2 stages were 3% faster for K8V4 at
-    B=128 (341 us: 128 registers, four programs per SM) but 15% slower at B=32 (414: with two programs per SM
-    only the deeper pipeline keeps loads in flight); 7 stages (three buffers), 64-token tiles, 8 warps, value
-    codes unpacked before the transpose (pure_v False) and q8's sums kept [G, N] (168-255 registers) were
-    slower. Smaller heads: quarters of 16 leave the value dots too narrow for 4 warps (they would repeat
-    them), so 2 warps, one stage, value loads first and the unpacking kept before the shared-memory transpose
-    (H200 sweep; on the H100 in session 10 it stayed within 2% of the best of 12 variants at B=16 S=4096,
-    .carry/gpu/small_cfg_plan.json; larger batches: see the one-warp variant below).
-    Tried and dropped (session 9, H100, CUDA-graph timing): a full-width path for quantized pages ([N, D] code
-    tiles unpacked before shared memory, transposed dots so both take 128 rows and become Hopper warpgroup
-    MMAs, 8 softmax columns for GQA groups up to 7): 25% fewer SASS instructions per tile and no register
-    shuffles, but 0.68-0.86x the speed of this kernel for K8V4 / K4V2 / mix at B=8-128, S=4096-16384 at 2, 3
-    or 5 stages (more shared memory per program: two programs per SM instead of three).
-    q8 (swept on an H100 at the 8B shape): 128-token tiles, 4 warps, 5 stages, the fewest that double-buffer
-    its cp.async tiles (see kernels/decode_attention_q8.py); 64-token tiles or 8 warps were much slower.
-    Rows of the query-group tile (min_rows; session 10, H100, CUDA-graph timing, .carry/gpu/rows_plan.json): a
-    GQA group of 4 padded to 8 rows instead of 16 quarters the padding the softmax works on (per-tile SASS
-    1201 -> 1011 instructions for K4V2; ncu: 162M -> 136M executed). Quartered at B=128 S=4096: K8V4 351 -> 330
-    us, K4V2 266 -> 226, mix 350 -> 311; B=32 S=16384: 362 -> 333, 291 -> 249, 375 -> 331; B=8 S=4096: K8V4
-    35.7 -> 32.0. 4 rows (no padding row for the top value scale) was the same at B=128 and slower at B=8; q8
-    gains ~1% (B=8 S=4096 35.2 -> 34.7 us), f16 nothing (kept at 16). SmolLM2's shape (9 query / 3 KV heads,
-    head_dim 64: the small-head config below) gains most: B=128 S=2048 K8V4 97.0 -> 54.4 us, K4V2 79.6 -> 41.9,
-    mix 89.4 -> 51.1, q8 61.8 -> 45.6; B=16 S=4096 K4V2 24.0 -> 13.9.
-    Tried and dropped (session 10, same runs): the transposed quartered dots (logits [N, G], key codes as the
-    left operand, q as an 8-column right operand): 1.2-1.7x slower at every shape, as session 9 found for its
-    full-width variant. The split merge done by the last split program to finish (an arrival counter per
-    (sequence, KV head), no second launch; .carry/gpu/merge_last_session10.diff): within 2% at the 8B shape,
-    and 1.4x slower at SmolLM2's B=16 S=4096, whose many splits one program merges serially. At B=8, 8 splits
-    (instead of 4) with 3 stages: K4V2 -10% (S=16384 74.9 -> 66.0 us), K8V4 -2%, mix +16%: not taken. The
-    tile's row sums kept [G, N] to the end of the section with the value dots started from zero (one cross-warp
-    reduction per tile instead of two, 4% fewer SASS instructions; .carry/gpu/da_exp.py red 2): within 3% at
-    the 8B shape, 1.3-1.5x slower at SmolLM2's. For SmolLM2's small heads with many (sequence, KV head) pairs,
-    one warp per 64-token tile, 2 stages, freely scheduled unpacking and red 1 was 12-29% faster than the
-    config below in the kernel benchmark (.carry/gpu/small_cfg2_plan.json, H100, B=48-128, every sequence 2048
-    tokens: K4V4 B=96 41.0 -> 29.2 us, K8V4+K4V2 48.2 -> 35.6; B=16-32: 6-11% slower), but
-    the SmolLM2 throughput run with it at >= 144 pairs was no faster (int4 15960 vs 17251 tok/s, diffkv 15380
-    vs 15424, same command; its sequences have mixed lengths and the splits follow the page-table capacity):
-    not taken. Value codes unpacked before the shared-memory transpose (pure_v False) with 8 rows: 8-14% fewer
-    SASS instructions per tile (benchmarks/decode_sass.py) but 5-24% slower (K4V2 B=128 S=4096 226 -> 280 us;
-    fp16 codes through shared memory), as at 16 rows in session 9.
-    Key byte pairs (key_pairs; session 11, H100, CUDA-graph us, .carry/gpu/kp_plan.json): q padded with zero
-    rows to 16 and the key codes loaded as uint16 pairs give the key dots kWidth 2 and ldmatrix-fed q fragments,
-    which removes ~95 of the 96 register moves of the key half of a tile (K4V2 1014 -> 963 SASS per tile, K8V4
-    1110 -> 1060, mix 1141 -> 1071; registers unchanged at 128 / 144 / 168). Same run, on / off: K4V2 B=128
-    S=4096 223.2 / 224.1, B=32 S=16384 249.4 / 250.8, B=8 S=4096 22.2 / 22.9, B=8 S=16384 70.7 / 75.5; mix
-    301.6 / 312.3, 304.2 / 328.9, 30.2 / 30.7, 90.5 / 93.2; K8V4 within 1%. The value half done the same way
-    (p padded to 16 rows, value codes pair-interleaved by token in the page so that one uint16 holds two
-    tokens' bytes: kWidth 2, no single-byte shared loads) cut the tile to 873 / 892 / 889 instructions but ran
-    3-20% slower (36 KB of shared memory and 152 registers: three programs per SM instead of four; ncu: stall
-    "wait" 3x, on serialized mma chains), so the page layout stayed as it is. A 16-row q made with tl.join halves
-    the kWidth Triton picks (its heuristic divides the loaded bit width by 2 per join) and keeps the moves:
-    kernels/decode_tiles.pad_rows broadcasts instead. In the q8 kernel the same key pairs cut 1026 -> 892
-    instructions but took 208 registers and were no faster (B=128 S=4096 391 vs 394 us, B=8 S=4096 34.7 both;
-    maxnreg 128 / 168 the same): not taken.
-    What is left (ncu, K4V2 B=128 S=4096 with 8 rows): 60-64% of issue slots busy, 1011 SASS instructions per
-    4-warp tile of 128 tokens; 17% are register moves that build the mma A operands, because Triton hands the
-    8-row q and p tiles to mma.sync as {x, x, y, y} quads reloaded from shared memory each tile (key_pairs
-    removes those of q since; ~75 per tile remain on the value side).
-    One warp per program (session 12, H100, CUDA-graph us, .carry/gpu/w1_plan.json and w1b_plan.json; us at
-    B=128 S=4096 / B=32 S=16384 / B=8 S=4096 / B=8 S=16384, 4 warps and 128-token tiles -> 1 warp and 32): a
-    program that is one warp has no cross-warp reductions and no barriers worth the name, and the split count
-    (which counts warps) gives four times as many programs. 5 stages where the high section's keys have 4 bits
-    or fewer: K4V2 223 -> 207, 247 -> 219, 22.9 -> 20.9, 69.1 -> 60.3; K4V4 266 -> 239, 279 -> 233, 24.7 -> 21.9,
-    77.4 -> 65.3. 3 stages with wider keys: K8V4+K4V2 300 -> 276, 309 -> 284, 30.4 -> 25.3, 90.6 -> 79.9;
-    K16V16+K4V2 550 -> 505, 568 -> 514, 50.5 -> 44.6, 154 -> 139; K8V4 329 -> 315, 328 -> 325, 31.6 -> 30.7,
-    92.3 -> 89.7 (the other stage count was 2-9% slower for each). Per tile the one-warp loop is 913-1005 SASS
-    instructions for 32 tokens (152-255 registers) against 963-1071 for 128 tokens over four warps: ~5% fewer
-    per token; the rest of the gain is issue efficiency. Same runs: red 0 within 2-3% (noise), a 128-register
-    cap 5-40% slower, unpacking before the transpose (pure_v False) 5-10% slower, 16-token tiles 1.5-2x slower,
-    2 warps with 64- or 128-token tiles slower than either; fixed split counts of 1-32 instead of
-    choose_num_splits' (1 / 4 / 16 at B = 128 / 32 / 8) won only K4V2 at B=32 S=16384 (16 splits: -8%). The
-    transposed value dot (head dims as the mma's rows, the query group as its 8 columns: half the value mmas)
-    compiled to more instructions (975 vs 916 for K4V2), the value codes going to shared memory unpacked; not
-    kept. q8 with one warp: within 3% either way; kept at 4.
-    Session 13 (H100, CUDA-graph; benchmarks/results/decode_variants_session13_H100.json): split counts that are
-    not powers of two (B=8: 20-28, B=32: 5-7) were 5-40% slower, 2x the splits no faster, a 168-register cap for
-    mix (12 programs per SM instead of 8) no faster, 5 or 7 stages for K8V4 / mix / K16V16+K4V2 within 3% or
-    slower; value accumulators kept in plane units with rescaling only when needed (812 SASS per K4V2 tile on the
-    common path instead of 887) 0-6% faster but 15% off at 16k tokens (the 1024 code bias left in the mma
-    accumulator, whose fp32 sums truncate); two scalar page-table reads per tile instead of a division and a
-    gather per token: more instructions (pipelined copies of the scalars); value codes read as uint16 pairs of
-    tokens (the page layout session 11 tried at 4 warps, prototyped on the read side: two dots per plane, no
-    byte-wide shared loads; SASS per tile K8V4 943 -> 841, mix 992 -> 831) within 2% for K8V4 / mix and 3-15%
-    slower for K4V2 / K4V4. Not kept: at this point fewer instructions per tile no longer buy time (ncu, K4V2
-    B=32 S=16384: 57% of issue slots busy, most stalls fixed-latency dependency waits at ~2 warps per scheduler,
-    and more warps per scheduler from more splits gained <= 3%). One-warp programs with 64-token tiles and 5
-    stages (1659 SASS per tile, 25.9 per token against 27.3; 180 registers) are faster where the high section
-    has 2-bit values and keys of 4 bits or fewer and a split covers >= WIDE_SPLIT_TOKENS tokens, so
-    launch_config gives them there (wide_block_n; the split count comes first, from 32-token tiles). Two H100
-    runs, us at B=128 S=4096 / B=32 S=16384 / B=128 S=16384 / B=8 S=16384 / B=32 S=4096 / B=8 S=4096, 32- -> 64-token
-    tiles: K4V2 214.9 -> 205.0, 213.1 -> 204.4, 830 -> 805, 61.0 -> 59.2, 61.0 -> 60.2, 20.0 -> 20.5 (first run:
-    209.5 -> 203.1, 212.6 -> 200.9 at the first two); K2V2 204.7 -> 183.7, 208.1 -> 187.7, 809 -> 711,
-    57.7 -> 52.7, 59.9 -> 55.3, 19.7 -> 19.1. K4V4 mixed (-2 to +3%), K8V4 and mix 2-30% slower (any of 2, 3,
-    5 stages), 7 stages slower everywhere, 128-token tiles spill. The split merge kernel by programmatic
-    dependent launch (griddepcontrol): within 1% with the trigger before the stores, up to 13% slower with it at
-    the start; not kept."""
+    """Launch parameters of `kernel` (default: decode_kernel's pick), chosen by CUDA-graph timing on H100 / H200
+    at the Llama-3-8B shape (32 query / 8 KV heads, head_dim 128) and SmolLM2's (9 / 3, head_dim 64).
+
+    f16: 128-token tiles, 4 warps, 2 stages (99% of HBM bandwidth at B=128 S=4096; other stage counts and
+    64-token tiles within 1%). q8: 128-token tiles, 4 warps, 5 stages, the fewest that double-buffer its cp.async
+    tiles. Quartered, head_dim >= 128: one warp per program over 32-token tiles (no cross-warp reductions, four
+    times the splits for the same work target), freely scheduled unpacking, one tuple reduction of the row sums
+    (red 1), key codes as uint16 pairs (key_pairs), 5 stages for keys of 4 bits or fewer and 3 for wider ones;
+    64-token tiles where the high section is K4V2 / K2V2 and a split covers WIDE_SPLIT_TOKENS or more. Smaller
+    heads: 2 warps, one stage, value loads first. GQA groups pad to 8 rows (16 for f16).
+
+    Measured alternatives, each slower or no faster (benchmarks/results/decode_variants_H100.json,
+    decode_kernel_variants_H200.json, tune_decode_attention_H200.json): 4 warps over 128-token tiles for the
+    quartered kernel (1-20% slower); a full-width or transposed-dot path for quantized pages (0.6-0.86x the speed, more
+    shared memory per program); value codes unpacked before the shared-memory transpose (5-24% slower); value
+    codes as token pairs in the page (fewer instructions, three programs per SM instead of four); the split
+    merge done by the last split to finish, or by programmatic dependent launch (within 2%, and slower for many
+    splits); split counts that are not powers of two, or twice as many; register caps; 7 stages. Fewer
+    instructions per tile stopped buying time once the loop is bound by fixed-latency dependency waits (ncu,
+    K4V2 B=32 S=16384: 57% of issue slots busy)."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
@@ -573,7 +487,7 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
         return LaunchConfig(128, 4, 5)
     if fmt.head_dim >= 128:
         narrow_keys = fmt.key_bits <= 4
-        wide = 64 if narrow_keys and fmt.value_bits == 2 else None  # session 13: long splits of K4V2 / K2V2
+        wide = 64 if narrow_keys and fmt.value_bits == 2 else None  # long splits of K4V2 / K2V2
         return LaunchConfig(32, 1, 5 if narrow_keys else 3, pure_k=True, pure_v=True, red=1, key_pairs=True,
                             wide_block_n=wide)
     return LaunchConfig(128, 2, 1, v_early=True)
@@ -720,7 +634,7 @@ def _launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits
         fmt.k_off, fmt.k_meta_off // 4, fmt.v_off, fmt.v_meta_off // 4,
         GROUP=group, T=fmt.tokens, SPLIT=num_splits > 1, BLOCK_G=max(cfg.min_rows, next_pow2(group)),
         BLOCK_N=block_n, D=D,
-        DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits, WRITE_LSE=write_lse,
+        DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits, WRITE_LSE=write_lse, FP8=fmt.float8,
         num_warps=warps, num_stages=stages,
     )
 
@@ -751,6 +665,10 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if kernel not in (picked, "quartered"):
         low_note = " with a low section" if has_low else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}")
+    if kernel == "quartered" and (fmt.float8 or (has_low and fmt_low.float8)):  # it unpacks integer codes only
+        low_name = f" + {fmt_low.name}" if has_low else ""
+        raise ValueError(f"the quartered decode kernel cannot serve e4m3 pages ({fmt.name}{low_name}); "
+                         "K8V8 e4m3 pages without a low section go to the q8 kernel")
     cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)

@@ -1,5 +1,5 @@
-"""Decode attention over K8V8 pages without a low section (kv_mode int8): the full head dimension in one tile
-per token block, like kernels/decode_attention_f16.py.
+"""Decode attention over K8V8 pages without a low section (kv_mode int8, and fp8 with FP8): the full head
+dimension in one tile per token block, like kernels/decode_attention_f16.py.
 
 Scale and zero (x = c * scale + zero per token) act outside the dots, on [G, N]; the dots run on the codes:
     q . k_n       = scale_n * (q . c_n) + zero_n * sum(q)
@@ -13,6 +13,9 @@ the page-table load and the loads it addresses). Value codes are unpacked before
 feeds the value dot (ldmatrix.trans on fp16), not after it (one byte per shared load). The running sums (softmax
 denominator, zero-point terms) stay [G, N] across the loop and are reduced once at the end, and the tile's top
 scale rides in a padding row of the logit max: one cross-warp reduction per tile instead of five.
+
+FP8 (e4m3 codes, zero point 0): the codes reach the dots as their own values in fp16 (one conversion per two
+codes, exact), so the bias and the zero-point terms drop out; the scales act on [G, N] as above.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_tiles import load_scale_zero, max_and_top_scale, store_result, planes_ptx
+from kernels.quant import e4m3_values
 from kernels.sections import section_page, split_range
 
 # Four codes (bytes of $2) -> fp16 pairs 1024 + c: each byte under an 0x64 exponent byte.
@@ -27,11 +31,14 @@ _PRMT = tl.constexpr(planes_ptx(8))
 
 
 @triton.jit
-def _codes(x, DOT_FP32: tl.constexpr, PURE: tl.constexpr):
-    """uint8 tile -> dot operand: c in fp32 (interpreter), else 1024 + c in fp16. PURE lets Triton unpack after
-    its shared-memory layout change (the keys: their dot reads rows as they lie); not pure keeps it before
-    (the values: the dot needs them transposed, which ldmatrix.trans does on 16-bit data only)."""
-    if DOT_FP32:
+def _codes(x, DOT_FP32: tl.constexpr, PURE: tl.constexpr, FP8: tl.constexpr):
+    """uint8 tile -> dot operand: c in fp32 (interpreter), else 1024 + c in fp16; e4m3 codes as their values
+    (fp32 or fp16). PURE lets Triton unpack after its shared-memory layout change (the keys: their dot reads
+    rows as they lie); not pure keeps it before (the values: the dot needs them transposed, which
+    ldmatrix.trans does on 16-bit data only)."""
+    if FP8:
+        return e4m3_values(x, tl.float32 if DOT_FP32 else tl.float16)
+    elif DOT_FP32:
         return x.to(tl.float32)
     else:
         return tl.inline_asm_elementwise(_PRMT, "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
@@ -53,8 +60,10 @@ def decode_q8_kernel(
     layer, qk_scale, sm_scale, Hq, num_splits, page_bytes, k_off, k_meta_w, v_off, v_meta_w,
     GROUP: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_LOGITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):
-    """k_off, v_off in bytes; k_meta_w, v_meta_w in 4-byte words; D a power of two (a row is D bytes)."""
+    """k_off, v_off in bytes; k_meta_w, v_meta_w in 4-byte words; D a power of two (a row is D bytes);
+    FP8: the codes are e4m3."""
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
@@ -70,7 +79,7 @@ def decode_q8_kernel(
     QT = tl.float32 if DOT_FP32 else tl.float16
     q = q.to(QT)  # fp16 whatever the cache dtype: the codes are exact in it
     qsum = tl.sum(q.to(tl.float32), 1)  # the dots' view of sum(q): folds key zero points (and the bias)
-    BIAS: tl.constexpr = 0.0 if DOT_FP32 else 1024.0
+    BIAS: tl.constexpr = 0.0 if DOT_FP32 or FP8 else 1024.0
     TOP_ROW: tl.constexpr = BLOCK_G - 1 if BLOCK_G > GROUP else -1  # a padding row that carries the top scale
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite, so empty splits merge without NaN
@@ -84,9 +93,12 @@ def decode_q8_kernel(
         row = t % T
         rows = (page * page_bytes + row * D)[:, None] + d[None, :]
         kc = tl.load(pool_u8 + k_off + rows, mask=tmask[:, None], other=0)
-        s = _dot(q, tl.trans(_codes(kc, DOT_FP32, True)), DOT_FP32)  # q . c + BIAS * sum(q)
+        s = _dot(q, tl.trans(_codes(kc, DOT_FP32, True, FP8)), DOT_FP32)  # q . c + BIAS * sum(q)
         ks, kz = load_scale_zero(pool_w, page, row, tmask, page_words, k_meta_w)
-        s = s * ks[None, :] + qsum[:, None] * (kz - BIAS * ks)[None, :]
+        if FP8:
+            s = s * ks[None, :]
+        else:
+            s = s * ks[None, :] + qsum[:, None] * (kz - BIAS * ks)[None, :]
         if WRITE_LOGITS:
             tl.store(logit_rows[:, None] + t[None, :], s * sm_scale, mask=gmask[:, None] & tmask[None, :])
         s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain: exp2 below
@@ -98,8 +110,9 @@ def decode_q8_kernel(
         l_n = l_n * alpha[:, None] + p
         pv = (p * (vs * (1.0 / top))[None, :]).to(QT)
         vc = tl.load(pool_u8 + v_off + rows, mask=tmask[:, None], other=0)
-        acc = acc * alpha[:, None] + _dot(pv, _codes(vc, DOT_FP32, False), DOT_FP32) * top
-        z_n = z_n * alpha[:, None] + (p * vz[None, :] - (BIAS * top) * pv.to(tl.float32))
+        acc = acc * alpha[:, None] + _dot(pv, _codes(vc, DOT_FP32, False, FP8), DOT_FP32) * top
+        if not FP8:
+            z_n = z_n * alpha[:, None] + (p * vz[None, :] - (BIAS * top) * pv.to(tl.float32))
         m_i = m_new
 
     acc = acc + tl.sum(z_n, 1)[:, None]

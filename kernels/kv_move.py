@@ -2,7 +2,7 @@
 
 Per side (keys, values): equal bits copy the row bytes (+ its fp16 scale/zero) exactly; different bits
 dequantize the source row and re-quantize it in the destination precision (kernels/quant.py). Score and
-position always move along unchanged.
+position always move along unchanged. e4m3 sides (PageFormat.float8) are copied only, to e4m3 sides.
 """
 from __future__ import annotations
 
@@ -108,6 +108,10 @@ def _check(fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype, for_triton: bo
     check_supported(fmt_dst, cache_dtype, for_triton and requant)
     if (fmt_src.page_bytes, fmt_src.head_dim) != (fmt_dst.page_bytes, fmt_dst.head_dim):
         raise ValueError(f"{fmt_src.name} and {fmt_dst.name} must share page_bytes and head_dim")
+    for which, sb, db in (("k", fmt_src.key_bits, fmt_dst.key_bits), ("v", fmt_src.value_bits, fmt_dst.value_bits)):
+        f8 = (fmt_src.side_float8(which), fmt_dst.side_float8(which))
+        if any(f8) and (sb, f8[0]) != (db, f8[1]):  # equal bits alone would copy e4m3 bytes as integer codes
+            raise ValueError(f"{fmt_src.name} -> {fmt_dst.name}: e4m3 rows move only to e4m3 rows (no re-quantization)")
 
 
 def move_tokens_ref(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype, src_page, src_row, dst_page,

@@ -1,7 +1,8 @@
 """Write new tokens' keys/values (plus position and a score) into their rows of KV pages, any precision.
 
 16-bit sides store the cache dtype; 8/4/2-bit sides quantize on the fly (kernels/quant.py: per token and
-head min-max, fp16 scale/zero in the meta segment, planar packing).
+head min-max, fp16 scale/zero in the meta segment, planar packing), e4m3 sides of a float8 format by their
+absolute maximum (scale, zero point 0).
 """
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import triton.language as tl
 
 from kernels._common import check_supported, next_pow2, pool_views, seg_offsets, use_triton
 from kernels.page_layout import PageFormat
-from kernels.quant import quantize_tile, write_rows_ref
+from kernels.quant import quantize_fp8_tile, quantize_tile, write_rows_ref
 
 
 @triton.jit
 def _store_side(x_ptr, stride_xn, stride_xh, n, h, d, page, slot, row_ok,
                 pool_c, pool_u8, pool_h, page_elems, page_bytes, off, meta_off, D,
-                BITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Keys or values of token n, heads h [BLOCK_H] -> rows `slot` of pages `page` (int64).
+                BITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, F8: tl.constexpr = False):
+    """Keys or values of token n, heads h [BLOCK_H] -> rows `slot` of pages `page` (int64); F8: e4m3 codes.
 
     16 bits: off is in cache-dtype elements. Quantized: off in bytes, meta_off in fp16 units.
     """
@@ -29,7 +30,11 @@ def _store_side(x_ptr, stride_xn, stride_xh, n, h, d, page, slot, row_ok,
         tl.store(pool_c + row + off, x.to(pool_c.dtype.element_ty), mask=m2)
     else:
         # BLOCK_D == D here (power of two): a masked-out row quantizes zeros and is not stored.
-        packed, scale, zero = quantize_tile(x.to(tl.float32), BITS, BLOCK_H, BLOCK_D)
+        if F8:
+            packed, scale = quantize_fp8_tile(x.to(tl.float32), BLOCK_H)
+            zero = tl.zeros([BLOCK_H], tl.float16)
+        else:
+            packed, scale, zero = quantize_tile(x.to(tl.float32), BITS, BLOCK_H, BLOCK_D)
         RB: tl.constexpr = BLOCK_D * BITS // 8
         j = tl.arange(0, RB)
         dst = (page * page_bytes + off + slot * RB)[:, None] + j[None, :]
@@ -43,12 +48,14 @@ def _store_side(x_ptr, stride_xn, stride_xh, n, h, d, page, slot, row_ok,
 def _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, page, slot, row_ok, pos, score,
                  pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes, page_words,
                  k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, D,
-                 KB: tl.constexpr, VB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token n's keys, values, position and scores [BLOCK_H] into rows `slot` of pages `page` (one format)."""
+                 KB: tl.constexpr, VB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KF8: tl.constexpr = False, VF8: tl.constexpr = False):
+    """Token n's keys, values, position and scores [BLOCK_H] into rows `slot` of pages `page` (one format;
+    KF8 / VF8: that side holds e4m3 codes)."""
     _store_side(k_ptr, stride_kn, stride_kh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, k_off, k_meta_off, D, KB, BLOCK_H, BLOCK_D)
+                page_elems, page_bytes, k_off, k_meta_off, D, KB, BLOCK_H, BLOCK_D, KF8)
     _store_side(v_ptr, stride_vn, stride_vh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
-                page_elems, page_bytes, v_off, v_meta_off, D, VB, BLOCK_H, BLOCK_D)
+                page_elems, page_bytes, v_off, v_meta_off, D, VB, BLOCK_H, BLOCK_D, VF8)
     word = page * page_words + slot
     tl.store(pool_i32 + word + pos_off, tl.zeros([BLOCK_H], tl.int32) + pos, mask=row_ok)
     tl.store(pool_f32 + word + score_off, score, mask=row_ok)
@@ -63,7 +70,7 @@ def _write_kv_kernel(
     page_elems, page_bytes, k_off, k_meta_off, v_off, v_meta_off,
     page_words, score_off, pos_off,  # in 4-byte words
     KB: tl.constexpr, VB: tl.constexpr, HAS_SCORES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KF8: tl.constexpr, VF8: tl.constexpr,
 ):
     # One program per token: all its heads form one [BLOCK_H, BLOCK_D] tile (contiguous along D).
     n = tl.program_id(0)
@@ -81,7 +88,8 @@ def _write_kv_kernel(
         score = tl.zeros([BLOCK_H], tl.float32)
     _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, page, slot, row_ok,
                  tl.load(pos_ptr + n), score, pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes,
-                 page_words, k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, D, KB, VB, BLOCK_H, BLOCK_D)
+                 page_words, k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, D, KB, VB, BLOCK_H, BLOCK_D,
+                 KF8, VF8)
 
 
 def write_kv_ref(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, positions, scores=None):
@@ -118,7 +126,8 @@ def write_kv_triton(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot
         H, D, fmt.page_bytes // isz, fmt.page_bytes, k_off, k_meta, v_off, v_meta,
         fmt.page_bytes // 4, fmt.score_off // 4, fmt.pos_off // 4,
         KB=fmt.key_bits, VB=fmt.value_bits, HAS_SCORES=scores is not None,
-        BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), num_warps=4, enable_fp_fusion=False,
+        BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), KF8=fmt.key_float8, VF8=fmt.value_float8,
+        num_warps=4, enable_fp_fusion=False,
     )
 
 
@@ -126,7 +135,8 @@ def write_kv(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, posit
              scores: torch.Tensor | None = None):
     """k, v [N, H, D] -> row dst_slot[n, h] of page dst_page[n, h] (skipped where dst_page < 0); in place.
 
-    Any page precision: 16-bit sides store the cache dtype, 8/4/2-bit sides are quantized (kernels/quant.py).
+    Any page precision: 16-bit sides store the cache dtype, 8/4/2-bit sides are quantized (kernels/quant.py),
+    as e4m3 codes where fmt.float8 says so.
     Also sets that row's position to positions[n] and its score to scores[n, h] (f32 [N, H]; default 0).
     """
     fn = write_kv_triton if use_triton(impl, pool, k, v) else write_kv_ref

@@ -136,6 +136,8 @@ def write_sections(pool, fmt_high: PageFormat, fmt_low: PageFormat, cache_dtype,
     """
     if (drop is None) != (seq_of_token is None):
         raise ValueError("drop and seq_of_token go together")
+    if fmt_high.float8 or fmt_low.float8:  # diffkv sections hold integer codes; e4m3 pages go through write_kv
+        raise ValueError(f"write_sections: formats {fmt_high.name} and {fmt_low.name} must not be float8")
     fn = write_sections_triton if use_triton(impl, pool, k, v) else write_sections_ref
     fn(pool, fmt_high, fmt_low, cache_dtype, k, v, positions, scores, page_table, layer, token_slots, idx_high,
        idx_low, right_of=right_of, drop=drop, seq_of_token=seq_of_token)

@@ -1,4 +1,4 @@
-"""Batched page allocation from the circular free list (torch; DESIGN.md "Memory manager", paper §6.1).
+"""Batched page allocation from the circular free list (torch; docs/DESIGN.md "Memory manager", paper §6.1).
 
 Every (sequence, layer, head) states how many pages it needs on its left (high) and right (low) side; an
 exclusive prefix sum over the flattened heads gives each a disjoint range of the list after its start

@@ -1,10 +1,10 @@
-"""Byte layout of a unified KV page (DESIGN.md "Memory manager").
+"""Byte layout of a unified KV page (docs/DESIGN.md "Memory manager").
 
 A page belongs to one (sequence, layer, KV head) and one precision (key bits, value bits). It has six
 segments, each 16-byte aligned:
 
-    keys      [T, D] elements of the cache dtype (16-bit precision) or packed ints (8/4/2-bit)
-    key_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits)
+    keys      [T, D] elements of the cache dtype (16-bit precision), packed ints (8/4/2-bit) or e4m3 codes
+    key_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits; the zero point is 0 for e4m3 codes)
     values    [T, D] like keys
     val_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits)
     score     [T]    float32 token significance
@@ -12,6 +12,8 @@ segments, each 16-byte aligned:
 
 "16 bits" means the unquantized cache dtype (fp16/bf16 on GPU, fp32 allowed on CPU), so its element
 size is `full_itemsize`. Every page has the same byte size; tokens per page T follow from the precision.
+A format with `float8` stores its 8-bit sides as fp8 e4m3 codes x / scale (kernels/quant.py) instead of
+integers: the same bytes per token, so paging and page sizes do not depend on the code format.
 """
 from __future__ import annotations
 
@@ -59,12 +61,16 @@ class PageFormat:
     v_meta_off: int
     score_off: int
     pos_off: int
+    float8: bool = False  # 8-bit sides hold e4m3 codes with a scale (zero point 0) instead of integers
 
     @staticmethod
-    def make(key_bits: int, value_bits: int, head_dim: int, page_bytes: int, full_itemsize: int) -> "PageFormat":
+    def make(key_bits: int, value_bits: int, head_dim: int, page_bytes: int, full_itemsize: int,
+             float8: bool = False) -> "PageFormat":
         for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
             if b not in SUPPORTED_BITS:
                 raise ValueError(f"{name}={b}: a page precision uses bits from {SUPPORTED_BITS}")
+        if float8 and 8 not in (key_bits, value_bits):
+            raise ValueError(f"float8=True: K{key_bits}V{value_bits} has no 8-bit side to store as e4m3")
         if page_bytes % ALIGN:
             raise ValueError(f"page_bytes={page_bytes} must be a multiple of {ALIGN}")
         tokens = 0
@@ -81,11 +87,25 @@ class PageFormat:
         score_off = v_meta_off + vm
         pos_off = score_off + _align(tokens * 4)
         return PageFormat(key_bits, value_bits, head_dim, page_bytes, full_itemsize, tokens,
-                          k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off)
+                          k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, float8)
 
     @property
     def name(self) -> str:
-        return f"K{self.key_bits}V{self.value_bits}"
+        return f"K{self.key_bits}V{self.value_bits}" + ("-e4m3" if self.float8 else "")
+
+    @property
+    def key_float8(self) -> bool:
+        """Keys are e4m3 codes."""
+        return self.float8 and self.key_bits == 8
+
+    @property
+    def value_float8(self) -> bool:
+        """Values are e4m3 codes."""
+        return self.float8 and self.value_bits == 8
+
+    def side_float8(self, which: str) -> bool:
+        """Keys ('k') or values ('v') are e4m3 codes."""
+        return self.key_float8 if which == "k" else self.value_float8
 
     def token_bytes(self) -> float:
         """Bytes per token on a full page of this precision (metadata included)."""

@@ -14,6 +14,13 @@ p*b yields the contiguous plane p (elements p*D/r .. (p+1)*D/r - 1), so a kernel
 into [N, r, D/r] and reshapes it to [N, D] without any interleaving.
 
 The meta row of a token is [scale fp16, zero fp16] (4 bytes). 16 bits means the unquantized cache dtype.
+
+fp8 (PageFormat.float8, 8-bit sides): symmetric per token and KV head, one byte per element, no packing:
+    scale = fp16(clamp(max|x| / 448, 2^-14, 65504))    (448: the largest e4m3 number; 2^-14: smallest normal fp16)
+    c[d]  = e4m3(clamp(x[d] / scale, -448, 448))          (round to nearest even, saturating)
+    x'[d] = c[d] * scale                                 (zero point 0, stored as 0 in the meta row)
+The scale stays a normal fp16 number so that its rounding never costs more than 2^-11 of the row's range; rows
+smaller than 448 * 2^-14 use e4m3's own exponent range below the scale instead.
 """
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ import triton.language as tl
 
 QUANT_BITS = (8, 4, 2)
 MIN_SCALE = 2.0 ** -24  # smallest positive fp16 (subnormal): keeps scale > 0 after the fp16 rounding
+FP8_MAX = 448.0  # largest finite e4m3 (fn) number
+MIN_FP8_SCALE = 2.0 ** -14  # smallest normal fp16
+MAX_FP8_SCALE = 65504.0  # largest fp16
 
 
 def row_bytes(bits: int, head_dim: int, full_itemsize: int) -> int:
@@ -78,11 +88,33 @@ def dequantize_ref(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return q * scale.float()[..., None] + zero.float()[..., None]
 
 
+def quantize_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (e4m3 codes as uint8 [..., D], scale fp16 [...]); see the module doc."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    scale16 = (amax / torch.full_like(amax, FP8_MAX)).clamp(MIN_FP8_SCALE, MAX_FP8_SCALE).half()
+    y = (x / scale16.float()[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8), scale16
+
+
+def dequantize_fp8_ref(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_fp8_ref: float32 [..., D] = e4m3(codes) * scale."""
+    return codes.view(torch.float8_e4m3fn).float() * scale.float()[..., None]
+
+
 # ------------------------------------------------------------------------------------- page helpers
 
 def _segment(pool: torch.Tensor, off: int, tokens: int, width_bytes: int) -> torch.Tensor:
     """uint8 view [num_pages, tokens, width_bytes] of a page segment starting at byte `off`."""
     return pool[:, off: off + tokens * width_bytes].unflatten(1, (tokens, width_bytes))
+
+
+def _dequantize_side(fmt, which: str, data: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """Codes [..., row bytes] and their meta rows [..., 2] (fp16 scale, zero) of one side -> float32 [..., D]."""
+    if fmt.side_float8(which):
+        return dequantize_fp8_ref(data, meta[..., 0])
+    bits = fmt.key_bits if which == "k" else fmt.value_bits
+    return dequantize_ref(data, meta[..., 0], meta[..., 1], bits, fmt.head_dim)
 
 
 def read_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str, pages: torch.Tensor,
@@ -97,7 +129,7 @@ def read_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str,
     meta_off = fmt.k_meta_off if which == "k" else fmt.v_meta_off
     data = _segment(pool, off, T, D * bits // 8)[pages, rows]
     meta = _segment(pool, meta_off, T, 4).view(torch.float16)[pages, rows]  # [..., 2] scale, zero
-    return dequantize_ref(data, meta[..., 0], meta[..., 1], bits, D)
+    return _dequantize_side(fmt, which, data, meta)
 
 
 def read_pages_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str, pages: torch.Tensor) -> torch.Tensor:
@@ -111,7 +143,7 @@ def read_pages_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str
     meta_off = fmt.k_meta_off if which == "k" else fmt.v_meta_off
     data = _segment(pool, off, T, D * bits // 8)[pages]
     meta = _segment(pool, meta_off, T, 4).view(torch.float16)[pages]
-    return dequantize_ref(data, meta[..., 0], meta[..., 1], bits, D)
+    return _dequantize_side(fmt, which, data, meta)
 
 
 def write_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str, pages: torch.Tensor,
@@ -125,7 +157,11 @@ def write_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str
         seg[pages, rows] = x.to(cache_dtype)
         return
     meta_off = fmt.k_meta_off if which == "k" else fmt.v_meta_off
-    packed, scale, zero = quantize_ref(x, bits)
+    if fmt.side_float8(which):
+        packed, scale = quantize_fp8_ref(x)
+        zero = torch.zeros_like(scale)
+    else:
+        packed, scale, zero = quantize_ref(x, bits)
     _segment(pool, off, T, D * bits // 8)[pages, rows] = packed
     _segment(pool, meta_off, T, 4).view(torch.float16)[pages, rows] = torch.stack([scale, zero], -1)
 
@@ -222,3 +258,38 @@ def load_tile(pool_c, pool_u8, pool_h, page, row, tmask, d, dmask, page_elems, p
                                         BITS, BLOCK_N, BLOCK_D)
         x = codes.to(tl.float32) * scale[:, None] + zero[:, None]
     return x
+
+
+@triton.jit
+def e4m3_codes(y):
+    """float32 y with |y| <= 448 -> e4m3 (fn) byte values (int32 0..255), rounded to nearest even as torch's cast
+    does, from integer and exact float steps only: the interpreter's own float32 -> fp8 cast loses the carry of a
+    mantissa that rounds up into the next exponent (127 -> 64), and these steps give the same bits everywhere."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a_bits = bits & 0x7FFFFFFF
+    # Normal range (|y| >= 2^-6): the fp32 mantissa rounded to 3 bits, half to even; a carry moves the exponent.
+    r = (a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) & -1048576  # -1048576 = ~0xFFFFF
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # exponent bias 127 -> 7
+    # Subnormal range: multiples of 2^-9 (code 8 is 2^-6, the first normal), rounded half to even by adding 2^23.
+    a = a_bits.to(tl.float32, bitcast=True)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    return tl.where(a >= 0.015625, normal, sub) | sign
+
+
+@triton.jit
+def quantize_fp8_tile(x, BLOCK_M: tl.constexpr):
+    """x float32 [BLOCK_M, D] -> (e4m3 codes int32 [BLOCK_M, D] holding byte values, scale fp16 [BLOCK_M]);
+    bit-identical to quantize_fp8_ref."""
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32))
+    scale16 = tl.minimum(tl.maximum(scale, 6.103515625e-05), 65504.0).to(tl.float16)
+    y = tl.math.div_rn(x, scale16.to(tl.float32)[:, None])
+    return e4m3_codes(tl.minimum(tl.maximum(y, -448.0), 448.0)), scale16
+
+
+@triton.jit
+def e4m3_values(codes, DT: tl.constexpr):
+    """e4m3 byte values (any int type) -> their numbers in DT (float16 or float32: both hold every e4m3 exactly);
+    on the GPU one conversion instruction per two codes."""
+    return codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DT)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import math
 import sys
@@ -261,8 +262,8 @@ def slo_summary(reports: list[dict], ttft_ms: float, percentile: int = 90, devic
                 setup: Optional[dict] = None) -> dict:
     """One record of several runs (fp16, diffkv) and the rate each sustains under the TTFT SLO; `setup`: how the
     runs were taken (the command, the service's settings, timings), kept as given."""
-    return {"benchmark": "serve_sweep", "device": device, "models": sorted({r.get("model", "?") for r in reports}),
-            "setup": setup or {},
+    return {"benchmark": "serve_sweep", "device": device, "date": datetime.date.today().isoformat(),
+            "models": sorted({r.get("model", "?") for r in reports}), "setup": setup or {},
             "slo": {"metric": "ttft", "percentile": percentile, "ttft_ms": ttft_ms,
                     "rule": "every request completed and the TTFT percentile within the target, at this rate and "
                             "every lower measured rate"},

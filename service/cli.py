@@ -9,6 +9,8 @@ import json
 import sys
 from typing import Optional
 
+from engine.config import KV_MODES
+
 
 PACKAGE = "diffkv-serve"
 THREADS_HELP = "torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)"
@@ -54,8 +56,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights and unquantized cache values; auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--kv-mode", default="fp16", choices=["fp16", "int8", "int4", "diffkv"],
-                   help="fp16: uncompressed, in --dtype")
+    p.add_argument("--kv-mode", default="fp16", choices=KV_MODES,
+                   help="fp16: uncompressed, in --dtype; fp8: e4m3 with a scale per token and KV head")
     p.add_argument("--alpha-high", type=float, default=None,
                    help="diffkv: high-precision threshold (default: the model's calibrated value)")
     p.add_argument("--alpha-low", type=float, default=None,
@@ -380,6 +382,46 @@ def cmd_serve(args) -> int:
     return 0
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose arguments may be added only when it is used (parsed or its help shown):
+    eval / calibrate live in the evaluation package, which the serving commands should not import."""
+
+    def __init__(self, *args, populate=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _ensure_populated(self) -> None:
+        if self._populate is not None:
+            populate, self._populate = self._populate, None
+            populate(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._ensure_populated()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._ensure_populated()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._ensure_populated()
+        return super().format_help()
+
+
+def _eval_command(p: argparse.ArgumentParser) -> None:
+    from evals import cli as evals_cli
+
+    evals_cli.add_eval_args(p)
+    p.set_defaults(func=evals_cli.cmd_eval)
+
+
+def _calibrate_command(p: argparse.ArgumentParser) -> None:
+    from evals import cli as evals_cli
+
+    evals_cli.add_calibrate_args(p)
+    p.set_defaults(func=evals_cli.cmd_calibrate)
+
+
 def _service_default(field: str):
     """ServiceConfig's default of a field (serve's flags default to None: --config's value comes first)."""
     from service.config import ServiceConfig
@@ -391,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffkv", description="DiffKV Serve: LLM serving with a compressed KV cache",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
     g = add("generate", help="generate a completion for one prompt")
     g.add_argument("--prompt", required=True)
@@ -410,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded)")
     s.add_argument("--device", default=None, help=f"auto | cpu | cuda (default: {_service_default('device')})")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    s.add_argument("--kv-mode", default=None, choices=["fp16", "int8", "int4", "diffkv"],
+    s.add_argument("--kv-mode", default=None, choices=KV_MODES,
                    help=f"(default: {_service_default('cache').kv_mode})")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -427,14 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus export port of the local Ray (on loopback when --host is)")
     s.set_defaults(func=cmd_serve)
-    from evals import cli as evals_cli  # accuracy commands live with the evaluation package
-
-    e = add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
-    evals_cli.add_eval_args(e)
-    e.set_defaults(func=evals_cli.cmd_eval)
-    k = add("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file")
-    evals_cli.add_calibrate_args(k)
-    k.set_defaults(func=evals_cli.cmd_calibrate)
+    # the evaluation package is imported only when one of these is parsed or its help shown
+    add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)",
+        populate=_eval_command)
+    add("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file",
+        populate=_calibrate_command)
     return parser
 
 

@@ -23,7 +23,7 @@ REPLICA = "replica"  # engine replica id (Serve's replica tag)
 RANK = "rank"  # tensor-parallel rank inside the replica
 REASON = "reason"  # why a request was rejected (admission reasons, or "invalid")
 ENDPOINT = "endpoint"  # chat | completions
-KV_MODE = "kv_mode"  # fp16 | int8 | int4 | diffkv
+KV_MODE = "kv_mode"  # engine.config.KV_MODES
 
 LATENCY_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0]
 TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]

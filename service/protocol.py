@@ -247,7 +247,7 @@ class KVCacheCard(BaseModel):
 
     kv_mode: str
     cache_dtype: str = Field(description="dtype of unquantized cache values (float32 on CPU, bfloat16 on CUDA)")
-    high: str = Field(description="precision of (significant) tokens, K<bits>V<bits>")
+    high: str = Field(description="precision of (significant) tokens, K<bits>V<bits> (-e4m3: fp8 codes)")
     low: Optional[str] = Field(None, description="diffkv: precision of moderately significant tokens")
     prefix_caching: bool
     policy: Optional[str] = Field(None, description="diffkv: thresholds | budget")

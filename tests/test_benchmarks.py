@@ -1,5 +1,6 @@
 """Benchmark scripts keep working: their --smoke modes run tiny shapes on CPU."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,18 @@ def test_decode_throughput_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in rows)
+
+
+def test_key_centering_cost_smoke(tmp_path):
+    out = tmp_path / "centering.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"), "--smoke", "--kv-mode", "int4",
+                    "--key-centering", "off", "bias", "--out", str(out)], check=True, cwd=ROOT, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["order"] == ["off", "bias", "bias", "off"]
+    assert r["modes"]["off"]["mode"] == "off" and r["modes"]["bias"]["mode"] == "bias"
+    row = r["rows"][0]
+    assert len(row["step_ms"]["bias"]) == 2 and all(t > 0 for t in row["step_ms"]["off"] + row["step_ms"]["bias"])
+    assert row["ratio_vs_off"]["off"] == 1.0
 
 
 def test_decode_splits_smoke(tmp_path):
@@ -43,11 +56,30 @@ def test_decode_sass_smoke(tmp_path):
 
 def test_memory_manager_smoke(tmp_path):
     out = tmp_path / "mm.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300)
-    rows = json.loads(out.read_text())["rows"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--engine",
+                        "--out", str(out)], check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    d = json.loads(out.read_text())
+    rows = d["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["prompt_mm_ms"] > 0 and r["gen_mm_ms"] > 0 for r in rows)
+    # one engine for every engine batch, each timed with its memory-management share
+    assert [e["batch"] for e in d["engine"]] == [2, 3] and d["skipped"] == []
+    for e in d["engine"]:
+        assert e["steps"] == 3 and e["decode_step_ms"] > 0 and 0 < e["engine_mm_ms"] < e["decode_step_ms"]
+        assert e["mm_share_engine"] == pytest.approx(e["engine_mm_ms"] / e["decode_step_ms"])
+    assert d["engine"][0]["mm_share_isolated"] > 0  # batch 2 has an isolated row too
+    # progress lines as each phase ends, with the time since the start
+    assert "engine batch 3: first decode step" in r.stdout and "] cpu batch 1: prompt MM" in r.stdout
+
+
+def test_memory_manager_time_limit(tmp_path):
+    """Past --time-limit nothing starts, and the JSON still says what was skipped."""
+    out = tmp_path / "mm.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--engine",
+                    "--time-limit", "0.001", "--out", str(out)], check=True, cwd=ROOT, timeout=300)
+    d = json.loads(out.read_text())
+    assert d["rows"] == [] and d["skipped"] == [{"device": "cpu", "batch": 1}, {"device": "cpu", "batch": 2}]
+    assert [(e["batch"], e["skipped"]) for e in d["engine"]] == [(2, "time limit"), (3, "time limit")]
 
 
 def test_host_overhead_smoke(tmp_path):
@@ -94,7 +126,7 @@ def test_throughput_mode_settings():
     spec = importlib.util.spec_from_file_location("throughput_bench", ROOT / "benchmarks" / "throughput.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.parse_mode("int4") == ("int4", {})
+    assert mod.parse_mode("int4") == ("int4", {}) and mod.parse_mode("fp8") == ("fp8", {})
     assert mod.parse_mode("diffkv:alpha_low=0.06,high=K8V8,window=32") == (
         "diffkv", {"alpha_low": 0.06, "high": "K8V8", "window": 32})
     for bad, words in (("int3", "kv mode"), ("diffkv:beta=1", "beta"), ("diffkv:alpha_low=x", "alpha_low"),
@@ -108,17 +140,21 @@ def test_throughput_mode_settings():
 
 def test_recorded_results_docs_are_generated_not_typed():
     """benchmarks/results/README.md and docs/PERFORMANCE.md are exactly what the recorded JSON files render."""
-    import importlib.util
-    from pathlib import Path
+    mod = _load_script("summarize_results")
+    index, performance = mod.render()
+    assert (ROOT / "benchmarks" / "results" / "README.md").read_text() == index
+    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == performance
+    assert "vs fp16" in performance and "`python benchmarks/throughput.py" in performance
+    assert len(performance.splitlines()) <= 250 and "/root/" not in performance
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("summarize_results", root / "benchmarks" / "summarize_results.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    readme, performance = mod.render()
-    assert (root / "benchmarks" / "results" / "README.md").read_text() == readme
-    assert (root / "docs" / "PERFORMANCE.md").read_text() == performance
-    assert "vs fp16" in performance and "Command: `python benchmarks/throughput.py" in performance
+
+def test_recorded_results_are_small_and_all_indexed():
+    """Every recorded file is listed in the index, and the folder stays small."""
+    results = ROOT / "benchmarks" / "results"
+    files = [p for p in results.iterdir() if p.name != "README.md"]
+    index = (results / "README.md").read_text()
+    assert all(f"`{p.name}`" in index for p in files)
+    assert sum(p.stat().st_size for p in results.iterdir()) <= 2 * 1024 * 1024
 
 
 def _load_script(name: str):
@@ -243,32 +279,23 @@ def test_step_breakdown_reads_profiler_events():
 
 
 def test_step_breakdown_renders_into_recorded_docs(step_breakdown_json, tmp_path, monkeypatch):
-    """A recorded step_breakdown_H200.json appears in benchmarks/results/README.md and docs/PERFORMANCE.md."""
+    """A recorded step breakdown appears in docs/PERFORMANCE.md with its GPU, date and command."""
     mod = _load_script("summarize_results")
-    sb = _load_script("step_breakdown")
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded yet
-    readme, performance = mod.render()
-    assert "Step breakdown" not in readme and "- A per-category step breakdown" in performance
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded
+    index, performance = mod.render()
+    assert "Where a step's time goes" not in performance and "Not measured" not in performance
     d = json.loads(json.dumps(step_breakdown_json))
-    d["device"] = "NVIDIA H200"
-    for r in d["rows"]:
-        if r["mode"] == "diffkv" and r["batch"] == 3:
-            r["batch"] = 64  # so the targets line has generation rows to judge
-    d["targets"] = sb.targets([r for r in d["rows"] if "skipped" not in r])
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)
-    (tmp_path / "step_breakdown_H200.json").write_text(json.dumps(d))
-    readme, performance = mod.render()
-    decode64 = next(r for r in d["rows"] if r.get("phase") == "decode" and r["batch"] == 64 and r["seq"] == 16)
-    row = (f"| diffkv | 64 | 16 | decode | {decode64['wall_ms']:.2f} | {decode64['model_ms']:.2f} "
-           f"({decode64['pct']['model']:.1f}%) |")
-    t = d["targets"]
-    assert t["rows"] == 2
-    verdict = f"memory < 1%: {'PASS' if t['memory']['pass'] else 'FAIL'} (max {t['memory']['max_pct']:.2f}%)"
-    for text, head in ((readme, "### Step breakdown, NVIDIA H200"), (performance, "## Step breakdown, NVIDIA H200")):
-        assert head in text and row in text and verdict in text
-        assert "- skipped: fp16 batch 3 seq 64: needs 60 KV pages" in text
-        assert "Command: `python benchmarks/step_breakdown.py --smoke" in text
-    assert "- A per-category step breakdown" not in performance  # measured now
+    d["device"], d["date"] = "NVIDIA H200", "2030-01-02"
+    (tmp_path / mod.STEP_BREAKDOWN_RUNS[0]).write_text(json.dumps(d))
+    index, performance = mod.render()
+    decode = next(r for r in d["rows"] if r["mode"] == "diffkv" and r.get("phase") == "decode" and r["batch"] == 3
+                  and r["seq"] == 16)
+    row = (f"| diffkv | 3 | 16 | decode | {decode['wall_ms']:.2f} | {decode['pct']['model']:.1f} | "
+           f"{decode['pct']['attention']:.1f} |")
+    assert "## Where a step's time goes" in performance and row in performance
+    assert "NVIDIA H200, 2030-01-02: `python benchmarks/step_breakdown.py --smoke" in performance
+    assert "- skipped: fp16 batch 3 tokens 64: needs 60 KV pages" in performance
+    assert f"`{mod.STEP_BREAKDOWN_RUNS[0]}` | NVIDIA H200 | 2030-01-02 |" in index
 
 
 def _serve_run(label, ttft_p90_ms, per_token_ms, skipped=()):
@@ -281,14 +308,13 @@ def _serve_run(label, ttft_p90_ms, per_token_ms, skipped=()):
 
 
 def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
-    """A recorded serve_sweep_H200.json (scripts/device/serve_sweep.sh) appears in both documents, with the
-    sustained rates under its SLO, a row per rate and mode, and its plot drawn from the JSON."""
+    """A recorded serve sweep (scripts/device/serve_sweep.sh) appears in docs/PERFORMANCE.md, with the sustained
+    rates under its SLO, a row per rate and mode, and its plot drawn from the JSON."""
     mod = _load_script("summarize_results")
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded yet
-    readme, performance = mod.render()
-    assert "The service: latency" not in readme and "- The service on a GPU" in performance
-    assert mod.serve_sweep_section("serve_sweep_H200.json") == [] and not mod.serve_sweep_plot(
-        "serve_sweep_H200.json", tmp_path / "none.png")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)  # an empty results folder: nothing recorded
+    _, performance = mod.render()
+    assert "Serving: latency" not in performance
+    assert mod.serve_sweep_section() == [] and not mod.serve_sweep_plot(tmp_path / "none.png")
     sweep = mod._sweep_module()
     runs = [_serve_run("fp16", [400, 2600, 9000], [14.5, 41.0, 220.0]),
             _serve_run("diffkv", [300, 900, 3000], [13.0, 16.2, 95.0], skipped=[4])]
@@ -296,25 +322,171 @@ def test_serve_sweep_renders_into_recorded_docs(tmp_path, monkeypatch):
     setup = {"command": "bash scripts/device/serve_sweep.sh --rates 0.5,1,2", "kv_cache_memory_gb": 0.125,
              "max_num_seqs": 64, "admission": False, "prefix_caching": False}
     record = sweep.slo_summary(runs, ttft_ms=2000, percentile=90, device="NVIDIA H200", setup=setup)
-    assert record["sustained_rate"] == {"fp16": None, "diffkv": 1}
-    (tmp_path / "serve_sweep_H200.json").write_text(json.dumps(record))
-    readme, performance = mod.render()
-    for text, head in ((readme, "### The service: latency vs Poisson request rate, NVIDIA H200"),
-                       (performance, "## The service: latency vs Poisson request rate, NVIDIA H200")):
-        assert head in text
-        assert "Highest rate sustained under the TTFT SLO (p90 <= 2 s, every request completed, at that rate and " \
-               "every lower one): fp16 none, diffkv 1 req/s." in text
-        assert "KV pool 0.125 GiB and max_num_seqs 64 for every mode, admission control off, prefix caching off" in text
-        assert "Command: `bash scripts/device/serve_sweep.sh --rates 0.5,1,2`" in text
-        assert "![per-token latency and TTFT vs request rate](/docs/serve_sweep_H200.png)" in text
-        # rows by rate, then in the record's run order
-        lines = [ln for ln in text.splitlines() if ln.startswith("| 0.5 |") or ln.startswith("| 1 |")]
-        assert lines == ["| 0.5 | fp16 | 3/4 | 0.45 | 200 | 14 | 200 | 400 | 12 | 9000 | misses |",
-                         "| 0.5 | diffkv | 4/4 | 0.45 | 200 | 13 | 150 | 300 | 12 | 9000 | meets |",
-                         "| 1 | fp16 | 4/4 | 0.90 | 400 | 41 | 1300 | 2600 | 12 | 9000 | misses |",
-                         "| 1 | diffkv | 4/4 | 0.90 | 400 | 16 | 450 | 900 | 12 | 9000 | meets |"]
-        assert "Rates skipped for time: diffkv 4." in text
-    assert "- The service on a GPU" not in performance  # measured now
-    png = tmp_path / "serve_sweep_H200.png"
-    assert mod.serve_sweep_plot("serve_sweep_H200.json", png)
+    assert record["sustained_rate"] == {"fp16": None, "diffkv": 1} and record["date"]
+    (tmp_path / mod.SERVE_SWEEP).write_text(json.dumps(record))
+    _, text = mod.render()
+    assert "## Serving: latency against Poisson request rate" in text
+    assert "Highest rate sustained under the TTFT SLO (p90 <= 2 s, every request completed, at that rate and " \
+           "every lower one): fp16 none, diffkv 1 req/s." in text
+    assert "KV pool 0.125 GiB and max_num_seqs 64 for every mode, admission control off, prefix caching off" in text
+    assert f"NVIDIA H200, {record['date']}: `bash scripts/device/serve_sweep.sh --rates 0.5,1,2`" in text
+    assert f"![per-token latency and TTFT vs request rate]({Path(mod.SERVE_SWEEP).stem}.png)" in text
+    # rows by rate, then in the record's run order
+    lines = [ln for ln in text.splitlines() if ln.startswith("| 0.5 |") or ln.startswith("| 1 |")]
+    assert lines == ["| 0.5 | fp16 | 3/4 | 0.45 | 200 | 14 | 200 | 400 | 12 | 9000 | misses |",
+                     "| 0.5 | diffkv | 4/4 | 0.45 | 200 | 13 | 150 | 300 | 12 | 9000 | meets |",
+                     "| 1 | fp16 | 4/4 | 0.90 | 400 | 41 | 1300 | 2600 | 12 | 9000 | misses |",
+                     "| 1 | diffkv | 4/4 | 0.90 | 400 | 16 | 450 | 900 | 12 | 9000 | meets |"]
+    assert "Rates skipped for time: diffkv 4." in text
+    png = tmp_path / "sweep.png"
+    assert mod.serve_sweep_plot(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def throughput_qwen_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("throughput_qwen")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_qwen.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    return json.loads((out / "throughput_tiny-qwen2_smoke.json").read_text())  # named by what it measures
+
+
+def test_throughput_qwen_smoke(throughput_qwen_json):
+    """One pool for every mode, forward then reversed runs, fits and accuracy lookups per row."""
+    tq = _load_script("throughput_qwen")
+    d = throughput_qwen_json
+    modes = tq.available_modes()  # fp8 only where the engine has that kv_mode
+    assert {"fp16", "int8", "k8v4", "int4", "diffkv"} <= set(modes)
+    assert [r["mode"] for r in d["rows"]] == modes
+    assert d["order"] == [f"0:{m}" for m in modes] + [f"1:{m}" for m in reversed(modes)]
+    assert d["skipped_runs"] == [] and d["model"] == "random:tiny-qwen2"
+    rows = {r["mode"]: r for r in d["rows"]}
+    assert rows["fp16"]["seqs_fit"] == 2  # --fp16-seqs 2 sized the pool
+    for r in d["rows"]:
+        assert r["pages_total"] == rows["fp16"]["pages_total"]  # one pool for every mode
+        assert r["seqs_fit"] >= 2 and [x["repeat"] for x in r["runs"]] == [0, 1]
+        assert all(x["tokens"] == 6 * 12 and x["tokens_per_s"] > 0 and not x["cut"] for x in r["runs"])
+        assert r["tokens_per_s"] == pytest.approx(statistics.median(x["tokens_per_s"] for x in r["runs"]))
+        assert r["spread"] >= 0 and r["vs_fp16"] > 0
+        # no study of the tiny model: every row says so instead of borrowing Qwen's numbers
+        assert r["accuracy"]["diff_points"] is None and "no accuracy study" in r["accuracy"]["why"]
+    assert rows["fp16"]["vs_fp16"] == 1.0 and rows["int4"]["seqs_fit"] > rows["fp16"]["seqs_fit"]
+    assert rows["k8v4"]["cache"]["high"] == rows["k8v4"]["cache"]["low"] == "K8V4"
+
+
+def test_throughput_qwen_modes_and_time_limit():
+    tq = _load_script("throughput_qwen")
+    assert tq.run_order(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                (2, "a"), (2, "b"), (2, "c")]
+    assert tq.should_start(100.0, 30.0, 140.0) and not tq.should_start(100.0, 50.0, 140.0)
+    assert tq.should_start(100.0, None, 140.0) and not tq.should_start(150.0, None, 140.0)
+    assert tq.mode_cache("k8v4") == {"kv_mode": "diffkv", "high": "K8V4", "low": "K8V4", "alpha_high": 0.0,
+                                     "alpha_low": 0.0}
+    assert tq.mode_cache("int4") == {"kv_mode": "int4"} and tq.mode_cache("diffkv") == {"kv_mode": "diffkv"}
+    with pytest.raises(ValueError, match="'int3'"):
+        tq.mode_cache("int3")
+    assert tq.model_tag("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M") == "qwen2.5-1.5b"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_qwen.py"), "--modes", "int3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--modes 'int3'" in r.stderr
+
+
+def _summary(model="M", **cfgs):
+    def cfg(cache, diff, ci):
+        return {"cache": {"key_centering": "auto", **cache},
+                "tasks": {"gsm_symbolic": {"n": 300, "accuracy": 0.5 + diff / 100, "diff_vs_fp16_points": diff,
+                                           "diff_ci95_points": ci}}}
+    return {"model": model, "configs": {k: cfg(*v) for k, v in cfgs.items()}}
+
+
+def test_study_accuracy_lookup():
+    """A row borrows the study's number only for the same model and the same cache settings."""
+    sa = _load_script("study_accuracy")
+    dk = {"kv_mode": "diffkv", "high": "K4V4", "low": "K4V2", "alpha_high": 1.0, "alpha_low": 0.02, "window": 64,
+          "significance_queries": 64, "policy": "thresholds", "budget": 0.5, "layer_alpha_scale": None}
+    s = _summary(fp16=({"kv_mode": "fp16"}, 0.0, [0.0, 0.0]), k4v4=({"kv_mode": "int4"}, -1.6, [-4.6, 1.4]),
+                 diffkv=(dk, -1.2, [-4.2, 1.8]))
+    engine = {**dk, "key_centering": "auto"}
+    got = sa.accuracy_vs_fp16(s, "M", "diffkv", engine, "gsm_symbolic")
+    assert (got["diff_points"], got["ci95_points"], got["n"]) == (-1.2, [-4.2, 1.8], 300)
+    assert sa.accuracy_vs_fp16(s, "M", "k4v4", {"kv_mode": "int4", "key_centering": "auto", "high": "K8V4"},
+                               "gsm_symbolic")["diff_points"] == -1.6  # int4 ignores the diffkv fields
+    for cache, config, model, words in (({**engine, "alpha_low": 0.0}, "diffkv", "M", "alpha_low=0.02"),
+                                        ({"kv_mode": "int4", "key_centering": "off"}, "k4v4", "M", "key_centering"),
+                                        ({"kv_mode": "fp8", "key_centering": "auto"}, "fp8", "M", "no 'fp8'"),
+                                        (engine, "diffkv", "N", "the study is of M")):
+        got = sa.accuracy_vs_fp16(s, model, config, cache, "gsm_symbolic")
+        assert got["diff_points"] is None and words in got["why"] and got["why"].startswith("not measured")
+    assert "no chain_sum" in sa.accuracy_vs_fp16(s, "M", "k4v4", {"kv_mode": "int4", "key_centering": "auto"},
+                                                 "chain_sum")["why"]
+    rows = [{"mode": m, "tokens_per_s": t, "accuracy": {"diff_points": a}}
+            for m, t, a in (("fp16", 100.0, 0.0), ("int8", 180.0, -0.4), ("int4", 300.0, -1.6), ("fp8", 400.0, None))]
+    assert sa.fastest_within(rows, 1.0)["mode"] == "int8" and sa.fastest_within(rows, 2.0)["mode"] == "int4"
+
+
+def test_committed_qwen_study_covers_the_throughput_modes():
+    """Every mode of the Qwen throughput benchmark has its accuracy in the committed study."""
+    from engine import EngineConfig
+    from engine.model_settings import apply_model_settings
+
+    tq, sa = _load_script("throughput_qwen"), _load_script("study_accuracy")
+    name = "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M"
+    study = sa.load_study(sa.find_study(name))
+    for mode in tq.available_modes():
+        cache = apply_model_settings(EngineConfig(cache=tq.mode_cache(mode)), name).cache.model_dump()
+        got = sa.accuracy_vs_fp16(study, name, tq.STUDY_NAMES[mode], cache, "gsm_symbolic")
+        assert got["diff_points"] is not None and got["n"] >= 500, (mode, got)
+
+
+def test_throughput_at_accuracy_renders_into_recorded_docs(throughput_qwen_json, tmp_path, monkeypatch):
+    """A recorded throughput_qwen2.5-1.5b_H100.json appears in both documents with the accuracy column."""
+    mod = _load_script("summarize_results")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    readme, performance = mod.render()
+    assert "throughput at accuracy" not in performance and "throughput_qwen2.5-1.5b_H100.json" not in readme
+    d = json.loads(json.dumps(throughput_qwen_json))
+    d.update(device="NVIDIA H100 80GB HBM3", study="evals/results/qwen2.5-coder-1.5b/summary.json",
+             best_within="int8", skipped_runs=[{"repeat": 1, "mode": "fp16", "expected_s": 40.0}])
+    rows = {r["mode"]: r for r in d["rows"]}
+    rows["int8"]["accuracy"] = {"study_config": "k8v8", "diff_points": 0.0, "ci95_points": [-1.47, 1.47], "n": 500}
+    (tmp_path / "throughput_qwen2.5-1.5b_H100.json").write_text(json.dumps(d))
+    readme, performance = mod.render()
+    r8 = rows["int8"]
+    line = (f"| int8 | k8v8 | +0.0 [-1.5, +1.5] | {r8['seqs_fit']} | {r8['tokens_per_s']:.0f} | "
+            f"{r8['runs'][0]['tokens_per_s']:.0f} / {r8['runs'][1]['tokens_per_s']:.0f} | {100 * r8['spread']:.1f}% |")
+    assert "## Generation throughput at accuracy: random:tiny-qwen2" in performance
+    assert line in performance and "| fp16 | fp16 | not measured |" in performance
+    assert "Runs not started for --time-limit: 1:fp16." in performance
+    assert "from `evals/results/qwen2.5-coder-1.5b" in performance
+    assert "NVIDIA H100 80GB HBM3" in performance and "`python benchmarks/throughput_qwen.py --smoke" in performance
+    assert "| `throughput_qwen2.5-1.5b_H100.json` | NVIDIA H100 80GB HBM3 |" in readme
+
+
+def test_throughput_qwen_annotate_refreshes_accuracy(throughput_qwen_json, tmp_path):
+    """--annotate re-reads a study written after the run: a row gains its accuracy and the ratios follow."""
+    d = json.loads(json.dumps(throughput_qwen_json))
+    fp16_row = next(r for r in d["rows"] if r["mode"] == "fp16")
+    int8_row = next(r for r in d["rows"] if r["mode"] == "int8")
+    assert int8_row["accuracy"]["diff_points"] is None  # the tiny random model has no study
+    from engine import EngineConfig
+    from engine.model_settings import apply_model_settings
+
+    tq = _load_script("throughput_qwen")
+
+    def config(mode):  # the cache the run resolved for this mode, as the study records it
+        cache = apply_model_settings(EngineConfig(cache=tq.mode_cache(mode)), d["model"]).cache.model_dump()
+        return {"cache": cache, "tasks": {"gsm_symbolic": {"n": 200, "accuracy": 0.5, "diff_vs_fp16_points": 0.0,
+                                                           "diff_ci95_points": [-1.0, 1.0]}}}
+
+    study = {"model": d["model"], "configs": {"fp16": config("fp16"), "k8v8": config("int8")}}
+    path, study_path = tmp_path / "run.json", tmp_path / "summary.json"
+    path.write_text(json.dumps(d))
+    study_path.write_text(json.dumps(study))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_qwen.py"), "--annotate", str(path),
+                    "--study", str(study_path)], check=True, cwd=ROOT, timeout=120)
+    got = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
+    assert got["int8"]["accuracy"]["diff_points"] == 0.0 and got["int8"]["accuracy"]["n"] == 200
+    assert got["fp16"]["tokens_per_s"] == fp16_row["tokens_per_s"]  # measurements untouched
+    best = json.loads(path.read_text())["best_within"]
+    assert best in ("fp16", "int8")
+    assert got["int8"]["vs_best_within"] == pytest.approx(int8_row["tokens_per_s"] / got[best]["tokens_per_s"])

@@ -76,8 +76,10 @@ def test_problem_splits_are_disjoint_and_answered():
 # ---- configurations ----------------------------------------------------------------------------------------
 def test_every_configuration_is_a_valid_cache_config():
     names = [c.name for c in baseline_configs()]
-    assert names == ["fp16", "k8v8", "k4v4", "k4v4_raw", "k8v4", "k4v8", "k4v2", "k2v4", "kivi2", "prune50"]
-    assert [c.name for c in baseline_configs(attention_bias=True)][3:5] == ["k4v4_raw", "k4v4_bias"]
+    assert names == ["fp16", "k8v8", "fp8", "k4v4", "k4v4_raw", "k8v4", "k4v8", "k4v2", "k2v4", "kivi2", "prune50"]
+    assert [c.name for c in baseline_configs(attention_bias=True)][4:6] == ["k4v4_raw", "k4v4_bias"]
+    fp8 = next(c for c in baseline_configs() if c.name == "fp8")
+    assert fp8.cache == {"kv_mode": "fp8"} and fp8.cache_config().float8
     for c in baseline_configs(True) + [diffkv_config(2.0, 0.04), prune_config(0.27, "prune_eq")]:
         c.cache_config()
     with pytest.raises(ValueError):
@@ -271,3 +273,14 @@ def test_fidelity_compare_configs_and_run(tmp_path):
     assert 0 < row["memory_fraction"] < 1 and 0 <= row["top1_agreement"] <= 1
     assert "vs_baseline" in row and "vs_baseline" not in d["configs"]["k8v8"]
     assert row["cache"]["alpha_low"] == 0.5
+
+
+def test_study_max_tokens_option():
+    """--max-tokens takes N for every task or a per-task JSON object; anything else is a usage error naming it."""
+    from evals.study import parse_max_tokens
+
+    assert parse_max_tokens("300")["gsm_symbolic"] == 300 and len(set(parse_max_tokens("300").values())) == 1
+    assert parse_max_tokens('{"chain_sum": 20}') == {"chain_sum": 20}
+    for bad in ("x", "0", "-3", "true", '{"nope": 3}', '{"chain_sum": 0}', "[1]"):
+        with pytest.raises(ValueError, match="--max-tokens"):
+            parse_max_tokens(bad)

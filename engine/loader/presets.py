@@ -19,6 +19,13 @@ ARCH_PRESETS: dict[str, ModelArch] = {
         num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=32768, attention_bias=True, eos_token_ids=[151645, 151643],
     ),
+    # Qwen2.5-(Coder-)1.5B: GQA 6 (12 query heads over 2 KV heads), the accuracy study's model.
+    "qwen2.5-1.5b": ModelArch(
+        architecture="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+        num_heads=12, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, attention_bias=True, tie_word_embeddings=True,
+        eos_token_ids=[151645, 151643],
+    ),
     "smollm2-135m": ModelArch(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -31,6 +38,12 @@ ARCH_PRESETS: dict[str, ModelArch] = {
         rope_scaling=RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=256),
         max_position_embeddings=2048, eos_token_ids=[0],
+    ),
+    # The same size with Qwen2's attention biases (key centering's "bias" source) for smoke runs.
+    "tiny-qwen2": ModelArch(
+        architecture="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=2048, attention_bias=True, eos_token_ids=[0],
     ),
 }
 

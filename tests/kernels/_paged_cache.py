@@ -11,12 +11,14 @@ BLOCK = 16  # page size: a K16V16 page of BLOCK tokens
 
 
 def formats(spec: str, D: int, isz: int) -> tuple[PageFormat, PageFormat | None]:
-    """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low); all of one page size."""
+    """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low); 'K8V8-e4m3': e4m3 codes (kv_mode fp8);
+    all of one page size."""
     pb = page_bytes_for(BLOCK, D, isz)
     fmts = []
     for name in spec.split("+"):
+        name, _, code = name.partition("-")
         kb, vb = name[1:].split("V")
-        fmts.append(PageFormat.make(int(kb), int(vb), D, pb, isz))
+        fmts.append(PageFormat.make(int(kb), int(vb), D, pb, isz, float8=code == "e4m3"))
     return fmts[0], (fmts[1] if len(fmts) > 1 else None)
 
 

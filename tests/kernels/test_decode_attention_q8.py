@@ -1,5 +1,6 @@
-"""The full-width 8-bit decode kernel (kernels/decode_attention_q8.py, K8V8 pages without a low section) against
-the torch reference: outputs, per-token logits and lse, one split and several, GQA group 4."""
+"""The full-width 8-bit decode kernel (kernels/decode_attention_q8.py, K8V8 pages without a low section, integer
+codes or e4m3 codes) against the torch reference: outputs, per-token logits and lse, one split and several, GQA
+group 4."""
 import math
 import os
 
@@ -14,13 +15,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.startswith("cuda") else [])
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}  # atol and rtol alike
+# atol and rtol alike; e4m3 pages decode to the same numbers in both (exact in fp16), so the same tolerances hold.
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+SPECS = ("K8V8", "K8V8-e4m3")  # kv_mode int8, kv_mode fp8
 NMAX_PAD = 3  # logits columns past the longest head: must stay untouched
 
 
-def _compare(dtype, Hq, Hkv, D, lens, slots, num_splits, block_n, layer, seed):
+def _compare(dtype, Hq, Hkv, D, lens, slots, num_splits, block_n, layer, seed, spec="K8V8"):
     isz = torch.empty((), dtype=dtype).element_size()
-    fmt, _ = formats("K8V8", D, isz)
+    fmt, _ = formats(spec, D, isz)
     assert decode_kernel(fmt, None) == "q8"
     pool, page_table, lengths, _, _ = build_cache(fmt, None, dtype, Hkv, lens, None, DEVICE, seed)
     slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
@@ -50,28 +53,46 @@ def _compare(dtype, Hq, Hkv, D, lens, slots, num_splits, block_n, layer, seed):
     return empty
 
 
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("Hq,Hkv,num_splits", [(2, 2, 1), (8, 2, None), (8, 2, 3)])
-def test_q8_edge_lengths(Hq, Hkv, num_splits):
+def test_q8_edge_lengths(spec, Hq, Hkv, num_splits):
     """Lengths 0, 1, T, T + 1, 2T + 5 (T = 30 tokens per K8V8 page here), per head; slots shuffled."""
     isz = torch.empty((), dtype=DTYPES[0]).element_size()
-    th = formats("K8V8", 64, isz)[0].tokens
+    th = formats(spec, 64, isz)[0].tokens
     lens = [[1, th + 1], [th, 0], [0, 3], [2 * th + 5, 0]]
     for dtype in DTYPES:
-        empty = _compare(dtype, Hq, Hkv, 64, lens, [2, 0, 3, 1], num_splits, None, layer=0, seed=Hq + Hkv)
+        empty = _compare(dtype, Hq, Hkv, 64, lens, [2, 0, 3, 1], num_splits, None, layer=0, seed=Hq + Hkv,
+                         spec=spec)
         assert empty.any()
 
 
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("D,block_n,num_splits,layer", [(64, 16, None, 1), (128, 32, 5, 0), (128, None, 2, 1)])
-def test_q8_long_multi_split(D, block_n, num_splits, layer):
+def test_q8_long_multi_split(spec, D, block_n, num_splits, layer):
     """Long heads split several ways with several tiles per split (GQA 4), and the default 128-token tiles."""
     for dtype in DTYPES:
-        _compare(dtype, 8, 2, D, [[300, 57], [45, 290]], [1, 0], num_splits, block_n, layer, seed=D + layer)
+        _compare(dtype, 8, 2, D, [[300, 57], [45, 290]], [1, 0], num_splits, block_n, layer, seed=D + layer,
+                 spec=spec)
 
 
-def test_q8_full_group():
+@pytest.mark.parametrize("spec", SPECS)
+def test_q8_full_group(spec):
     """16 query heads per KV head fill the dot's 16 rows: no padding row carries the top value scale."""
     for dtype in DTYPES:
-        _compare(dtype, 16, 1, 64, [[100], [31], [0]], [2, 0, 1], 2, 32, layer=0, seed=5)
+        _compare(dtype, 16, 1, 64, [[100], [31], [0]], [2, 0, 1], 2, 32, layer=0, seed=5, spec=spec)
+
+
+def test_quartered_kernel_refuses_e4m3_pages():
+    """Only the q8 kernel decodes e4m3 codes: forcing the quartered kernel onto them is an error naming the pages."""
+    fmt, _ = formats("K8V8-e4m3", 64, torch.empty((), dtype=DTYPES[0]).element_size())
+    assert decode_kernel(fmt, None) == "q8"
+    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
+    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="K8V8-e4m3"):
+        paged_decode_attention_triton(q, pool, fmt, DTYPES[0], pt, lens, slots, 0, 0.125, kernel="quartered")
 
 
 def test_q8_refuses_other_pages():

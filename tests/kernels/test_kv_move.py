@@ -17,8 +17,10 @@ BLOCK = 16
 
 
 def _fmt(name, D, isz):
+    """'K8V4', or 'K8V8-e4m3' for e4m3 codes (kv_mode fp8)."""
+    name, _, code = name.partition("-")
     kb, vb = name[1:].split("V")
-    return PageFormat.make(int(kb), int(vb), D, page_bytes_for(BLOCK, D, isz), isz)
+    return PageFormat.make(int(kb), int(vb), D, page_bytes_for(BLOCK, D, isz), isz, float8=code == "e4m3")
 
 
 def _row(pool, fmt, cache_dtype, which, p, r):
@@ -67,7 +69,7 @@ def _setup(src, dst, cache_dtype, D, M, seed):
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("src,dst", [("K8V4", "K8V4"), ("K4V2", "K4V2"), ("K16V16", "K16V16"),
                                      ("K8V4", "K4V2"), ("K8V8", "K4V4"), ("K16V16", "K8V4"), ("K4V2", "K16V16"),
-                                     ("K8V4", "K8V2")])
+                                     ("K8V4", "K8V2"), ("K8V8-e4m3", "K8V8-e4m3")])
 @pytest.mark.parametrize("D", [64, 128])
 def test_move_tokens(cache_dtype, src, dst, D):
     fs, fd, pool, (sp, sr, dp, dr), moved = _setup(src, dst, cache_dtype, D, 37, seed=len(src + dst) + D)
@@ -113,3 +115,13 @@ def test_move_tokens(cache_dtype, src, dst, D):
         for o in (fd.score_off, fd.pos_off):
             changed[d_p, o + 4 * d_r: o + 4 * d_r + 4] = True
     assert changed.any() and torch.equal(res[~changed], pool[~changed])  # bytes outside moved rows unchanged
+
+
+@pytest.mark.parametrize("src,dst", [("K8V8-e4m3", "K8V8"), ("K8V8", "K8V8-e4m3"), ("K8V8-e4m3", "K4V4"),
+                                     ("K16V16", "K8V8-e4m3")])
+def test_e4m3_rows_move_only_to_e4m3_rows(src, dst):
+    """e4m3 bytes copied as integer codes (or the reverse) would decode to garbage: refused, naming both formats."""
+    fs, fd, pool, (sp, sr, dp, dr), _ = _setup(src, dst, torch.float32, 64, 5, seed=7)
+    for impl in ("triton", "ref"):
+        with pytest.raises(ValueError, match="e4m3 rows move only to e4m3 rows"):
+            move_tokens(pool.to(DEVICE), fs, fd, torch.float32, *(x.to(DEVICE) for x in (sp, sr, dp, dr)), impl=impl)

@@ -5,7 +5,7 @@ import torch
 
 from kernels.kv_write import write_kv
 from kernels.page_layout import PageFormat, page_bytes_for
-from kernels.quant import quantize_ref, read_rows_ref
+from kernels.quant import quantize_fp8_ref, quantize_ref, read_rows_ref
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # A write is a cast + copy: every implementation must produce identical bytes.
@@ -83,7 +83,11 @@ def _naive_quant(pool, fmt, cache_dtype, k, v, dst_page, dst_slot, positions, sc
                 if bits == 16:
                     pool.view(cache_dtype)[p, off // isz + s * D: off // isz + (s + 1) * D] = x.to(cache_dtype)
                     continue
-                packed, scale, zero = quantize_ref(x, bits)
+                if fmt.float8 and bits == 8:  # e4m3 codes, zero point 0
+                    packed, scale = quantize_fp8_ref(x)
+                    zero = torch.zeros_like(scale)
+                else:
+                    packed, scale, zero = quantize_ref(x, bits)
                 rb = D * bits // 8
                 pool[p, off + s * rb: off + (s + 1) * rb] = packed
                 ph[p, moff // 2 + 2 * s] = scale
@@ -93,12 +97,14 @@ def _naive_quant(pool, fmt, cache_dtype, k, v, dst_page, dst_slot, positions, sc
 
 
 @pytest.mark.parametrize("cache_dtype", DTYPES)
-@pytest.mark.parametrize("kb,vb", [(8, 8), (4, 4), (8, 4), (4, 2), (2, 16), (16, 8)])
+@pytest.mark.parametrize("kb,vb,float8", [(8, 8, False), (4, 4, False), (8, 4, False), (4, 2, False),
+                                          (2, 16, False), (16, 8, False), (8, 8, True), (8, 16, True), (4, 8, True)])
 @pytest.mark.parametrize("H,D,in_dtype,with_scores", [(3, 64, torch.float32, True), (2, 128, None, False)])
-def test_write_kv_quantized(cache_dtype, kb, vb, H, D, in_dtype, with_scores):
-    """Quantize on the fly: Triton bytes == reference bytes == row-by-row quantize_ref; scores stored."""
+def test_write_kv_quantized(cache_dtype, kb, vb, float8, H, D, in_dtype, with_scores):
+    """Quantize on the fly: Triton bytes == reference bytes == row-by-row quantize_ref (quantize_fp8_ref for the
+    8-bit sides of a float8 format: kv_mode fp8); scores stored."""
     isz = torch.empty((), dtype=cache_dtype).element_size()
-    fmt = PageFormat.make(kb, vb, D, page_bytes_for(T, D, isz), isz)
+    fmt = PageFormat.make(kb, vb, D, page_bytes_for(T, D, isz), isz, float8=float8)
     N, num_pages = 11, 6
     torch.manual_seed(kb * 10 + vb + D)
     pool = torch.empty(num_pages, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
@@ -126,7 +132,11 @@ def test_write_kv_quantized(cache_dtype, kb, vb, H, D, in_dtype, with_scores):
     for which, x, bits in (("k", k, kb), ("v", v, vb)):
         got = read_rows_ref(pools["triton"], fmt, cache_dtype, which, dst_page[ok].long(), dst_slot[ok].long())
         assert not got.isnan().any()
-        if bits < 16:
+        if fmt.side_float8(which):  # relative rounding of a 3-bit mantissa (bound of test_quant)
+            xf = x[ok].float()
+            amax = xf.abs().amax(-1, keepdim=True)
+            assert ((got - xf).abs() <= 2.0 ** -4 * xf.abs() + amax * 2.0 ** -9).all()
+        elif bits < 16:
             xf = x[ok].float()
             step = (xf.amax(-1) - xf.amin(-1)) / ((1 << bits) - 1)
             assert ((got - xf).abs() <= step[:, None] * 0.51 + 1e-2 * xf.abs().amax(-1, keepdim=True)).all()

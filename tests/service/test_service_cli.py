@@ -15,6 +15,8 @@ import pytest
 from _cluster import free_port, wait_for
 from service.cli import _serve_config, build_parser
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def parse(*argv):
     return build_parser().parse_args(["serve", *argv])
@@ -298,6 +300,21 @@ def test_help_shows_defaults():
     assert "(default: None)" not in serve + generate + evaluate and "(default: False)" not in generate
 
 
+def test_serving_imports_no_evaluation_code():
+    """service.cli, engine and a parsed serve command leave the evals package unimported; eval loads it."""
+    code = ("import sys, engine, service.cli as c; c.build_parser().parse_args(['serve']); "
+            "before = sorted(m for m in sys.modules if m.split('.')[0] == 'evals'); "
+            "args = c.build_parser().parse_args(['eval', '--limit', '3']); "
+            "print(before, args.func.__module__, args.limit)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["[]", "evals.cli", "3"]
+    plain = subprocess.run([sys.executable, "-c", "import sys, service.cli; "
+                            "print([m for m in sys.modules if m.split('.')[0] == 'evals'])"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert plain.returncode == 0 and plain.stdout.strip() == "[]", plain.stderr
+
+
 def test_cpu_threads_default_and_flag(monkeypatch):
     import torch
 
@@ -338,3 +355,34 @@ def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys)
     page_bytes = kv["bytes_used"] // kv["pages_used"]
     held = (kv["pages_used"] + kv["pages_shared"]) * page_bytes
     assert kv["bytes_uncompressed"] <= held < 1.5 * kv["bytes_uncompressed"]
+
+
+def test_every_command_takes_each_kv_mode():
+    """--kv-mode of generate, chat, eval and serve offers engine.config.KV_MODES (fp8 included); an
+    unknown mode is refused by argparse."""
+    from engine.config import KV_MODES
+
+    assert "fp8" in KV_MODES
+    for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["serve"]):
+        p = build_parser()
+        for mode in KV_MODES:
+            assert p.parse_args([*command, "--kv-mode", mode]).kv_mode == mode
+        with pytest.raises(SystemExit):
+            p.parse_args([*command, "--kv-mode", "fp4"])
+    assert _serve_config(parse("--kv-mode", "fp8")).cache.kv_mode == "fp8"
+
+
+def test_generate_json_with_the_fp8_cache(capsys):
+    """kv_mode fp8 end to end from the command line: e4m3 K8V8 pages, a quarter of the float32 cache's bytes."""
+    import torch
+
+    from service.cli import main
+
+    argv = ["generate", "--prompt", "Explain KV caches in one sentence.", "--max-tokens", "8", "--ignore-eos",
+            "--json", "--device", "cpu", "--kv-mode", "fp8", "--threads", str(torch.get_num_threads())]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kv = out["kv"]
+    assert kv["kv_mode"] == "fp8" and len(out["token_ids"]) == 8
+    held = kv["bytes_used"] + kv["pages_shared"] * (kv["bytes_used"] // kv["pages_used"])
+    assert held < 0.5 * kv["bytes_uncompressed"]  # 1-byte codes + meta rows against 4-byte values

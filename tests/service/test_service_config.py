@@ -79,7 +79,7 @@ def test_serve_generate_eval_and_the_python_api_run_the_same_cache():
     api = LLM(device="cpu", cache={"kv_mode": "diffkv"}).engine
     settings = load_model_settings(serve.model_name)
     expected = {**CacheConfig(kv_mode="diffkv").describe(),
-                **{k: settings[k] for k in ("alpha_high", "alpha_low")}}
+                **{k: settings[k] for k in ("alpha_high", "alpha_low", "high", "low") if settings.get(k) is not None}}
     for name, cache in [("serve", serve.config.cache.describe()), ("generate", generate.config.cache.describe()),
                         ("eval", evaluated), ("python api", api.config.cache.describe())]:
         assert cache == expected, name
@@ -96,7 +96,10 @@ def test_model_card_carries_the_effective_cache():
     diffkv = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), SMOLLM).cache
     card = ModelCard(id="m", created=0, diffkv={**diffkv.describe(), "cache_dtype": "float32"}).model_dump()
     assert card["diffkv"]["alpha_high"] == load_model_settings(SMOLLM)["alpha_high"]
-    assert card["diffkv"]["high"] == "K8V4" and card["diffkv"]["low"] == "K4V2"
+    settings = load_model_settings(SMOLLM)
+    defaults = CacheConfig(kv_mode="diffkv").describe()
+    assert card["diffkv"]["high"] == (settings.get("high") or defaults["high"])
+    assert card["diffkv"]["low"] == (settings.get("low") or defaults["low"])
     assert card["diffkv"]["prefix_caching"] is False and card["diffkv"]["policy"] == "thresholds"
     fp16 = ModelCard(id="m", created=0, diffkv={**CacheConfig().describe(), "cache_dtype": "bfloat16"}).model_dump()
     assert fp16["diffkv"]["kv_mode"] == "fp16" and fp16["diffkv"]["high"] == "K16V16"
