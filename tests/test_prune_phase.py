@@ -17,13 +17,13 @@ STRICT = {"alpha_high": 2.0, "alpha_low": 2.0}  # no low section: everything bel
 _TINY = None
 
 
-def tiny(**cache):
+def tiny(eager=True, **cache):
     global _TINY
     if _TINY is None:
         _TINY = load_checkpoint("random:tiny")
     cache = {"kv_mode": "diffkv", "block_size": 4, "window": WINDOW, "alpha_high": 2.0, "alpha_low": 0.8,
              "significance_queries": 8, "num_pages": 4096, "record_pruning": True, **cache}
-    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=True,
+    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=eager,
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 512}, cache=cache)
     return LLMEngine(cfg, checkpoint=_TINY)
 
@@ -143,6 +143,16 @@ def test_mixed_phases_in_one_batch():
     n0 = [len(p) for p in prompts()]
     assert pruned_at(done["0"], n0[0]) == 0 and pruned_at(done["0"], 0, n0[0]) > 0
     assert pruned_at(done["1"], 0, n0[1]) == 0 and pruned_at(done["1"], n0[1]) > 0
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs exist on CUDA only")
+@pytest.mark.parametrize("phase", ["prompt", "generation"])
+def test_graph_replay_prunes_as_eager_steps(phase):
+    # The captured plan reads each row's prunable range from the graph's static buffers.
+    want = run(tiny(**STRICT), 24, kv_compression={"prune_phase": phase})
+    got = run(tiny(eager=False, **STRICT), 24, kv_compression={"prune_phase": phase})
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(torch.equal(classes(x), classes(y)) for x, y in zip(got, want))
 
 
 @pytest.mark.parametrize("bad", ["decode", 1, ""])
