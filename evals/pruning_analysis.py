@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                       kv_cache_memory_gb=args.kv_cache_memory_gb)
     problems = load_problems(split="eval", tasks=(TASK,), limit=args.task_n)
     results: dict[str, dict] = {}
-    pending = []
+    pending, ran_here = [], False
     for run in runs:
         names = [n for n, _ in run.variants]
         paths = {n: args.out / "configs" / f"{n}.json" for n in names}
@@ -352,11 +352,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         spent = time.perf_counter() - t_start
         per_config = max((r["seconds"] for r in results.values()), default=0.0)
-        if pending or (args.time_limit is not None and results
+        # The first run of a command always starts (else a run longer than the limit would never start).
+        if pending or (args.time_limit is not None and ran_here
                        and spent + 1.2 * per_config * len(names) > args.time_limit):
             pending += names  # and every later run: they keep their order for the next --resume
             continue
         done = run_engine(model, run, problems, args.max_tokens, results.get("fp16"))
+        ran_here = True
         for n, r in done.items():
             results[n] = r
             _dump(paths[n], r)

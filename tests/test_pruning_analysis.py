@@ -97,6 +97,11 @@ def test_smoke_run_with_time_limit_and_resume(tmp_path, capsys):
     assert isinstance(s["failing"], list)
     printed = capsys.readouterr().out
     assert "question_number" in printed and "phase_generation" in printed
+    # A command's first engine run starts whatever the limit (resumed results do not count as run).
+    (out / "configs" / "queries_4.json").unlink()
+    assert pa.main(["--smoke", "--device", "cpu", "--out", str(out), "--resume", "--time-limit", "0"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert not again["pending"] and "queries_4" in again["configs"]
 
 
 def test_failing_problems_are_detailed(model):
