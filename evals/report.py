@@ -311,6 +311,46 @@ def plot(summaries: list[dict], path: Path) -> bool:
     return True
 
 
+CATEGORY_NAMES = {"template": "chat template (system prompt, role markers)", "question_number": "numbers of the question",
+                  "question_text": "other question text", "instruction": "task instruction",
+                  "generated_number": "generated numbers", "generated_text": "other generated text"}
+
+
+def pruning_section(p: dict, path: Path) -> list[str]:
+    """evals/pruning_analysis.py's summary: the ablation's paired accuracies, then what DiffKV pruned by kind of
+    token in the problems fp16 solved and DiffKV failed, against all problems."""
+    st = p["settings"]
+    out = ["### Where DiffKV prunes, and what pruning costs", "",
+           f"`python3 -m evals.pruning_analysis` ({p['gpu']}, `{path}`, {p['problems']} {p['task']} problems, "
+           f"max {st['max_tokens']} new tokens; through `scripts/device/pruning_ablation.sh`). Every configuration is "
+           "DiffKV at the model's calibrated settings with one thing changed: which tokens may be pruned "
+           "(`prune_phase`: prompt only, generated only), the recent window kept high, and the number of recent "
+           "queries whose attention scores significance. `fp16 only`: problems fp16 solves and this one fails.", "",
+           "| configuration | accuracy | vs fp16 [95% CI] (points) | KV memory | pruned | fp16 only | only this |",
+           "|---|---|---|---|---|---|---|"]
+    for name, c in p["configs"].items():
+        diff = c.get("diff_vs_fp16_points")
+        cell = "reference" if name == "fp16" else f"{diff:+.1f} [{c['diff_ci95_points'][0]:+.1f}, " \
+                                                  f"{c['diff_ci95_points'][1]:+.1f}]"
+        out.append(f"| {name} | {_pct(c['accuracy'])} | {cell} | {_pct(c['memory_fraction'])} | "
+                   f"{_pct(c['token_fractions']['pruned'])} | {c.get('fp16_only', '-')} | {c.get('only_this', '-')} |")
+    d = p["pruning"].get("diffkv")
+    if d:
+        groups = ("fp16_only", "all")
+        out += ["", "What the calibrated default pruned, by kind of token: share of all pruned (token, layer, KV head) "
+                "entries / share of that kind's entries pruned, in the problems fp16 solves and DiffKV fails "
+                f"({d['fp16_only']['problems']}) and in all problems ({d['all']['problems']}).", "",
+                "| tokens | " + " | ".join(f"{g.replace('_', ' ')}: share of pruned / pruned" for g in groups) + " |",
+                "|---|" + "---|" * len(groups)]
+        for cat, label in CATEGORY_NAMES.items():
+            cells = []
+            for g in groups:
+                c = d[g]["categories"].get(cat)
+                cells.append("-" if c is None else f"{_pct(c['share_of_pruned'])} / {_pct(c['pruned_rate'])}")
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="write docs/ACCURACY.md and its plot from evals/results/*/summary.json")
     ap.add_argument("--results", type=Path, default=RESULTS)
@@ -352,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = [json.loads(q.read_text()) for q in sorted(p.parent.glob("variants/*.json"))]
         if variants:
             lines += variants_section(json.loads((p.parent / "configs" / "fp16.json").read_text()), variants)
+        pruning = p.parent / "pruning" / "summary.json"
+        if pruning.is_file():
+            lines += pruning_section(json.loads(pruning.read_text()), pruning.relative_to(ROOT))
     done = {s["model"] for s in summaries}
     for name, cmd in PENDING.items():
         if name not in done:
