@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 KVMode = Literal["fp16", "int8", "int4", "fp8", "diffkv"]
 KV_MODES: tuple[str, ...] = get_args(KVMode)  # the --kv-mode choices of every command
 ExecutorKind = Literal["auto", "local", "ray"]
+# Which tokens DiffKV may prune, by the phase they came from: the prompt's (the prefill's classification and
+# later decode steps), the generated ones (decode steps), or both. A token outside it is kept, at low precision
+# at least, where it would have been pruned. An ablation of where pruning costs accuracy.
+PrunePhase = Literal["both", "prompt", "generation"]
+PRUNE_PHASES: tuple[str, ...] = PrunePhase.__args__
 
 
 def parse_precision(text: str, field: str = "precision") -> tuple[int, int]:
@@ -55,6 +60,14 @@ class CacheConfig(BaseModel):
     alpha_low: float = Field(0.02, ge=0, description="token kept low if significance >= alpha_low / position")
     window: int = Field(64, ge=1, description="most recent tokens always kept at high precision")
     significance_queries: int = Field(64, ge=1, description="last prompt queries whose attention scores tokens")
+    prune_phase: PrunePhase = Field(
+        "both", description="policy=thresholds: which tokens may be pruned: 'prompt' (prompt tokens only: generated "
+                            "ones are never pruned), 'generation' (generated tokens only: the whole prompt is kept, "
+                            "at low precision at least) or 'both'; per request kv_compression.prune_phase")
+    record_pruning: bool = Field(
+        False, description="debug / evaluation (local executor): each finished request's kv_usage carries "
+                           "'token_classes', int8 [layers, KV heads, tokens]: each position high (2), low (1) or "
+                           "pruned (0) at its finish (one device read per request; async scheduling 'auto' is off)")
     # Evaluation baseline: "budget" keeps the `budget` fraction of each KV head's tokens (window + most
     # significant) at precision `high` and prunes the rest (H2O/SnapKV-style equal per-head budget).
     policy: Literal["thresholds", "budget"] = Field("thresholds", description="diffkv: alpha thresholds or budget")
@@ -80,6 +93,9 @@ class CacheConfig(BaseModel):
     def _check(self) -> "CacheConfig":
         parse_precision(self.high, "high")
         parse_precision(self.low, "low")
+        if self.prune_phase != "both" and self.policy != "thresholds":
+            raise ValueError(f"prune_phase={self.prune_phase!r} needs policy 'thresholds' (the budget policy prunes "
+                             "by its budget alone)")
         if self.alpha_low > self.alpha_high:
             raise ValueError(f"alpha_low={self.alpha_low} must not exceed alpha_high={self.alpha_high}")
         for i, s in enumerate(self.layer_alpha_scale or ()):
@@ -123,7 +139,7 @@ class CacheConfig(BaseModel):
             out.update(policy=self.policy, window=self.window)
             if self.policy == "thresholds":
                 out.update(alpha_high=self.alpha_high, alpha_low=self.alpha_low,
-                           layer_alpha_scale=self.layer_alpha_scale)
+                           layer_alpha_scale=self.layer_alpha_scale, prune_phase=self.prune_phase)
             else:
                 out["budget"] = self.budget
         return out
@@ -175,6 +191,12 @@ class EngineConfig(BaseModel):
         if self.scheduler.async_scheduling == "on" and self.executor_kind != "local":
             raise ValueError("scheduler.async_scheduling='on' needs the local executor (tensor_parallel_size 1): "
                              "Ray ranks run their steps synchronously")
+        if self.cache.record_pruning and self.executor_kind != "local":
+            raise ValueError("cache.record_pruning needs the local executor (tensor_parallel_size 1): the token "
+                             "classes are read from this process's pages")
+        if self.cache.record_pruning and self.scheduler.async_scheduling == "on":
+            raise ValueError("cache.record_pruning needs scheduler.async_scheduling 'off' or 'auto': a step launched "
+                             "past a request's stop would change what is recorded")
         if self.distributed_executor == "local" and self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs distributed_executor 'ray' "
                              "or 'auto'; the 'local' executor runs a single rank")

@@ -39,12 +39,12 @@ class DecodeGraphs:
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.buckets = graph_buckets(max_batch)
         dev = self.kv.mm.device
-        # ids, positions, slots, new lengths, prompt lengths | alpha_high, alpha_low
-        self.ints = torch.zeros(5, max_batch, dtype=torch.int64, device=dev)
+        # ids, positions, slots, new lengths, prompt lengths, prunable positions [lo, hi) | alpha_high, alpha_low
+        self.ints = torch.zeros(7, max_batch, dtype=torch.int64, device=dev)
         self.floats = torch.zeros(2, max_batch, dtype=torch.float32, device=dev)
         # Pinned staging copies, filled through numpy views: a pin_memory() per step cost ~0.2 ms of host time.
-        # A step of bucket b uses their first 5 * b (2 * b) entries as a contiguous [5, b] ([2, b]) block.
-        self.ints_host = torch.zeros(5 * max_batch, dtype=torch.int64).pin_memory()
+        # A step of bucket b uses their first 7 * b (2 * b) entries as a contiguous [7, b] ([2, b]) block.
+        self.ints_host = torch.zeros(7 * max_batch, dtype=torch.int64).pin_memory()
         self.floats_host = torch.zeros(2 * max_batch, dtype=torch.float32).pin_memory()
         self.copied = torch.cuda.Event()  # the last step's staging copies are done (the buffers may be reused)
         self.graphs: dict[int, tuple] = {}  # bucket -> (plan graph or None, memory graph, forward graph, outputs)
@@ -68,8 +68,9 @@ class DecodeGraphs:
         self.floats[:, start:stop].zero_()
 
     def _plan(self, b: int):
-        ids, pos, slots, lens, plen = self.ints[:, :b]
-        return self.kv.plan_decode(slots.int(), lens.int(), plen.int(), self.floats[0, :b], self.floats[1, :b])
+        ids, pos, slots, lens, plen, p_lo, p_hi = self.ints[:, :b]
+        return self.kv.plan_decode(slots.int(), lens.int(), plen.int(), self.floats[0, :b], self.floats[1, :b],
+                                   (p_lo.int(), p_hi.int()))
 
     def _pages(self, b: int, plan):
         slots, lens = self.ints[2, :b], self.ints[3, :b]
@@ -108,18 +109,20 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], new_lens: list[int],
             prompt_lens: list[int], alphas: tuple[list[float], list[float]] | None,
-            snapshot: bool = False) -> torch.Tensor:
+            snapshot: bool = False, prunable: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
         """One decode step of n <= max_batch sequences -> logits [n, V]. snapshot: copy the memory manager's
-        step state to the host right after the memory-management graph (async scheduling)."""
+        step state to the host right after the memory-management graph (async scheduling). prunable (diffkv):
+        each sequence's prunable positions [lo, hi) (padding rows get [0, 0): nothing)."""
         n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
             self._capture(b)
         self.copied.synchronize()  # long done (the last step's tokens were read), but never overwrite in flight
-        stage = self.ints_host[:5 * b].view(5, b)
+        stage = self.ints_host[:7 * b].view(7, b)
         h = stage.numpy()
+        lo, hi = prunable if prunable is not None else ([0] * n, [0] * n)
         for row, vals, fill in ((0, ids, 0), (1, positions, 0), (2, slots, self.dummy), (3, new_lens, 0),
-                                (4, prompt_lens, 0)):
+                                (4, prompt_lens, 0), (5, lo, 0), (6, hi, 0)):
             h[row, :n] = vals
             h[row, n:] = fill
         self.ints[:, :b].copy_(stage, non_blocking=True)

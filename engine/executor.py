@@ -52,6 +52,10 @@ class Executor(ABC):
     @abstractmethod
     def make_generator(self, seed: int) -> Optional[torch.Generator]: ...
 
+    def token_classes(self, slot: int, num_tokens: int) -> torch.Tensor:
+        """int8 [L, H, num_tokens]: each token position high / low / pruned per (layer, KV head) (KVCache)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report token classes (local executor only)")
+
     def finish_request(self, request_id: str) -> None:
         """Nothing to forget by default."""
 
@@ -106,6 +110,9 @@ class LocalExecutor(Executor):
 
     def token_counts(self, slots: list[int], cached: int) -> dict[str, int]:
         return self.runner.kv.token_counts(slots, cached)
+
+    def token_classes(self, slot: int, num_tokens: int) -> torch.Tensor:
+        return self.runner.kv.token_classes(slot, num_tokens)
 
     def rank_stats(self) -> list[dict[str, Any]]:
         mm = self.mm

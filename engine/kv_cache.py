@@ -34,6 +34,10 @@ from kernels.prompt_classify import classify_prompt, prompt_mean_significance, s
 from kernels.prompt_significance import budget_keep_mask, prompt_significance
 from kernels.quant import read_rows_ref
 from kernels.score_update import accumulate_scores
+from kernels.sections import section_columns
+
+# token_classes: where a token position lives in one (layer, KV head)
+PRUNED, KEPT_LOW, KEPT_HIGH = 0, 1, 2
 
 
 @dataclass
@@ -176,18 +180,21 @@ class KVCache:
     # ---- generation ----------------------------------------------------------------------------------
     def prepare_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
                        alpha_high: torch.Tensor, alpha_low: torch.Tensor,
-                       timed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       timed: bool = True, prunable: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Place the token leaving the window (diffkv), give heads their page, append the new token's slot.
 
         slots int32 [B]; seq_len int32 [B] = tokens after this step's token; returns write targets [L, B, H].
+        prunable: None, or int32 [B] (lo, hi): the positions each sequence may prune (CacheConfig.prune_phase).
         No host synchronization: a CUDA graph can capture it (timed=False there; the graph runner times it).
         """
-        plan = self.plan_decode(slots, seq_len, prompt_len, alpha_high, alpha_low)
+        plan = self.plan_decode(slots, seq_len, prompt_len, alpha_high, alpha_low, prunable)
         return self.decode_pages(slots, seq_len, plan, timed)
 
     @costed("policy")
     def plan_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
-                    alpha_high: torch.Tensor, alpha_low: torch.Tensor) -> Optional[dict]:
+                    alpha_high: torch.Tensor, alpha_low: torch.Tensor,
+                    prunable: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[dict]:
         """diffkv: Algorithm 1 for the token leaving each head's window (None for one precision)."""
         if not self.diffkv:
             return None
@@ -196,7 +203,7 @@ class KVCache:
                                 prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
                                 num_queries=self.config.significance_queries,
                                 budget=self.config.budget if self.config.policy == "budget" else None,
-                                layer_scale=self.layer_scale)
+                                layer_scale=self.layer_scale, prunable=prunable)
 
     @costed("memory")
     def decode_pages(self, slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict],
@@ -264,6 +271,31 @@ class KVCache:
         return self.last_mm_seconds
 
     # ---- stats -----------------------------------------------------------------------------------------
+    def token_classes(self, slot: int, num_tokens: int) -> torch.Tensor:
+        """int8 [L, H, num_tokens] on the device: where each token position of a sequence lives per (layer,
+        KV head): KEPT_HIGH, KEPT_LOW or PRUNED (read from the positions its section rows store; a debug and
+        evaluation aid, CacheConfig.record_pruning). One precision: every cached token is high."""
+        mm = self.mm
+        L, H = mm.len_high.shape[1:]
+        out = torch.full((L, H, num_tokens), PRUNED, dtype=torch.int8, device=mm.device)
+        pt = mm.page_table[slot]  # [L, H, P + 1]
+        pos_words = mm.pool.view(torch.int32)
+        sections = [(mm.fmt_high, mm.len_high[slot], False, KEPT_HIGH)]
+        if mm.fmt_low is not None:
+            sections.append((mm.fmt_low, mm.len_low[slot], True, KEPT_LOW))
+        head = torch.arange(L * H, device=mm.device).view(L, H, 1)
+        for fmt, lens, low, cls in sections:
+            n = int(lens.max()) if lens.numel() else 0
+            if n == 0:
+                continue
+            j = torch.arange(n, device=mm.device)
+            pages = pt[:, :, section_columns(j, fmt.tokens, low, pt.shape[-1])].long()  # [L, H, n]
+            valid = j < lens[..., None]  # rows past a length hold stale positions
+            pos = pos_words[pages.clamp_min(0), fmt.pos_off // 4 + (j % fmt.tokens)].long()
+            valid &= (pos >= 0) & (pos < num_tokens)
+            out.view(-1)[(head * num_tokens + pos)[valid]] = cls
+        return out
+
     def token_counts(self, slots: list[int], cached: int) -> dict[str, int]:
         """Tokens kept high / low and pruned over these sequences (cached = their summed lengths)."""
         if not slots:

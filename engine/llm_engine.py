@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import PRUNE_PHASES, EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, make_executor
 from engine.model_runner import Batch, InFlight
@@ -90,6 +90,7 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens needs more KV pages than the whole cache holds "
                 f"({self.mm.num_pages}); raise the KV cache size", "prompt")
         alphas = self._check_kv_compression(kv_compression)
+        phase = self._check_prune_phase(kv_compression)
         gen = None
         if sampling.seed is not None:
             gen = self.executor.make_generator(sampling.seed)
@@ -97,15 +98,18 @@ class LLMEngine:
                        IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
                        generator=gen, arrival_time=arrival_time or time.monotonic())
         seq.alpha_high, seq.alpha_low = alphas
+        seq.prune_phase = phase
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
     def _check_kv_compression(self, kv: Optional[dict]) -> tuple[Optional[float], Optional[float]]:
-        """Per-request DiffKV thresholds {"alpha_high", "alpha_low"}; both optional, both >= 0."""
+        """Per-request DiffKV thresholds {"alpha_high", "alpha_low"}; both optional, both >= 0 (and the
+        ablation setting "prune_phase", checked by _check_prune_phase)."""
         if not kv:
             return None, None
-        if not isinstance(kv, dict) or set(kv) - {"alpha_high", "alpha_low"}:
-            raise InvalidRequestError("kv_compression accepts only 'alpha_high' and 'alpha_low'", "kv_compression")
+        if not isinstance(kv, dict) or set(kv) - {"alpha_high", "alpha_low", "prune_phase"}:
+            raise InvalidRequestError("kv_compression accepts only 'alpha_high', 'alpha_low' and 'prune_phase'",
+                                      "kv_compression")
         cc = self.config.cache
         vals = []
         for name in ("alpha_high", "alpha_low"):
@@ -120,6 +124,19 @@ class LLMEngine:
             raise InvalidRequestError(f"kv_compression.alpha_low ({al}) must not exceed alpha_high ({ah})",
                                       "kv_compression.alpha_low")
         return vals[0], vals[1]
+
+    def _check_prune_phase(self, kv: Optional[dict]) -> Optional[str]:
+        """Per-request kv_compression.prune_phase (None: the engine's CacheConfig.prune_phase)."""
+        phase = (kv or {}).get("prune_phase")
+        if phase is None:
+            return None
+        if not isinstance(phase, str) or phase not in PRUNE_PHASES:
+            raise InvalidRequestError(f"kv_compression.prune_phase must be one of {PRUNE_PHASES}, got {phase!r}",
+                                      "kv_compression.prune_phase")
+        if self.config.cache.policy != "thresholds" and phase != "both":
+            raise InvalidRequestError("kv_compression.prune_phase needs the engine's policy 'thresholds'",
+                                      "kv_compression.prune_phase")
+        return phase
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages. Returns False if it is unknown or already finished."""
@@ -243,6 +260,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.slot is not None:
             seq.kv_usage = self.kv_usage(seq)
+            if self.config.cache.record_pruning:
+                seq.kv_usage["token_classes"] = self._token_classes(seq)
             self.scheduler.observe_finish(seq, seq.kv_usage["pages_used"])
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.monotonic()
         self.scheduler.remove(seq)
@@ -277,6 +296,19 @@ class LLMEngine:
                 "bytes_uncompressed": seq.num_cached * self._fp16_token_bytes(self.cache_itemsize),
                 "tokens": seq.num_cached, "tokens_high": hi, "tokens_low": lo,
                 "tokens_pruned": seq.num_cached * heads - hi - lo}
+
+    def token_classes(self, request_id: str) -> torch.Tensor:
+        """Debug / evaluation: where each cached token position of a running request lives now, per (layer, KV
+        head): int8 [L, H, tokens] on the CPU, engine.kv_cache.KEPT_HIGH / KEPT_LOW / PRUNED (one device read;
+        local executor). With CacheConfig.record_pruning a finished request's kv_usage["token_classes"] holds
+        the same at its finish."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.slot is None:
+            raise KeyError(f"request {request_id!r} is not running")
+        return self._token_classes(seq)
+
+    def _token_classes(self, seq: Sequence) -> torch.Tensor:
+        return self.executor.token_classes(seq.slot, seq.num_cached).cpu()
 
     @property
     def cache_dtype(self) -> str:

@@ -49,6 +49,7 @@ class Sequence:
     teacher_agree: list[bool] = field(default_factory=list)  # teacher forcing: greedy choice == forced token
     alpha_high: Optional[float] = None  # per-request DiffKV thresholds (None: the engine's)
     alpha_low: Optional[float] = None
+    prune_phase: Optional[str] = None  # per-request CacheConfig.prune_phase (None: the engine's)
     # Prefix cache (engine.prefix_cache): block ids this prefill reads instead of computing, block ids it
     # writes (its next full prompt blocks), and the driver's blocks it holds references on.
     prefix_hits: list[int] = field(default_factory=list)

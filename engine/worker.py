@@ -56,6 +56,7 @@ class NewSequence:
     alpha_low: Optional[float]
     prefix_hits: list[int] = field(default_factory=list)  # cached blocks its prefill reads
     prefix_inserts: list[int] = field(default_factory=list)  # blocks its prefill caches
+    prune_phase: Optional[str] = None  # per-request CacheConfig.prune_phase (None: the engine's)
 
 
 @dataclass
@@ -208,7 +209,7 @@ class Worker:
                 self.generators[n.request_id] = gen
         seq = Sequence(n.request_id, list(n.prompt_token_ids), n.params, None, generator=gen)
         seq.output_token_ids = list(n.output_token_ids)
-        seq.alpha_high, seq.alpha_low = n.alpha_high, n.alpha_low
+        seq.alpha_high, seq.alpha_low, seq.prune_phase = n.alpha_high, n.alpha_low, n.prune_phase
         seq.prefix_hits, seq.prefix_inserts = list(n.prefix_hits), list(n.prefix_inserts)
         seq.slot = slot
         self.seqs[slot] = seq

@@ -13,6 +13,12 @@ With mean significance s(t) = score(t) / count(t) and thresholds th_h = alpha_hi
 No-op (0) when c < 0, when c < prompt_len - window (prefill already classified that token) or when no high
 token has position c. Only the plan is produced here; moving rows and pages is the caller's job.
 
+Prunable positions (optional `prunable` = (lo, hi), int32 [B] each; CacheConfig.prune_phase): only tokens at
+positions lo <= p < hi may be pruned; the others compare against th_l = 0, which no significance is below, so
+where Algorithm 1 would prune them they stay (a high victim is demoted instead, t_c goes to low). The low
+section's victim is the least significant prunable low token (its only use is being pruned). With every
+position prunable the decisions are Algorithm 1's.
+
 Per-layer budgets (optional `layer_scale`, f32 [L]): layer l compares against alpha * layer_scale[l] / N
 (the product rounded to f32 first, then divided), so each layer keeps its own share of tokens.
 
@@ -51,12 +57,14 @@ def _mean(score, pos, n0, N, num_queries):
 
 @triton.jit
 def _plan_kernel(
-    pool_f, pool_i, pt_ptr, lh_ptr, ll_ptr, slots_ptr, n0_ptr, seq_ptr, ah_ptr, al_ptr, ls_ptr, out_ptr,
+    pool_f, pool_i, pt_ptr, lh_ptr, ll_ptr, slots_ptr, n0_ptr, seq_ptr, ah_ptr, al_ptr, ls_ptr, plo_ptr, phi_ptr,
+    out_ptr,
     stride_pts, stride_ptl, stride_pth, stride_hs, stride_hl, stride_hh, stride_ls, stride_ll, stride_lh,
     B, L, H, P, window, num_queries, page_words,
     hi_score, hi_pos, lo_score, lo_pos,  # segment offsets in 4-byte words
     budget,  # budget policy: fraction of tokens a head keeps
     T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr, BUDGET: tl.constexpr, SCALED: tl.constexpr,
+    RANGED: tl.constexpr,
 ):
     b, l, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -72,6 +80,12 @@ def _plan_kernel(
         al = al * s
     th_h = tl.div_rn(ah, N.to(tl.float32))
     th_l = tl.div_rn(al, N.to(tl.float32))
+    if RANGED:  # prunable positions [p_lo, p_hi)
+        p_lo = tl.load(plo_ptr + b)
+        p_hi = tl.load(phi_ptr + b)
+    else:
+        p_lo = 0
+        p_hi = _BIG
     pt_row = pt_ptr + slot * stride_pts + l * stride_ptl + h * stride_pth
     c = N - 1 - window
     if BUDGET:
@@ -101,7 +115,12 @@ def _plan_kernel(
     cbase = tl.load(pt_row + jcs // T_HI).to(tl.int64) * page_words + jcs % T_HI
     mean_c = _mean(tl.load(pool_f + cbase + hi_score, mask=found, other=0.0), c, n0, N, num_queries)
     go_high = found & (mean_c >= th_h)
-    go_low = found & (mean_c < th_h) & (mean_c >= th_l)
+    th_lc = tl.where((c >= p_lo) & (c < p_hi), th_l, 0.0)
+    go_low = found & (mean_c < th_h) & (mean_c >= th_lc)
+    jvs = tl.where(jv < _BIG, jv, 0)
+    vbase = tl.load(pt_row + jvs // T_HI).to(tl.int64) * page_words + jvs % T_HI
+    vpos = tl.load(pool_i + vbase + hi_pos, mask=jv < _BIG, other=-1)
+    th_lv = tl.where((vpos >= p_lo) & (vpos < p_hi), th_l, 0.0)
 
     # Low section: only scanned when t_c joins it.
     lo_end = tl.where(go_low, ll, 0)
@@ -113,15 +132,15 @@ def _plan_kernel(
         base = tl.load(pt_row + (P - 1 - j // T_LO), mask=m, other=0).to(tl.int64) * page_words + j % T_LO
         pos = tl.load(pool_i + base + lo_pos, mask=m, other=0)
         mean = _mean(tl.load(pool_f + base + lo_score, mask=m, other=0.0), pos, n0, N, num_queries)
-        vals = tl.where(m, mean, float("inf"))
+        vals = tl.where(m & (pos >= p_lo) & (pos < p_hi), mean, float("inf"))
         bmin = tl.min(vals, 0)
         bidx = tl.min(tl.where(vals == bmin, j, _BIG), 0)
         jl = tl.where(bmin < lmin, bidx, jl)
         lmin = tl.minimum(lmin, bmin)
 
     v_is_c = mean_c < lmin  # t_c sits after the low tokens: it is the victim only if strictly smaller
-    low_prune = tl.minimum(mean_c, lmin) < th_l
-    act_high = tl.where(vmin < th_l, 3, tl.where(vmin < th_h, 2, 1))
+    low_prune = tl.where(v_is_c, mean_c < th_lc, lmin < th_l)  # a prunable low victim: its threshold is th_l
+    act_high = tl.where(vmin < th_lv, 3, tl.where(vmin < th_h, 2, 1))
     act_low = tl.where(low_prune, tl.where(v_is_c, 6, 5), 4)
     action = tl.where(go_high, act_high, tl.where(go_low, act_low, tl.where(found, 7, 0)))
     if BUDGET:
@@ -163,7 +182,8 @@ def _argmin(vals: torch.Tensor):
 
 
 def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
-                         alpha_high, alpha_low, window, num_queries=64, budget=None, layer_scale=None):
+                         alpha_high, alpha_low, window, num_queries=64, budget=None, layer_scale=None,
+                         prunable=None):
     """Vectorized torch: gather both sections -> [B, L, H, maxlen], then the same decision table."""
     sl = slots.long()
     P = page_table.shape[-1] - 1  # last column is the trash cell
@@ -177,6 +197,15 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     th_h = (ah / seq_len.float().view(-1, 1)).unsqueeze(-1)  # [B, 1 or L, 1]
     th_l = (al / seq_len.float().view(-1, 1)).unsqueeze(-1)
     c = N - 1 - window
+    if prunable is None:
+        p_lo, p_hi = torch.zeros_like(N), torch.full_like(N, BIG)
+    else:
+        p_lo, p_hi = (x.long().view(-1, 1, 1, 1) for x in prunable)
+
+    def th_l_at(pos):  # pos [B, L, H] or [B, 1, 1]: th_l where prunable, else 0 (nothing is below it)
+        ok = (pos >= p_lo[..., 0]) & (pos < p_hi[..., 0])
+        return torch.where(ok, th_l, torch.zeros_like(th_l))
+
     active = ((c >= 0) & (c >= n0 - window if budget is None else c >= 0)).view(-1, 1, 1)
     dev = page_table.device
 
@@ -193,17 +222,23 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     mean_c = torch.gather(m_hi, -1, jc.clamp(max=max(j.numel() - 1, 0))[..., None])[..., 0] if j.numel() \
         else torch.zeros(lh.shape, device=dev)
     go_high = found & (mean_c >= th_h)
-    go_low = found & (mean_c < th_h) & (mean_c >= th_l)
+    th_lc = th_l_at(c[..., 0])
+    go_low = found & (mean_c < th_h) & (mean_c >= th_lc)
+    pos_v = torch.gather(pos, -1, jv.clamp(max=max(j.numel() - 1, 0))[..., None])[..., 0] if j.numel() \
+        else torch.full_like(lh, -1)
+    th_lv = th_l_at(torch.where(jv < BIG, pos_v, -1))
 
     j = torch.arange(int(ll.max()) if ll.numel() else 0, device=dev)
     score, pos = _section(pool, fmt_low, pt[..., P - 1 - j // fmt_low.tokens], j)
-    lmin, jl = _argmin(torch.where(j < ll[..., None], mean(score, pos), float("inf")))
+    lo_ok = (j < ll[..., None]) & (pos >= p_lo) & (pos < p_hi)
+    lmin, jl = _argmin(torch.where(lo_ok, mean(score, pos), float("inf")))
 
     def w(cond, a, b):
         return torch.where(cond, torch.as_tensor(a, device=dev), torch.as_tensor(b, device=dev))
 
-    act_high = w(vmin < th_l, 3, w(vmin < th_h, 2, 1))
-    act_low = w(torch.minimum(mean_c, lmin) < th_l, w(mean_c < lmin, 6, 5), 4)
+    act_high = w(vmin < th_lv, 3, w(vmin < th_h, 2, 1))
+    v_is_c = mean_c < lmin
+    act_low = w(torch.where(v_is_c, mean_c < th_lc, lmin < th_l), w(v_is_c, 6, 5), 4)
     action = w(go_high, act_high, w(go_low, act_low, w(found, 7, 0)))
     if budget is not None:
         keep = torch.clamp_min(torch.ceil(torch.tensor(budget, dtype=torch.float32) * seq_len.float()), float(window))
@@ -219,7 +254,7 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
 
 def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
                             alpha_high, alpha_low, window, num_queries=64, block=None, budget=None,
-                            layer_scale=None):
+                            layer_scale=None, prunable=None):
     assert pool.dtype == torch.uint8 and pool.is_contiguous() and fmt_high.page_bytes == fmt_low.page_bytes
     assert page_table.stride(3) == 1
     B = slots.numel()
@@ -230,20 +265,23 @@ def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_l
         _plan_kernel[(B, L, H)](
             pool.view(torch.float32), pool.view(torch.int32), page_table, len_high, len_low,
             slots, prompt_len, seq_len, alpha_high.float().contiguous(), alpha_low.float().contiguous(),
-            layer_scale.float().contiguous() if layer_scale is not None else out, out,
+            layer_scale.float().contiguous() if layer_scale is not None else out,
+            *((prunable[0].int().contiguous(), prunable[1].int().contiguous()) if prunable is not None
+              else (out, out)), out,
             *page_table.stride()[:3], *len_high.stride(), *len_low.stride(),
             B, L, H, P1 - 1, window, num_queries, fmt_high.page_bytes // 4,
             fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low.score_off // 4, fmt_low.pos_off // 4,
             float(budget or 0.0),
             T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, BUDGET=budget is not None,
-            SCALED=layer_scale is not None, num_warps=4,
+            SCALED=layer_scale is not None, RANGED=prunable is not None, num_warps=4,
         )
     return dict(zip(FIELDS, out.unbind(0)))
 
 
 def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table, len_high, len_low, slots,
                      prompt_len, seq_len, alpha_high, alpha_low, window: int, num_queries: int = 64,
-                     impl: str = "auto", budget: float | None = None, layer_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                     impl: str = "auto", budget: float | None = None, layer_scale: torch.Tensor | None = None,
+                     prunable: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Algorithm 1 for every (batch entry, layer, KV head); see the module docstring for the outputs.
 
     pool uint8 [num_pages, page_bytes]; page_table int32 [S, L, H, P+1] (high section from column 0 up,
@@ -252,6 +290,7 @@ def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table
     Scores in the pages are significance SUMS; they are compared as sum / significance_count.
     budget: None for DiffKV's thresholds; a fraction in (0, 1] for the equal-budget pruning baseline.
     layer_scale: None, or f32 [L] per-layer multipliers of both alphas (per-layer budgets).
+    prunable: None (every position), or (lo, hi) int32 [B]: only positions lo <= p < hi may be pruned.
     """
     if layer_scale is not None and layer_scale.shape != (page_table.shape[1],):
         raise ValueError(f"layer_scale has shape {tuple(layer_scale.shape)}; expected ({page_table.shape[1]},), "
@@ -259,7 +298,7 @@ def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table
     if use_triton(impl, pool, page_table, len_high, len_low, slots):
         return compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots,
                                        prompt_len, seq_len, alpha_high, alpha_low, window, num_queries,
-                                       budget=budget, layer_scale=layer_scale)
+                                       budget=budget, layer_scale=layer_scale, prunable=prunable)
     return compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len,
                                 seq_len, alpha_high, alpha_low, window, num_queries, budget=budget,
-                                layer_scale=layer_scale)
+                                layer_scale=layer_scale, prunable=prunable)

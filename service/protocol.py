@@ -12,6 +12,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
+from engine.config import PrunePhase
+
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
 ALPHA_MAX = 1e6  # upper bound of a kv_compression threshold
 
@@ -23,10 +25,13 @@ class _Strict(BaseModel):
 # ---- requests ---------------------------------------------------------------------------------------------
 class KVCompression(_Strict):
     """Per-request DiffKV thresholds (diffkv mode): a token stays high precision if its significance is >=
-    alpha_high / position, low precision if >= alpha_low / position, else it is pruned."""
+    alpha_high / position, low precision if >= alpha_low / position, else it is pruned; prune_phase limits
+    pruning to the prompt's or the generated tokens (engine CacheConfig.prune_phase)."""
 
     alpha_high: Optional[StrictFloat] = Field(None, ge=0, le=ALPHA_MAX)
     alpha_low: Optional[StrictFloat] = Field(None, ge=0, le=ALPHA_MAX)
+    prune_phase: Optional[PrunePhase] = Field(None, description="which tokens may be pruned: both | prompt | "
+                                                                "generation (default: the server's)")
 
     @field_validator("alpha_high", "alpha_low", mode="before")
     @classmethod
@@ -252,6 +257,8 @@ class KVCacheCard(BaseModel):
     alpha_low: Optional[float] = Field(None, description="diffkv thresholds: kept low if significance >= "
                                                          "alpha_low / position")
     layer_alpha_scale: Optional[list[float]] = Field(None, description="diffkv thresholds: per-layer multipliers")
+    prune_phase: Optional[PrunePhase] = Field(None, description="diffkv thresholds: which tokens may be pruned "
+                                                                "(both | prompt | generation)")
     budget: Optional[float] = Field(None, description="diffkv budget: fraction of tokens each KV head keeps")
 
 

@@ -56,20 +56,28 @@ def _build(heads, S, L, H, P, seed=0):
     return pool, pt, len_hi, len_lo
 
 
-def _naive(hi, lo, n0, N, ah, al, window, Q):
-    """Algorithm 1 straight from the paper, one head, fp32 scalars like the kernels."""
+def _naive(hi, lo, n0, N, ah, al, window, Q, prunable=(0, 2**30)):
+    """Algorithm 1 straight from the paper, one head, fp32 scalars like the kernels. prunable = (lo, hi): a
+    token at another position is never pruned (its th_l is 0) and is no low victim."""
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
     mean = [f32(sc) / f32(_count(p, n0, N, Q)) for p, sc in hi]
-    lmean = [f32(sc) / f32(_count(p, n0, N, Q)) for p, sc in lo]
-    th_h, th_l = f32(ah) / f32(N), f32(al) / f32(N)
+    th_h, th_l0 = f32(ah) / f32(N), f32(al) / f32(N)
+
+    def th_l_of(p):
+        return th_l0 if prunable[0] <= p < prunable[1] else f32(0.0)
+
+    lmean = [f32(sc) / f32(_count(p, n0, N, Q)) if prunable[0] <= p < prunable[1] else f32(float("inf"))
+             for p, sc in lo]
     res = dict(high_hole=-1, to_low_src=-1, low_dst=-1, action=0, new_len_high=len(hi), new_len_low=len(lo))
     c = N - 1 - window
     jc = next((j for j, (p, _) in enumerate(hi) if p == c), None)
     if c < 0 or c < n0 - window or jc is None:
         return res
+    th_l = th_l_of(c)
     if mean[jc] >= th_h:
         old = [j for j, (p, _) in enumerate(hi) if p < N - window]
         jv = min(old, key=lambda j: (float(mean[j]), j))
+        th_l = th_l_of(hi[jv][0])
         if th_l <= mean[jv] < th_h:
             res.update(action=2, high_hole=jv, to_low_src=jv, low_dst=len(lo), new_len_low=len(lo) + 1)
         elif mean[jv] < th_l:
@@ -80,6 +88,7 @@ def _naive(hi, lo, n0, N, ah, al, window, Q):
         res.update(high_hole=jc, to_low_src=jc)
         cand = lmean + [mean[jc]]  # t_c joins low last
         jv = min(range(len(cand)), key=lambda j: (float(cand[j]), j))
+        th_l = th_l if jv == len(lo) else th_l_of(lo[jv][0])
         if cand[jv] < th_l and jv == len(lo):
             res.update(action=6, to_low_src=-1)
         elif cand[jv] < th_l:
@@ -93,16 +102,18 @@ def _naive(hi, lo, n0, N, ah, al, window, Q):
     return res
 
 
-def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None, layer_scale=None):
-    """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu)."""
+def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None, layer_scale=None,
+              prunable=None):
+    """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu). prunable: ([lo], [hi]) or None."""
     i32, f32 = torch.int32, torch.float32
     args = [t.to(DEVICE) for t in (pool, pt, len_hi, len_lo)] + [
         torch.tensor(x, dtype=dt, device=DEVICE) for x, dt in ((slots, i32), (n0, i32), (N, i32), (ah, f32), (al, f32))]
     ls = None if layer_scale is None else torch.tensor(layer_scale, dtype=f32, device=DEVICE)
+    pr = None if prunable is None else tuple(torch.tensor(x, dtype=i32, device=DEVICE) for x in prunable)
     ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref",
-                           layer_scale=ls)
+                           layer_scale=ls, prunable=pr)
     tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block,
-                                  layer_scale=ls)
+                                  layer_scale=ls, prunable=pr)
     for f in FIELDS:
         assert ref[f].dtype == torch.int32 and ref[f].shape == tri[f].shape == (len(slots), *pt.shape[1:3]), f
         torch.testing.assert_close(tri[f].cpu(), ref[f].cpu(), atol=TOL["plan"], rtol=0, msg=f)
@@ -221,10 +232,11 @@ def _f32_product(a, b):
     return float(torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32))
 
 
-def _random_case(seed, layer_scale=None):
+def _random_case(seed, layer_scale=None, ranges=None):
     rng = random.Random(seed)
     S, L, H, P = 7, 2, 3, 20
     seqs = [(12, 12), (30, 25), (9, 40), (3, 5), (50, 80), (20, 21)]  # (n0, N): incl. inactive ones
+    ranges = ranges or [(0, 2**30)] * len(seqs)
     slots = rng.sample(range(S), len(seqs))
     alphas = [(rng.uniform(0.5, 2.0), rng.uniform(0.05, 0.5)) for _ in seqs]
     heads, naive = {}, {}
@@ -252,7 +264,8 @@ def _random_case(seed, layer_scale=None):
                 lo = [(p, sc(p)) for p in lo_pos]
                 heads[(s, l, h)] = (hi, lo)
                 sl = 1.0 if layer_scale is None else layer_scale[l]
-                naive[(b, l, h)] = _naive(hi, lo, n0, N, _f32_product(ah, sl), _f32_product(al, sl), WINDOW, 64)
+                naive[(b, l, h)] = _naive(hi, lo, n0, N, _f32_product(ah, sl), _f32_product(al, sl), WINDOW, 64,
+                                          ranges[b])
     pool, pt, lh, ll = _build(heads, S, L, H, P, seed=seed)
     args = (pool, pt, lh, ll, slots, [n for n, _ in seqs], [n for _, n in seqs],
             [a for a, _ in alphas], [a * b for a, b in alphas])
@@ -282,6 +295,41 @@ def test_layer_scale_matches_naive(seed):
         assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
     unscaled = _run_both(*args)
     assert any(not torch.equal(got[f], unscaled[f]) for f in FIELDS)  # the scale changed decisions
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_prunable_range_matches_naive(seed):
+    # CacheConfig.prune_phase: per sequence, only positions in [lo, hi) may be pruned (prompt: [0, n0),
+    # generation: [n0, inf), and arbitrary ranges); ref == Triton == the naive rule.
+    seqs_n0 = [12, 30, 9, 3, 50, 20]
+    ranges = [(0, seqs_n0[0]), (seqs_n0[1], 2**30), (0, seqs_n0[2]), (seqs_n0[3], 2**30), (10, 60), (5, 15)]
+    args, naive = _random_case(seed, ranges=ranges)
+    pr = ([a for a, _ in ranges], [b for _, b in ranges])
+    got = _run_both(*args, prunable=pr)
+    for (b, l, h), want in naive.items():
+        assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
+    full = _run_both(*args, prunable=([0] * 6, [2**30] * 6))
+    assert all(torch.equal(full[f], _run_both(*args)[f]) for f in FIELDS)  # all prunable == no range
+    assert any(not torch.equal(got[f], full[f]) for f in FIELDS)  # the ranges changed decisions
+
+
+def test_prunable_range_protects_each_victim():
+    # Every pruning branch of the hand-built cases turns into its keeping branch when the victim is protected.
+    hi = [tok(3, 0.2), tok(7, 0.01), tok(15, 0.3)] + WIN + [tok(0, 0.02)]  # high victim at position 7 pruned
+    pool, pt, lh, ll = _build({(1, 0, 0): (hi, [])}, S=2, L=1, H=1, P=8)
+    got = _run_both(pool, pt, lh, ll, [1], [N0], [NN], [AH], [AL], prunable=([N0], [2**30]))
+    assert int(got["action"][0, 0, 0]) == 2  # demoted instead
+    lo = [tok(2, 0.03), tok(4, 0.01), tok(12, 0.005)]  # position 12 (generated) is the low victim
+    hi = [tok(3, 0.2)] + WIN + [tok(15, 0.05)]
+    pool, pt, lh, ll = _build({(1, 0, 0): (hi, lo)}, S=2, L=1, H=1, P=8)
+    got = _run_both(pool, pt, lh, ll, [1], [N0], [NN], [AH], [AL], prunable=([0], [N0]))
+    assert int(got["action"][0, 0, 0]) == 5 and int(got["low_dst"][0, 0, 0]) == 1  # prompt token 4 goes instead
+    got = _run_both(pool, pt, lh, ll, [1], [N0], [NN], [AH], [AL], prunable=([N0], [N0]))
+    assert int(got["action"][0, 0, 0]) == 4  # nothing prunable: t_c appended
+    hi = [tok(3, 0.2), tok(1, 0.001)] + WIN + [tok(15, 0.01)]  # t_c (15) below th_l
+    pool, pt, lh, ll = _build({(1, 0, 0): (hi, [])}, S=2, L=1, H=1, P=8)
+    got = _run_both(pool, pt, lh, ll, [1], [N0], [NN], [AH], [AL], prunable=([0], [N0]))
+    assert int(got["action"][0, 0, 0]) == 4  # to low instead of pruned
 
 
 def test_layer_scale_shape_checked():

@@ -94,6 +94,9 @@ def test_openai_client_chat_and_completion(service):
     kv = c.chat.completions.create(model=service["model"], messages=messages, max_tokens=4, temperature=0,
                                    extra_body={"kv_compression": {"alpha_high": 0.5, "alpha_low": 0.01}})
     assert kv.usage.completion_tokens <= 4
+    kv = c.chat.completions.create(model=service["model"], messages=messages, max_tokens=4, temperature=0,
+                                   extra_body={"kv_compression": {"prune_phase": "generation"}})
+    assert kv.usage.completion_tokens <= 4
     engine_idle(service)
 
 
@@ -165,6 +168,8 @@ BAD = [
     ("kv_compression negative", "chat", {"kv_compression": {"alpha_high": -1}}, "kv_compression.alpha_high"),
     ("kv_compression NaN", "chat", {"kv_compression": {"alpha_high": math.nan}}, "kv_compression.alpha_high"),
     ("kv_compression unknown key", "chat", {"kv_compression": {"beta": 1}}, "kv_compression.beta"),
+    ("kv_compression unknown prune phase", "chat", {"kv_compression": {"prune_phase": "decode"}},
+     "kv_compression.prune_phase"),
     ("kv_compression low above high", "chat", {"kv_compression": {"alpha_high": 0.1, "alpha_low": 0.5}},
      "kv_compression"),
     ("empty token prompt", "completions", {"prompt": []}, "prompt"),
