@@ -171,19 +171,29 @@ class LLMEngine:
         try:
             if pipelined:
                 self._pending = self.executor.launch(batch)
+                _count_rows(batch, +1)
             if pending is not None:
-                outputs += self._process(pending.batch, *self.executor.collect(pending))
+                try:
+                    result = self.executor.collect(pending)
+                finally:
+                    _count_rows(pending.batch, -1)
+                outputs += self._process(pending.batch, *result)
         except EngineDeadError as e:
-            self._pending = None
+            self._drop_pending()
             self._die(str(e))
             raise
         except BaseException:
-            self._pending = None
+            self._drop_pending()
             raise
         if not pipelined:
             outputs += self._step_sync(batch, stuck, after_collect=pending is not None)
         self._last_step_time = time.perf_counter() - t0
         return outputs
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            _count_rows(self._pending.batch, -1)
+            self._pending = None
 
     def _step_sync(self, batch: Optional[Batch], stuck: list[Sequence], after_collect: bool) -> list[RequestOutput]:
         """Run a scheduled batch to its tokens. after_collect: the step in flight was read after this batch was
@@ -420,7 +430,7 @@ class LLMEngine:
         self._shut_down = True
         for rid in list(self.requests):
             self.abort(rid)
-        self._pending = None  # async scheduling: every row of a step in flight belongs to an aborted request
+        self._drop_pending()  # async scheduling: every row of a step in flight belongs to an aborted request
         self.executor.shutdown()
         if self._dead is None:
             self._dead = "the engine was shut down"
@@ -439,3 +449,9 @@ class LLMEngine:
             self.executor.shutdown()
         except Exception:  # pragma: no cover - releasing must not hide the original error
             log.exception("releasing the workers of a dead engine failed")
+
+
+def _count_rows(batch: Batch, delta: int) -> None:
+    """Rows in flight per sequence (Sequence.rows_in_flight): +1 when a decode step is launched, -1 once read."""
+    for s in batch.seqs:
+        s.rows_in_flight += delta

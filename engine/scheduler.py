@@ -163,6 +163,8 @@ class Scheduler:
             n = seq.num_tokens
             if len(self.running) + len(admitted) >= cfg.max_num_seqs or mm.num_free_slots == 0:
                 break
+            if seq.rows_in_flight:  # preempted with its next token still on the way: admit it once read
+                break
             hits, new, reclaim = self._prefix_plan(seq)
             computed = n - len(hits) * (mm.prefix_block_tokens if hits else 0)
             # A prompt longer than the token budget still runs, alone.

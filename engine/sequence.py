@@ -45,6 +45,9 @@ class Sequence:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_preemptions: int = 0
+    # Decode rows of this sequence launched and not yet read (async scheduling). A sequence preempted with a
+    # row in flight waits for that token before its recompute is admitted, as it would with synchronous steps.
+    rows_in_flight: int = 0
     kv_usage: Optional[dict] = None  # KV memory held at finish (engine.kv_usage)
     teacher_agree: list[bool] = field(default_factory=list)  # teacher forcing: greedy choice == forced token
     alpha_high: Optional[float] = None  # per-request DiffKV thresholds (None: the engine's)

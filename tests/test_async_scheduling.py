@@ -7,7 +7,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 
-from engine_helpers import PROMPTS, run_all
+from engine_helpers import PROMPTS, assert_all_pages_free, run_all
 
 
 def _requests(engine, stop_token):
@@ -79,6 +79,31 @@ def test_abort_while_a_step_is_in_flight(make_engine):
             if out.finished:
                 done[out.request_id] = out
     assert [done["0"].token_ids, done["2"].token_ids] == want
+
+
+def test_preempt_while_a_step_is_in_flight(make_engine):
+    """A sequence preempted while its decode row is in flight recomputes from its last read token: the stale
+    row is dropped (it once finished the sequence as its re-prefill was being scheduled, with no slot)."""
+    engine = make_engine(scheduler={"async_scheduling": "on"})
+    ref = make_engine(scheduler={"async_scheduling": "off"})
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in run_all(ref, PROMPTS[:3], greedy)]
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(str(i), p, greedy)
+    for _ in range(3):
+        engine.step()
+    victim = engine.scheduler.running[-1]
+    assert engine._pending is not None and victim in engine._pending.batch.seqs
+    read = len(victim.output_token_ids)
+    assert engine.scheduler.preempt_last() > 0
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert victim.num_preemptions == 1 and read < 6
+    assert [done[str(i)].token_ids for i in range(3)] == want
+    assert_all_pages_free(engine)
 
 
 def test_teacher_forced_rows_run_synchronously(make_engine):
