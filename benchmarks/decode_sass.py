@@ -1,7 +1,7 @@
 """SASS instruction counts of the decode-attention kernels, compiled for an H100 (sm_90) on any machine.
 
 Triton's wheel bundles ptxas and cuobjdump, so the kernels can be compiled for the GPU without one: this script
-calls kernels/decode_attention.py's launcher on small CPU tensors with Triton's launch intercepted, compiles
+calls kernels/decode_attention/dispatch.py's launcher on small CPU tensors with Triton's launch intercepted, compiles
 each kernel it would have launched the way Triton's runtime does (same argument specialization), and counts
 the instructions of the kernel's main loop (its longest backward branch): per tile and per token
 (x warps / tile), by opcode. Register moves (IMAD.MOV / MOV), tensor-core mmas (HMMA) and shared-memory loads
@@ -34,6 +34,7 @@ from triton.compiler import ASTSource, compile as triton_compile, make_backend  
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import kernels.decode_attention as da  # noqa: E402
+import kernels.decode_attention.dispatch as dispatch  # noqa: E402
 from attention import PRECISIONS, build_paged, make_kv, parse_spec  # noqa: E402
 from kernels.page_layout import page_bytes_for  # noqa: E402
 
@@ -55,12 +56,12 @@ def compile_launches(call) -> list:
         compiled.append((self.fn.__name__, triton_compile(ASTSource(self, signature, constexprs, attrs),
                                                           target=TARGET, options=options.__dict__), kwargs))
 
-    saved_run, saved_fp32 = JITFunction.run, da.dot_in_fp32
-    JITFunction.run, da.dot_in_fp32 = run, lambda *t: False  # the GPU's fp16 dots, not the interpreter's fp32
+    saved_run, saved_fp32 = JITFunction.run, dispatch.dot_in_fp32
+    JITFunction.run, dispatch.dot_in_fp32 = run, lambda *t: False  # the GPU's fp16 dots, not the interpreter's fp32
     try:
         call()
     finally:
-        JITFunction.run, da.dot_in_fp32 = saved_run, saved_fp32
+        JITFunction.run, dispatch.dot_in_fp32 = saved_run, saved_fp32
     return compiled
 
 

@@ -29,9 +29,9 @@ TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
-    "decode_variants_H100.json": "decode-attention kernel variants tried for kernels/decode_attention.py launch_config",
+    "decode_variants_H100.json": "decode-attention kernel variants tried for kernels/decode_attention/launch.py launch_config",
     "decode_kernel_variants_H200.json": "element-wise against quartered PTX unpacking in the decode kernel",
-    "decode_splits_H200.json": "decode attention time per split count (kernels/decode_attention.py)",
+    "decode_splits_H200.json": "decode attention time per split count (kernels/decode_attention/launch.py)",
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",

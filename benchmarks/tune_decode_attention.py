@@ -3,7 +3,7 @@
 For each precision and shape it times `paged_decode_attention_triton` under every configuration (do_bench
 median, L2 flushed, caches rotated like benchmarks/attention.py), checks every configuration's output against
 the torch reference once, and prints the fastest configuration per precision (geomean time over the shapes).
-The winners go into kernels/decode_attention.py:launch_config by hand, with the JSON kept in results/.
+The winners go into kernels/decode_attention/launch.py:launch_config by hand, with the JSON kept in results/.
 
 Usage (GPU): python benchmarks/tune_decode_attention.py [--shapes 32x4096 8x16384 128x4096] [--out PATH]
 Smoke (CPU): python benchmarks/tune_decode_attention.py --smoke   (interpreter, two configurations, tiny shape)

@@ -1,4 +1,4 @@
-"""The full-width 8-bit decode kernel (kernels/decode_attention_q8.py, K8V8 pages without a low section, integer
+"""The full-width 8-bit decode kernel (kernels/decode_attention/q8.py, K8V8 pages without a low section, integer
 codes or e4m3 codes) against the torch reference: outputs, per-token logits and lse, one split and several, GQA
 group 4."""
 import math
@@ -80,29 +80,3 @@ def test_q8_full_group(spec):
     """16 query heads per KV head fill the dot's 16 rows: no padding row carries the top value scale."""
     for dtype in DTYPES:
         _compare(dtype, 16, 1, 64, [[100], [31], [0]], [2, 0, 1], 2, 32, layer=0, seed=5, spec=spec)
-
-
-def test_quartered_kernel_refuses_e4m3_pages():
-    """Only the q8 kernel decodes e4m3 codes: forcing the quartered kernel onto them is an error naming the pages."""
-    fmt, _ = formats("K8V8-e4m3", 64, torch.empty((), dtype=DTYPES[0]).element_size())
-    assert decode_kernel(fmt, None) == "q8"
-    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
-    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
-    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
-    lens = torch.ones(1, 1, 1, dtype=torch.int32, device=DEVICE)
-    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="K8V8-e4m3"):
-        paged_decode_attention_triton(q, pool, fmt, DTYPES[0], pt, lens, slots, 0, 0.125, kernel="quartered")
-
-
-def test_q8_refuses_other_pages():
-    isz = torch.empty((), dtype=DTYPES[0]).element_size()
-    fmt, _ = formats("K8V4", 64, isz)
-    assert decode_kernel(fmt, None) == "quartered"
-    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
-    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
-    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
-    lens = torch.ones(1, 1, 1, dtype=torch.int32, device=DEVICE)
-    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError):
-        paged_decode_attention_triton(q, pool, fmt, DTYPES[0], pt, lens, slots, 0, 0.125, kernel="q8")

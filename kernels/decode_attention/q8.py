@@ -1,5 +1,5 @@
 """Decode attention over K8V8 pages without a low section (kv_mode int8, and fp8 with FP8): the full head
-dimension in one tile per token block, like kernels/decode_attention_f16.py.
+dimension in one tile per token block, like f16.py.
 
 Scale and zero (x = c * scale + zero per token) act outside the dots, on [G, N]; the dots run on the codes:
     q . k_n       = scale_n * (q . c_n) + zero_n * sum(q)
@@ -19,12 +19,15 @@ codes, exact), so the bias and the zero-point terms drop out; the scales act on 
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import load_scale_zero, max_and_top_scale, store_result, planes_ptx
+from kernels._common import next_pow2
+from kernels.decode_attention.tiles import (LOG2E, group_rows, load_scale_zero, max_and_top_scale, planes_ptx,
+                                            program_span, store_result)
 from kernels.quant import e4m3_values
-from kernels.sections import section_page, split_range
+from kernels.sections import section_page
 
 # Four codes (bytes of $2) -> fp16 pairs 1024 + c: each byte under an 0x64 exponent byte.
 _PRMT = tl.constexpr(planes_ptx(8))
@@ -64,17 +67,13 @@ def decode_q8_kernel(
 ):
     """k_off, v_off in bytes; k_meta_w, v_meta_w in 4-byte words; D a power of two (a row is D bytes);
     FP8: the codes are e4m3."""
-    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
-    pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
-    lo, hi = split_range(length, split, num_splits, BLOCK_N)
+    b, h, split, slot, length, pt_row, lo, hi = program_span(
+        slots_ptr, len_ptr, pt_ptr, stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, layer,
+        num_splits, BLOCK_N)
     page_words = page_bytes // 4
 
-    g = tl.arange(0, BLOCK_G)
+    g, hq, gmask = group_rows(h, GROUP, BLOCK_G)
     d = tl.arange(0, D)
-    hq = h * GROUP + g
-    gmask = g < GROUP
     q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
     QT = tl.float32 if DOT_FP32 else tl.float16
     q = q.to(QT)  # fp16 whatever the cache dtype: the codes are exact in it
@@ -119,3 +118,23 @@ def decode_q8_kernel(
     l_i = tl.sum(l_n, 1)
     store_result(acc, m_i, l_i, b, hq, gmask, gmask[:, None], d, split, num_splits, Hq, o_ptr, stride_ob, stride_oh,
                  mid_acc, mid_ml, lse_ptr, stride_eb, stride_eh, D, SPLIT, WRITE_LSE)
+
+
+def launch_q8(q, pool, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse, layer, scale, num_splits, fmt,
+              block_n, dot_fp32, cfg, warps, stages, write_logits, write_lse):
+    """Launches decode_q8_kernel on the (batch, KV head, split) grid (K8V8 pages, no low section)."""
+    (B, Hq, D), Hkv = q.shape, page_table.shape[2]
+    group = Hq // Hkv
+    decode_q8_kernel[(B, Hkv, num_splits)](
+        q, pool, pool.view(torch.int32), page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), page_table.stride(1), page_table.stride(2),
+        lengths.stride(0), lengths.stride(1), lengths.stride(2), logits.stride(0), logits.stride(1),
+        lse.stride(0), lse.stride(1),
+        layer, scale * LOG2E, scale, Hq, num_splits, fmt.page_bytes,
+        fmt.k_off, fmt.k_meta_off // 4, fmt.v_off, fmt.v_meta_off // 4,
+        GROUP=group, T=fmt.tokens, SPLIT=num_splits > 1, BLOCK_G=max(cfg.min_rows, next_pow2(group)),
+        BLOCK_N=block_n, D=D,
+        DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits, WRITE_LSE=write_lse, FP8=fmt.float8,
+        num_warps=warps, num_stages=stages,
+    )

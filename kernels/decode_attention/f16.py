@@ -2,17 +2,18 @@
 the full head dimension in one tile per token block, so the tensor cores read keys and values straight from
 shared memory (cp.async pipelining, ldmatrix), which is what reaches the HBM roofline on an H200.
 
-kernels/decode_attention.py owns the API, the reference and the split-merge kernel; it sends 16-bit-only calls
-here because its quartered tiles (needed to unpack quantized rows without a reshape) cost ~10-40% on 16-bit
-pages (benchmarks/results/decode_kernel_variants_H200.json). Same grid, same partial-result layout.
+dispatch.py sends 16-bit-only calls here because the quartered kernel's tiles (needed to unpack quantized rows
+without a reshape) cost ~10-40% on 16-bit pages (benchmarks/results/decode_kernel_variants_H200.json). Same grid
+and partial-result layout as the other kernels; merge.py combines the splits.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import store_result
-from kernels.sections import section_page, split_range
+from kernels._common import next_pow2, seg_offsets
+from kernels.decode_attention.tiles import LOG2E, group_rows, program_span, store_result
+from kernels.sections import section_page
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
@@ -24,16 +25,11 @@ def decode_f16_kernel(
     GROUP: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_LOGITS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
-    pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
-    lo, hi = split_range(length, split, num_splits, BLOCK_N)
-
-    g = tl.arange(0, BLOCK_G)
+    b, h, split, slot, length, pt_row, lo, hi = program_span(
+        slots_ptr, len_ptr, pt_ptr, stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, layer,
+        num_splits, BLOCK_N)
+    _, hq, gmask = group_rows(h, GROUP, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    hq = h * GROUP + g
-    gmask = g < GROUP
     dmask = d < D
     DT = pool_c.dtype.element_ty
     q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=gmask[:, None] & dmask[None, :],
@@ -70,3 +66,22 @@ def decode_f16_kernel(
 
     store_result(acc, m_i, l_i, b, hq, gmask, gmask[:, None] & dmask[None, :], d, split, num_splits, Hq, o_ptr,
                  stride_ob, stride_oh, mid_acc, mid_ml, lse_ptr, stride_eb, stride_eh, D, SPLIT, WRITE_LSE)
+
+
+def launch_f16(q, pc, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse, layer, scale, num_splits, fmt,
+               block_n, dot_fp32, cfg, warps, stages, write_logits, write_lse):
+    """Launches decode_f16_kernel on the (batch, KV head, split) grid; pc is the pool viewed as the cache dtype."""
+    (B, Hq, D), Hkv = q.shape, page_table.shape[2]
+    group = Hq // Hkv
+    decode_f16_kernel[(B, Hkv, num_splits)](
+        q, pc, page_table, lengths, slots, out, mid_acc, mid_ml, logits, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), page_table.stride(1), page_table.stride(2),
+        lengths.stride(0), lengths.stride(1), lengths.stride(2), logits.stride(0), logits.stride(1),
+        lse.stride(0), lse.stride(1),
+        layer, scale * LOG2E, scale, Hq, D, num_splits, fmt.page_bytes // fmt.full_itemsize,
+        seg_offsets(fmt, "k")[0], seg_offsets(fmt, "v")[0],
+        GROUP=group, T=fmt.tokens, SPLIT=num_splits > 1, BLOCK_G=max(cfg.min_rows, next_pow2(group)),
+        BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)), DOT_FP32=dot_fp32, WRITE_LOGITS=write_logits,
+        WRITE_LSE=write_lse, num_warps=warps, num_stages=stages,
+    )

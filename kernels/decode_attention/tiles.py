@@ -1,11 +1,45 @@
-"""Triton pieces the decode-attention kernels share (kernels/decode_attention*.py): the PTX that turns packed codes
-into fp16 dot operands (planes_ptx, plane_codes, pair_planes), the row padding and even / odd splits of the
-key-pair dots, a tile's scale/zero loads, its row maxima with its top value scale, and the epilogue that writes
-a program's result (partial for a split, final otherwise)."""
+"""Triton pieces the decode-attention kernels share (f16.py, q8.py, quartered.py): each program's prologue (its
+batch entry, KV head, split and token range; its query group's rows), the PTX that turns packed codes into fp16
+dot operands (planes_ptx, plane_codes, pair_planes), the row padding and even / odd splits of the key-pair dots,
+a tile's scale/zero loads, its row maxima with its top value scale, and the epilogue that writes a program's
+result (partial for a split, final otherwise)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kernels.sections import split_range
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in the log2 domain (exp2): logits are scaled by it
+
+
+@triton.jit
+def program_span(slots_ptr, len_ptr, pt_ptr, stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh,
+                 layer, num_splits, BLOCK_N: tl.constexpr):
+    """What program (b, h, split) of the (batch entry, KV head, split) grid reads: returns b, h, split, the
+    cache slot, the high section's length, the page-table row and the split's tokens [lo, hi) of that section,
+    in whole BLOCK_N blocks. Lengths differ per (sequence, head); the split count is a runtime value, so one
+    compiled variant serves every sequence length."""
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
+    pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
+    lo, hi = split_range(length, split, num_splits, BLOCK_N)
+    return b, h, split, slot, length, pt_row, lo, hi
+
+
+@triton.jit
+def group_rows(h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The query-group tile of KV head h: row indices g [BLOCK_G], their query heads and which rows are real
+    (BLOCK_G pads the group to the dot's minimum rows)."""
+    g = tl.arange(0, BLOCK_G)
+    return g, h * GROUP + g, g < GROUP
+
+
+@triton.jit
+def natural_lse(m, l):
+    """The natural-log log-sum-exp of a softmax kept as log2-domain max m and sum l; -inf without tokens."""
+    return tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
 def planes_ptx(bits: int, pairs: bool = False) -> str:
@@ -13,7 +47,7 @@ def planes_ptx(bits: int, pairs: bool = False) -> str:
     p*bits..p*bits+bits-1 of each byte) as the fp16 numbers 1024 + c * 2^(p * bits). An 0x64 exponent byte above
     a byte XX makes the fp16 number 1024 + XX (0x64XX); a mask keeps the plane's bits: one or two instructions
     per two codes, against ~5 per code for shift / and / convert, which made quantized decode instruction-bound.
-    The dots take these biased codes as they are; decode_attention._attend_section removes the 1024 and the 2^s
+    The dots take these biased codes as they are; quartered._attend_section removes the 1024 and the 2^s
     with [G, N]-sized corrections (a dot's accumulator init and one multiply).
 
     pairs False (pack=4 on bytes): outputs $2p, $2p+1 hold plane p of bytes (0, 1) and (2, 3): two prmt put the
@@ -179,6 +213,4 @@ def store_result(acc, m_i, l_i, b, hq, gmask, omask, d, split, num_splits, Hq, o
         tl.store(o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=omask)
         if WRITE_LSE:
-            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-            tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
+            tl.store(lse_ptr + b * stride_eb + hq * stride_eh, natural_lse(m_i, l_i), mask=gmask)

@@ -1,0 +1,66 @@
+"""The decode-attention entry points (kernels/decode_attention/dispatch.py): every kernel behind one launcher with
+a LaunchConfig override, and the validation of a call (a low section without its format, a forced kernel that
+cannot serve the pages)."""
+import pytest
+import torch
+
+from kernels.decode_attention import decode_kernel, paged_decode_attention, paged_decode_attention_triton
+
+from _decode_check import DEVICE, DTYPES, run_sections
+from _paged_cache import formats
+
+# The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+@pytest.mark.parametrize("min_rows", [1, 4, 16])
+@pytest.mark.parametrize("spec,Hq,Hkv,D", [("K8V4+K4V2", 6, 2, 64), ("K8V8", 8, 2, 64), ("K16V16", 9, 3, 32),
+                                           ("K4V2", 8, 2, 128)])
+def test_decode_group_rows(min_rows, spec, Hq, Hkv, D):
+    """The query group's tile padded to other row counts than the default (LaunchConfig.min_rows): unpadded
+    (groups 3 and 4 in 4 rows; 1 -> the group's power of two), and 16; every kernel (quartered, q8, f16)."""
+    lens_hi = [[50, 37, 3], [45, 0, 20]]
+    lens_lo = [[30, 3, 0], [0, 41, 9]] if "+" in spec else None
+    for dtype in DTYPES:
+        run_sections(spec, dtype, Hq, Hkv, D, [r[:Hkv] for r in lens_hi],
+                     None if lens_lo is None else [r[:Hkv] for r in lens_lo], [1, 0], 2, layer=1,
+                     seed=D + min_rows, block_n=16, min_rows=min_rows)
+
+
+def test_decode_low_section_needs_format():
+    isz = torch.empty((), dtype=DTYPES[0]).element_size()
+    fmt_hi, fmt_lo = formats("K8V4+K4V2", 64, isz)
+    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
+    pool = torch.zeros(2, fmt_hi.page_bytes, dtype=torch.uint8, device=DEVICE)
+    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for impl in ("triton", "ref"):
+        with pytest.raises(ValueError, match="fmt_low"):
+            paged_decode_attention(q, pool, fmt_hi, DTYPES[0], pt, lens, slots, 0, impl=impl, len_low=lens)
+
+
+def test_quartered_kernel_refuses_e4m3_pages():
+    """Only the q8 kernel decodes e4m3 codes: forcing the quartered kernel onto them is an error naming the pages."""
+    fmt, _ = formats("K8V8-e4m3", 64, torch.empty((), dtype=DTYPES[0]).element_size())
+    assert decode_kernel(fmt, None) == "q8"
+    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
+    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="K8V8-e4m3"):
+        paged_decode_attention_triton(q, pool, fmt, DTYPES[0], pt, lens, slots, 0, 0.125, kernel="quartered")
+
+
+def test_q8_refuses_other_pages():
+    isz = torch.empty((), dtype=DTYPES[0]).element_size()
+    fmt, _ = formats("K8V4", 64, isz)
+    assert decode_kernel(fmt, None) == "quartered"
+    q = torch.randn(1, 2, 64, device=DEVICE).to(DTYPES[0])
+    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    pt = torch.zeros(1, 1, 1, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError):
+        paged_decode_attention_triton(q, pool, fmt, DTYPES[0], pt, lens, slots, 0, 0.125, kernel="q8")
