@@ -34,13 +34,17 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     has_low = check_low_section(fmt, fmt_low, len_low, cache_dtype, True)
     B, Hq, D = q.shape
     Hkv, T = page_table.shape[2], fmt.tokens
-    assert Hq % Hkv == 0 and D == fmt.head_dim and q.stride(2) == 1 and page_table.stride(3) == 1
+    _require(Hq % Hkv == 0, "q", f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    _require(D == fmt.head_dim, "q", f"head_dim {D} differs from the pages' {fmt.head_dim}")
+    _require(q.stride(2) == 1 and page_table.stride(3) == 1, "q/page_table", "the last dim must be contiguous")
     out = torch.empty_like(q) if out is None else out
-    assert out.shape == q.shape and out.stride(2) == 1
+    _require(out.shape == q.shape and out.stride(2) == 1, "out", f"shape {tuple(out.shape)} / strides differ from q's")
     if logits_out is not None:
-        assert logits_out.dtype == torch.float32 and logits_out.shape[:2] == (B, Hq) and logits_out.stride(2) == 1
+        _require(logits_out.dtype == torch.float32 and logits_out.shape[:2] == (B, Hq)
+                 and logits_out.stride(2) == 1, "logits_out", f"needs float32 [{B}, {Hq}, >=max_len], contiguous rows")
     if lse_out is not None:
-        assert lse_out.dtype == torch.float32 and lse_out.shape == (B, Hq)
+        _require(lse_out.dtype == torch.float32 and lse_out.shape == (B, Hq), "lse_out",
+                 f"needs float32 [{B}, {Hq}]")
     if B == 0:
         return out
     pc = pool.view(cache_dtype)
@@ -115,3 +119,9 @@ def paged_decode_attention(q, pool, fmt: PageFormat, cache_dtype, page_table, le
     res = paged_decode_attention_ref(q, pool, fmt, cache_dtype, page_table, lengths, slots, layer, scale,
                                      max_len=max_len, **kw)
     return res if out is None else out.copy_(res)
+
+
+def _require(ok: bool, name: str, why: str) -> None:
+    # A ValueError, not an assert: these checks guard a kernel launch and must survive python -O.
+    if not ok:
+        raise ValueError(f"paged_decode_attention_triton: {name}: {why}")

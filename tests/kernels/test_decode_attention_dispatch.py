@@ -64,3 +64,15 @@ def test_q8_refuses_other_pages():
     slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError):
         paged_decode_attention_triton(q, pool, fmt, DTYPES[0], pt, lens, slots, 0, 0.125, kernel="q8")
+
+
+def test_bad_shapes_raise_value_errors_naming_the_argument():
+    fmt, _ = formats("K8V8", 16, 2)
+    q = torch.randn(2, 3, 16)
+    table = torch.zeros(2, 1, 2, 4, dtype=torch.int32)  # 2 KV heads: 3 query heads do not group
+    args = (torch.zeros(64, dtype=torch.float16), fmt, torch.float16, table, torch.ones(2, 1, 2, dtype=torch.int32),
+            torch.arange(2), 0, 0.25)
+    with pytest.raises(ValueError, match="q: 3 query heads"):
+        paged_decode_attention_triton(q, *args)
+    with pytest.raises(ValueError, match="out: shape"):
+        paged_decode_attention_triton(torch.randn(2, 4, 16), *args, out=torch.empty(2, 4, 8))
