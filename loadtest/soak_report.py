@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from soak_requests import BAD, CLEAN_ERRORS, COMPLETED, INVALID, KINDS, LOST, OUTCOMES
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_requests import BAD, CLEAN_ERRORS, COMPLETED, INVALID, KINDS, LOST, OUTCOMES  # noqa: E402
 
 MAX_LISTED = 50  # lost requests listed one by one in the JSON
 
