@@ -248,7 +248,12 @@ class Monitor(threading.Thread):
               f"{latest.get(victim.replica_id, 0):.0f} pages in use)", file=sys.stderr, flush=True)
 
     def check_replaced(self, t: float, live: Optional[set[str]]) -> None:
+        """Replaced: Serve counts the deployment whole again and the new replica's engine is up (its page pool
+        is in the metrics, when there are metrics to read)."""
         new = sorted((live or set()) - set(self.kill["replicas_before"]))
+        if self.target.metrics_url:
+            up = {p["replica"] for p in self.pages if p["t"] >= t - 1e-6 and p["total"] > 0}
+            new = [rid for rid in new if rid in up]
         if new and cluster.running_replicas(self.target.app, ENGINE) >= self.replicas:
             self.kill.update(replaced_by=new[0], t_replaced=t, time_to_replace_s=t - self.kill["t"])
             print(f"[soak] {t:.0f}s: Serve replaced it with {new[0]} after {t - self.kill['t']:.1f}s",
