@@ -258,13 +258,13 @@ def test_kv_headroom_router_ranks_serve_candidates():
 
 
 def test_engine_deployment_options():
-    from service.app import engine_deployment_options
+    from service.app import engine_deployment_options, ingress_actor_options
     from service.config import ServiceConfig
     from service.router import KVHeadroomRouter
 
     tp2 = engine_deployment_options(ServiceConfig(device="cpu", tensor_parallel_size=2, num_replicas=3))
     assert tp2["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}]
-    assert tp2["placement_group_strategy"] == "PACK" and tp2["ray_actor_options"] == {"num_cpus": 0.5}
+    assert tp2["placement_group_strategy"] == "STRICT_PACK" and tp2["ray_actor_options"] == {"num_cpus": 0.5}
     assert tp2["num_replicas"] == 3
     router = tp2["request_router_config"]
     assert router.request_router_class.endswith("KVHeadroomRouter") and KVHeadroomRouter is not None
@@ -273,6 +273,21 @@ def test_engine_deployment_options():
     assert "placement_group_bundles" not in tp1 and tp1["ray_actor_options"]["num_gpus"] == 0
     assert "request_router_config" not in tp1 and "num_replicas" not in tp1
     assert tp1["autoscaling_config"]["max_replicas"] == 4
+    # custom resources pin ranks (TP workers, or the replica itself at TP=1) and the ingress to nodes
+    pinned = ServiceConfig(device="cpu", tensor_parallel_size=2, rank_resources={"fake_gpu": 1})
+    assert engine_deployment_options(pinned)["placement_group_bundles"] == [
+        {"CPU": 0.5}, {"CPU": 0.25, "fake_gpu": 1}, {"CPU": 0.25, "fake_gpu": 1}]
+    tp1_pinned = engine_deployment_options(ServiceConfig(device="cpu", rank_resources={"fake_gpu": 0.5}))
+    assert tp1_pinned["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0, "resources": {"fake_gpu": 0.5}}
+    assert ingress_actor_options(ServiceConfig(ingress_resources={"head": 1})) == {"num_cpus": 0.25,
+                                                                                   "resources": {"head": 1}}
+    for field, bad, words in (("rank_resources", {"GPU": 1}, "Ray's own resource"),
+                              ("ingress_resources", {"head": 0}, "must be > 0"),
+                              ("rank_resources", {"fake_gpu": -1}, "must be > 0")):
+        with pytest.raises(ValueError, match=f"{field}: .*{words}"):
+            ServiceConfig(**{field: bad})
+    with pytest.raises(ValueError, match="retry.max_retries"):
+        ServiceConfig(retry={"max_retries": 4})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ServiceConfig(device="cpu", tensor_parallel_size=2, distributed_executor="local")
     with pytest.raises(ValueError):
