@@ -5,8 +5,9 @@ check the model and the token budget, ask admission control (429 + Retry-After w
 over target), then stream from an engine replica through Serve's handle (our KV-headroom router picks it).
 The first item from the replica decides the status code (400 / 503 arrive before any token); a replica
 that fails before that item is replaced by another (retry.max_retries re-sends: nothing reached the client
-yet); later failures end an SSE stream with an error event, a non-streaming request with a 503. A client that goes away cancels the replica call, which
-aborts the request in the engine and frees its pages. Every admitted request ends in release().
+yet); later failures end an SSE stream with an error event, a non-streaming request with a 503. A client
+that goes away cancels the replica call, which aborts the request in the engine and frees its pages. Every
+admitted request ends in release().
 (No `from __future__ import annotations`: Serve's class-based FastAPI views need the real annotations.)
 """
 import asyncio
@@ -151,7 +152,9 @@ class _Stream:
     def _call(self):
         """Send the request to an engine replica (the router picks it). A re-send gets its own engine id: the
         first replica may still hold the original (a dead engine keeps its requests until it is replaced)."""
-        req = self.req if not self.attempts else {**self.req, "request_id": f"{self.req['request_id']}-r{self.attempts}"}
+        req = self.req
+        if self.attempts:
+            req = {**req, "request_id": f"{req['request_id']}-r{self.attempts}"}
         return self.ingress.engine.options(stream=True).generate.remote(req)
 
     async def _resend(self, cause: APIError) -> None:

@@ -6,6 +6,7 @@ Serve replaces the replica on a fresh node (KubeRay's replacement pod) within RE
 replica holds a page afterwards."""
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -151,8 +152,6 @@ def _stream(base: str, body: dict, out: dict, t_kill: dict) -> None:
 
 
 def test_node_loss_retries_errors_cleanly_and_recovers(service):
-    import threading
-
     from ray import serve
 
     from service.app import ENGINE_DEPLOYMENT
