@@ -46,15 +46,20 @@ def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
     else:
         opts["num_replicas"] = cfg.num_replicas
     if cfg.uses_worker_actors():
-        # Bundle 0 holds the replica (scheduler, tokenizer, no model); bundles 1..N one worker each, packed on
-        # one node so the ranks' all-reduce stays local. The engine puts its workers in this placement group.
+        # Bundle 0 holds the replica (scheduler, tokenizer, no model); bundles 1..N one worker each, all on one
+        # node (STRICT_PACK: PACK would split them when no node has room for all, and the ranks' all-reduce
+        # would cross the network; then the replica waits for a node with room instead). The engine puts its
+        # workers in this placement group.
         worker = {"GPU": 1.0, "CPU": cfg.worker_cpus} if gpu else {"CPU": cfg.worker_cpus}
+        worker.update(cfg.rank_resources)
         opts["placement_group_bundles"] = [{"CPU": cfg.replica_cpus}] + [dict(worker)
                                                                           for _ in range(cfg.tensor_parallel_size)]
-        opts["placement_group_strategy"] = "PACK"
+        opts["placement_group_strategy"] = "STRICT_PACK"
         opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus}
     else:
         opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus, "num_gpus": 1 if gpu else 0}
+        if cfg.rank_resources:
+            opts["ray_actor_options"]["resources"] = dict(cfg.rank_resources)
     if cfg.router.policy == "kv_headroom":
         from service.router import KVHeadroomRouter
 
@@ -80,4 +85,11 @@ def build_app(args: ServiceConfig) -> Application:
         # Every request reaches the ingress at once, so admission control sees the real arrivals (Serve's
         # default of 5 would queue them in the proxy, invisibly).
         max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(engine, payload)
+        ray_actor_options=ingress_actor_options(cfg)).bind(engine, payload)
+
+
+def ingress_actor_options(cfg: ServiceConfig) -> dict[str, Any]:
+    opts: dict[str, Any] = {"num_cpus": cfg.ingress_cpus}
+    if cfg.ingress_resources:
+        opts["resources"] = dict(cfg.ingress_resources)
+    return opts

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import CacheConfig, EngineConfig, KVMode, SchedulerConfig
 
@@ -32,6 +32,22 @@ class RouterConfig(BaseModel):
         "kv_headroom", description="kv_headroom: the replica with the most free KV pages and the shortest queue; "
                                    "pow2: Serve's default power-of-two-choices")
     stats_period_s: float = Field(1.0, gt=0, description="how often Serve collects each replica's routing stats")
+
+
+class RetryConfig(BaseModel):
+    """Failover at the ingress: a request whose engine replica fails (its actor or node lost, its engine dead)
+    before the replica returned anything is sent again to another replica. Once output has arrived the request
+    ends with a 503 (or an SSE error event): a second generation could contradict what was streamed."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_retries: int = Field(1, ge=0, le=3, description="re-sends of a request that got nothing from its replica "
+                                                        "(0: none, the client gets the 503)")
+    backoff_s: float = Field(0.5, ge=0, le=10, description="pause before a re-send, so the router learns of the "
+                                                           "lost replica first (seconds)")
+
+
+# Resources Ray defines itself: the dedicated fields (replica_cpus, worker_cpus, device) set them.
+_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
 class ServiceConfig(BaseModel):
@@ -63,12 +79,32 @@ class ServiceConfig(BaseModel):
     replica_cpus: float = Field(0.5, gt=0, description="CPUs of an engine replica's actor (fractional on CPU)")
     worker_cpus: float = Field(0.25, gt=0, description="CPUs of each tensor-parallel worker actor (CPU runs)")
     ingress_cpus: float = Field(0.25, gt=0)
+    rank_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each rank holds (the replica for TP=1, each "
+                                          "tensor-parallel worker otherwise): pins engines to the nodes that "
+                                          "offer them, e.g. {\"diffkv_engine\": 1}")
+    ingress_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources an ingress replica holds: pins the ingress to "
+                                          "nodes that offer them (e.g. the head, so a worker node's loss costs "
+                                          "only engine replicas)")
     health_check_period_s: float = Field(2.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
     stats_period_s: float = Field(0.5, gt=0, description="how often an engine replica reads its engine's stats "
                                                          "into the metrics")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+
+    @field_validator("rank_resources", "ingress_resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float], info) -> dict[str, float]:
+        for name, amount in v.items():
+            if name in _BUILTIN_RESOURCES:
+                raise ValueError(f"{info.field_name}: {name!r} is Ray's own resource; set it with replica_cpus, "
+                                 f"worker_cpus, ingress_cpus or device")
+            if not amount > 0:
+                raise ValueError(f"{info.field_name}: {name!r} must be > 0, got {amount}")
+        return v
 
     @model_validator(mode="after")
     def _apply_shortcuts(self) -> "ServiceConfig":
