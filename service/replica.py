@@ -232,7 +232,10 @@ class EngineReplica:
         return {"pages_total": st.get("pages_total", 0), "pages_used": st.get("pages_used", 0),
                 "num_running": st.get("num_running", 0), "num_waiting": st.get("num_waiting", 0),
                 "max_num_seqs": self.engine.config.scheduler.max_num_seqs, "in_flight": self.in_flight,
-                "pages_per_request": load.pages_per_request, "dead": self._dead is not None}
+                "pages_per_request": load.pages_per_request, "dead": self._dead is not None,
+                # service.prefix_router follows prefixes only to replicas that cache them
+                "prefix_caching": self.engine.config.cache.prefix_caching(),
+                "kv_mode": self.engine.config.cache.kv_mode}
 
     async def stats(self) -> dict:
         """Engine stats plus this replica's measured load (tests and debugging)."""
