@@ -223,3 +223,21 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_cached_it(service):
     stats = wait_for(per_replica, 30, what="stats of both replicas")
     assert sum(st["prefix_cache_queries"] for st in stats.values()) == 6 * (prefix_tokens + 8)
     assert sum(st["prefix_cache_hits"] for st in stats.values()) == 3 * (prefix_tokens // block) * block
+
+
+def test_headroom_counts_evictable_prefix_pages_as_free():
+    """An idle replica whose pool is full of cached prefix blocks nobody reads has room: they are evicted on
+    demand. Reference: the page room computed by hand on random pool states."""
+    from service.router import headroom
+
+    rng = random.Random(13)
+    for _ in range(50):
+        total = rng.randrange(100, 10_000)
+        used = rng.randrange(0, total + 1)
+        evictable = rng.randrange(0, used + 1)
+        running = rng.randrange(0, 8)
+        st = {"pages_total": total, "pages_used": used, "pages_evictable": evictable, "num_running": running,
+              "max_num_seqs": 64, "pages_per_request": 0.0}
+        expected = min(1.0 - (used - evictable) / total, 1.0 - running / 64)
+        assert headroom(st, None) == pytest.approx(expected, rel=1e-12)
+        assert headroom(st, None) >= headroom({**st, "pages_evictable": 0}, None)
