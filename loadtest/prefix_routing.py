@@ -188,6 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rows = []
+    load_before = os.getloadavg()[0]  # the machine's load, since other jobs change TTFT on a shared box
     try:
         for kv_mode in args.kv_modes.split(","):
             for router in args.routers.split(","):
@@ -200,7 +201,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print_table(rows)
     result = {"what": "prefix-cache hit rate and TTFT: KV-headroom router vs prefix-aware router",
               "device": "cpu", "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M-Instruct (embedded)",
+              "date": datetime.date.today().isoformat(),
+              "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "model": "SmolLM2-135M-Instruct (embedded)",
               "command": "python loadtest/prefix_routing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
