@@ -60,19 +60,33 @@ def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
         opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus, "num_gpus": 1 if gpu else 0}
         if cfg.rank_resources:
             opts["ray_actor_options"]["resources"] = dict(cfg.rank_resources)
-    if cfg.router.policy == "kv_headroom":
-        from service.router import KVHeadroomRouter
+    router_class, router_kwargs = _request_router(cfg)
+    if router_class is not None:
+        from ray.serve.config import RequestRouterConfig
 
-        if KVHeadroomRouter is None:  # pragma: no cover - Ray without the request-router extension point
-            log.warning("this Ray has no RequestRouter extension point; using Serve's default router")
-        else:
-            from ray.serve.config import RequestRouterConfig
-
-            opts["request_router_config"] = RequestRouterConfig(
-                request_router_class=KVHeadroomRouter,
-                request_routing_stats_period_s=cfg.router.stats_period_s,
-                request_routing_stats_timeout_s=max(5.0, 5 * cfg.router.stats_period_s))
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=router_class, request_router_kwargs=router_kwargs,
+            request_routing_stats_period_s=cfg.router.stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 5 * cfg.router.stats_period_s))
     return opts
+
+
+def _request_router(cfg: ServiceConfig) -> tuple[Any, dict[str, Any]]:
+    """The RequestRouter class of router.policy and its initialize_state kwargs; None: Serve's default."""
+    if cfg.router.policy == "pow2":
+        return None, {}
+    if cfg.router.policy == "prefix":
+        from service.prefix_router import PrefixAwareRouter as router_class
+
+        kwargs = cfg.router.prefix.model_dump()
+    else:
+        from service.router import KVHeadroomRouter as router_class
+
+        kwargs = {}
+    if router_class is None:  # pragma: no cover - Ray without the request-router extension point
+        log.warning("this Ray has no RequestRouter extension point; using Serve's default router")
+        return None, {}
+    return router_class, kwargs
 
 
 def build_app(args: ServiceConfig) -> Application:

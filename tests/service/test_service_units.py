@@ -269,7 +269,9 @@ def test_engine_deployment_options():
     assert tp2["placement_group_strategy"] == "STRICT_PACK" and tp2["ray_actor_options"] == {"num_cpus": 0.5}
     assert tp2["num_replicas"] == 3
     router = tp2["request_router_config"]
-    assert router.request_router_class.endswith("KVHeadroomRouter") and KVHeadroomRouter is not None
+    assert router.request_router_class.endswith("PrefixAwareRouter") and KVHeadroomRouter is not None
+    headroom_only = engine_deployment_options(ServiceConfig(device="cpu", router={"policy": "kv_headroom"}))
+    assert headroom_only["request_router_config"].request_router_class.endswith("KVHeadroomRouter")
     tp1 = engine_deployment_options(ServiceConfig(device="cpu", router={"policy": "pow2"},
                                                   autoscaling={"min_replicas": 1, "max_replicas": 4}))
     assert "placement_group_bundles" not in tp1 and tp1["ray_actor_options"]["num_gpus"] == 0
