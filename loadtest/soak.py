@@ -274,7 +274,8 @@ def pages_at_end(target: cluster.Target, monitor: Monitor, timeout: float) -> Op
         if live is not None:
             pages = {rid: pages.get(rid, {"used": None, "total": 0.0}) for rid in live}
         flight = cluster.in_flight(samples)
-        last.update(replicas=pages, in_flight=flight, t=time.monotonic() - monitor.t0)
+        last.update(replicas=pages, in_flight=flight, retried=cluster.retried(samples),
+                    t=time.monotonic() - monitor.t0)
         return bool(pages) and flight == 0 and all(p["total"] > 0 and p["used"] == 0 for p in pages.values())
 
     t0 = time.monotonic()
@@ -441,8 +442,12 @@ def _print(report: dict) -> None:
     print(f"outcomes {s['outcomes']}")
     kill = report["kill"]
     if kill:
-        print(f"killed {kill['replica']} at {kill['t']:.0f}s; replaced by {kill['replaced_by']} "
-              f"after {kill['time_to_replace_s'] if kill['time_to_replace_s'] is None else round(kill['time_to_replace_s'], 1)}s")
+        took = kill["time_to_replace_s"]
+        print(f"killed {kill['replica']} at {kill['t']:.0f}s; replaced by {kill['replaced_by']} after "
+              f"{'-' if took is None else f'{took:.1f}'}s")
+    end = report["pages_at_end"]
+    if end:
+        print(f"at the end: pages {end['replicas']}, in flight {end['in_flight']}, retried {end.get('retried')}")
     rss = report["rss"]
     print(f"RSS: max |slope| {rss['max_abs_slope_mb_per_min']} MB/min, max-min {rss['max_minus_min_mb']} MB "
           f"after {rss['warmup_s']:g}s warm-up")

@@ -14,6 +14,7 @@ from typing import Optional
 REPLICA_PREFIX = "SERVE_REPLICA::"  # Serve names each replica actor SERVE_REPLICA::<app>#<deployment>#<id>
 PAGES_USED, PAGES_TOTAL = "ray_diffkv_kv_pages_used", "ray_diffkv_kv_pages_total"
 IN_FLIGHT = "ray_diffkv_requests_in_flight"
+RETRIED = "ray_diffkv_requests_retried_total"
 
 # The service on a 2-core box: the embedded SmolLM2 (the service tests' default), diffkv cache, short answers.
 # The page pool is allocated untouched and the circular free list walks all of it, so a replica's RSS grows
@@ -160,6 +161,12 @@ def pages_by_replica(samples: list[tuple[str, dict, float]]) -> dict[str, dict[s
 def in_flight(samples: list[tuple[str, dict, float]]) -> Optional[float]:
     """Admitted requests not yet finished, summed over ingress replicas (None: not exported)."""
     vals = [v for n, _, v in samples if n == IN_FLIGHT]
+    return sum(vals) if vals else None
+
+
+def retried(samples: list[tuple[str, dict, float]]) -> Optional[float]:
+    """Admitted requests the ingress re-sent to another replica after theirs failed (None: not exported)."""
+    vals = [v for n, _, v in samples if n == RETRIED]
     return sum(vals) if vals else None
 
 

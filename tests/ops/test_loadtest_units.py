@@ -392,12 +392,15 @@ def test_soak_reads_the_page_gauges_per_replica():
             'ray_diffkv_kv_pages_total{replica="a",rank="1"} 100.0\n'
             'ray_diffkv_kv_pages_used{replica="b",rank="0"} 0.0\n'
             'ray_diffkv_kv_pages_total{replica="b",rank="0"} 50.0\n'
-            '# HELP ray_diffkv_requests_in_flight x\nray_diffkv_requests_in_flight{Component="x"} 4.0\n')
+            '# HELP ray_diffkv_requests_in_flight x\nray_diffkv_requests_in_flight{Component="x"} 4.0\n'
+            'ray_diffkv_requests_retried_total{endpoint="chat"} 2.0\n'
+            'ray_diffkv_requests_retried_total{endpoint="completions"} 1.0\n')
     samples = soak_cluster.parse_metrics(text)
     assert soak_cluster.pages_by_replica(samples) == {"a": {"used": 5.0, "total": 200.0},
                                                       "b": {"used": 0.0, "total": 50.0}}
     assert soak_cluster.in_flight(samples) == 4.0
     assert soak_cluster.in_flight(samples[:2]) is None
+    assert soak_cluster.retried(samples) == 3.0 and soak_cluster.retried(samples[:2]) is None
 
 
 def test_soak_report_json_round_trips_with_one_line_per_request(tmp_path):
