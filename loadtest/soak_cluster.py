@@ -19,7 +19,7 @@ RETRIED = "ray_diffkv_requests_retried_total"
 # The service on a 2-core box: the embedded SmolLM2 (the service tests' default), diffkv cache, short answers.
 # The page pool is allocated untouched and the circular free list walks all of it, so a replica's RSS grows
 # until every page has been used once (the default pool, 537 MB here, takes ~20 minutes at this load): a pool
-# of 8192 pages (68 MB, 6x the peak use) is walked within the warm-up, after which RSS growth means a leak.
+# of 8192 pages (68 MB, about 3x the peak use) is walked within the warm-up, after which RSS growth means a leak.
 DEFAULT_SERVICE = {
     "device": "cpu",
     "kv_mode": "diffkv",
