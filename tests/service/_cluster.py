@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from loadtest.soak_cluster import parse_metrics  # the one Prometheus text parser (the soak reads it too)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("DIFFKV_CACHE_DIR", os.path.expanduser("~/.cache/diffkv"))
@@ -87,20 +88,6 @@ def wait_for(pred, timeout: float, interval: float = 0.5, what: str = "condition
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict, float]]:
-    """Prometheus text format -> (series name, labels, value) per sample line."""
-    out = []
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-            out.append((m["name"], labels, float(m["value"])))
-    return out
 
 
 def values(samples, name, **labels):
