@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.memory import CacheShape, worst_case_pages  # noqa: E402
+from engine.kv.layout import CacheShape  # noqa: E402
+from engine.kv.policy import KVCache  # noqa: E402
+from engine.kv.reservation import worst_case_pages  # noqa: E402
 from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from engine.loader import LoadedCheckpoint, load_checkpoint
 from engine.model_settings import apply_model_settings
 from engine.parallel import check_tensor_parallel
 from engine.sampling_params import SamplingParams
-from engine.prefix_cache import PrefixCache
+from engine.kv.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, Status
 from engine.tokenizer import IncrementalDetokenizer
@@ -309,7 +309,7 @@ class LLMEngine:
 
     def token_classes(self, request_id: str) -> torch.Tensor:
         """Debug / evaluation: where each cached token position of a running request lives now, per (layer, KV
-        head): int8 [L, H, tokens] on the CPU, engine.kv_cache.KEPT_HIGH / KEPT_LOW / PRUNED (one device read;
+        head): int8 [L, H, tokens] on the CPU, engine.kv.policy.KEPT_HIGH / KEPT_LOW / PRUNED (one device read;
         local executor). With CacheConfig.record_pruning a finished request's kv_usage["token_classes"] holds
         the same at its finish."""
         seq = self.requests.get(request_id)
@@ -367,7 +367,7 @@ class LLMEngine:
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
-            "admission": self._admission_stats(),
+            "reservation": self._reservation_stats(),
             "num_generated_tokens": self._num_generated,
             **self._prefix_cache_stats(),
             "pages_total": sum(r["pages_total"] for r in ranks),
@@ -400,10 +400,10 @@ class LLMEngine:
         returns how many blocks went."""
         return self.scheduler.reset_prefix_cache()
 
-    def _admission_stats(self) -> dict[str, Any]:
-        """The admission rule, prefills redone because their pages did not fit, and the learned estimates."""
+    def _reservation_stats(self) -> dict[str, Any]:
+        """The prompt reservation rule, prefills redone because their pages did not fit, and the learned estimates."""
         sch = self.scheduler
-        out = {"mode": self.config.scheduler.admission, "overflows": sch.num_overflows}
+        out = {"mode": self.config.scheduler.reservation, "overflows": sch.num_overflows}
         if sch.footprint is not None:
             out.update(sch.footprint.summary())
         return out

@@ -12,8 +12,8 @@ from engine import key_centering
 from engine.attention import PagedAttention, StepMetadata
 from engine.config import EngineConfig
 from engine.host_copy import to_device
-from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
-from engine.memory import CacheShape, MemoryManager
+from engine.kv.layout import CacheShape, pages_for_bytes
+from engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
 from engine.model import CausalLM
 from engine.model_config import ModelArch
 from engine.model_settings import load_model_settings
@@ -46,9 +46,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Batch:
     is_prefill: bool
     seqs: list[Sequence]
-    # Set by a learned-admission prefill (engine.footprint): indices of sequences whose pages did not fit
+    # Set by a learned-reservation prefill (engine.kv.footprint): indices of sequences whose pages did not fit
     # (their tokens are placeholders; their pages stay held until the scheduler frees them), and the pages
-    # each sequence kept: on the busiest rank (admission) and summed over ranks (growth stats).
+    # each sequence kept: on the busiest rank (reservation) and summed over ranks (growth stats).
     overflowed: list[int] = field(default_factory=list)
     pages_kept: Optional[list[int]] = None
     pages_total: Optional[list[int]] = None
@@ -90,8 +90,8 @@ class ModelRunner:
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
                           pc.num_heads(arch))
         self.mm = self.kv.mm
-        # DiffKV under learned admission: prompts take their pages layer by layer, nothing reserved.
-        self.learned = self.kv.diffkv and config.scheduler.admission == "learned"
+        # DiffKV under learned reservation: prompts take their pages layer by layer, nothing reserved.
+        self.learned = self.kv.diffkv and config.scheduler.reservation == "learned"
         self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
         self.max_model_len = max_model_len
         self.num_prefill_tokens = 0  # prompt tokens prefills computed (prefix-cache hits are read, not computed)
@@ -153,7 +153,7 @@ class ModelRunner:
             nbytes = max(free - (1 - cc.gpu_memory_utilization) * total - act, 2**26)
         else:
             nbytes = 0.5 * 2**30
-        return MemoryManager.pages_for_bytes(shape, self.dtype, nbytes)
+        return pages_for_bytes(shape, self.dtype, nbytes)
 
     def _to_device(self, rows: list) -> list[torch.Tensor]:
         """Several int lists / numpy arrays in one host-to-device copy (int64)."""

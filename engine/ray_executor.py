@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed_pages import DistributedPages
+from engine.kv.distributed import DistributedPages
 from engine.errors import EngineDeadError
 from engine.executor import Executor
 from engine.loader import LoadedCheckpoint
@@ -87,7 +87,7 @@ class RayExecutor(Executor):
         self.dtype = infos[0]["dtype"]
         self.key_centering = infos[0]["key_centering"]  # every rank resolves the same mode
         self.mm = DistributedPages(infos, self._check_ranks)
-        self.learned = infos[0]["two_sided"] and config.scheduler.admission == "learned"  # ModelRunner.learned
+        self.learned = infos[0]["two_sided"] and config.scheduler.reservation == "learned"  # ModelRunner.learned
         log.info("%d tensor-parallel rank(s) on %s; pages per rank %s", n, self.devices, self.mm.pages_total)
 
     # ---- placement ---------------------------------------------------------------------------------

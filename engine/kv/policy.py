@@ -7,7 +7,7 @@ token lives (DiffKV paper §4-§5). Every mode uses the same pages and kernels:
 Prompt: each layer scores its tokens (attention from the last queries), classifies them (recent window
 and score >= alpha_high / i: high; >= alpha_low / i: low; else pruned) and writes them quantized into the
 all-high reservation (high pages from its left, low pages from its right); after the forward the unused
-pages are recycled in one batched operation. With learned admission (SchedulerConfig.admission) nothing is
+pages are recycled in one batched operation. With learned reservation (SchedulerConfig.reservation) nothing is
 reserved: each layer takes exactly its plan's pages, and flags a sequence they do not fit for (the scheduler
 retries it). Generation: before each step the token leaving the window
 is placed by Algorithm 1 (compression_plan); then each head gets at most one new page, the tokens move and
@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from engine.config import CacheConfig
-from engine.memory import CacheShape, MemoryManager
+from engine.kv.layout import CacheShape
+from engine.kv.pool import MemoryManager
 from engine.profiling import cost_range, costed
 from kernels.compression_plan import compression_plan
 from kernels.decode_pages import decode_pages
@@ -53,7 +54,7 @@ class PrefillInfo:
     alpha_low: torch.Tensor  # f32 [N]
     n_high: torch.Tensor  # int32 [B, L, H], filled layer by layer
     n_low: torch.Tensor
-    # Learned admission: no all-high reservation; each layer takes its pages, and a sequence they do not
+    # Learned reservation: no all-high reservation; each layer takes its pages, and a sequence they do not
     # fit for is flagged here (bool [B]) instead (MemoryManager.alloc_prompt_layer). None: reserved.
     overflow: Optional[torch.Tensor] = None
     max_new_pages: int = 0  # host bound on one head's pages in a layer (alloc_prompt_layer)
@@ -61,7 +62,7 @@ class PrefillInfo:
 
 @dataclass
 class CachedPrefix:
-    """A prefill batch that reads cached prompt blocks or (diffkv) writes new ones (engine.prefix_cache).
+    """A prefill batch that reads cached prompt blocks or (diffkv) writes new ones (engine.kv.prefix_cache).
 
     Keys are every prompt token of the batch, packed per sequence (cached prefix, then the computed
     suffix); queries only the computed ones. All on the device."""
