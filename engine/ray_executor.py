@@ -170,7 +170,7 @@ class RayExecutor(Executor):
         frees, forget = self.mm.take_pending(), self._take_forget()
         if batch.is_prefill:
             new = [NewSequence(s.request_id, s.slot, s.prompt_token_ids, list(s.output_token_ids), s.params,
-                               s.alpha_high, s.alpha_low, s.prefix_hits, s.prefix_inserts, s.prune_phase)
+                               s.kv_settings, s.prefix_hits, s.prefix_inserts)
                    for s in seqs]
             self._seeded.update(s.request_id for s in seqs if s.params.seed is not None)
             req = StepRequest(frees, forget, True, new=new)

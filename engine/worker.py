@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from engine.config import EngineConfig
+from engine.kv.request_settings import KVRequestSettings
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -52,11 +53,9 @@ class NewSequence:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     params: SamplingParams
-    alpha_high: Optional[float]
-    alpha_low: Optional[float]
+    kv_settings: Optional[KVRequestSettings]  # resolved by the driver (None: the cache config's)
     prefix_hits: list[int] = field(default_factory=list)  # cached blocks its prefill reads
     prefix_inserts: list[int] = field(default_factory=list)  # blocks its prefill caches
-    prune_phase: Optional[str] = None  # per-request CacheConfig.prune_phase (None: the engine's)
 
 
 @dataclass
@@ -172,7 +171,7 @@ class Worker:
 
         self._release(frees, forget, evict)
         seq = self._adopt(NewSequence("__logits__", slot, list(prompt_token_ids), [],
-                                      SamplingParams(temperature=0, max_tokens=1), None, None))
+                                      SamplingParams(temperature=0, max_tokens=1), None))
         try:
             self.runner.execute(Batch(True, [seq]), keep_logits=True, sample_tokens=False)
             return self.runner.last_logits[0].cpu() if self.rank == 0 else None
@@ -209,7 +208,7 @@ class Worker:
                 self.generators[n.request_id] = gen
         seq = Sequence(n.request_id, list(n.prompt_token_ids), n.params, None, generator=gen)
         seq.output_token_ids = list(n.output_token_ids)
-        seq.alpha_high, seq.alpha_low, seq.prune_phase = n.alpha_high, n.alpha_low, n.prune_phase
+        seq.kv_settings = n.kv_settings
         seq.prefix_hits, seq.prefix_inserts = list(n.prefix_hits), list(n.prefix_inserts)
         seq.slot = slot
         self.seqs[slot] = seq

@@ -1,4 +1,4 @@
-"""Prefix caching (engine/prefix_cache.py): the index alone (LRU order, refcounts, chain keys), greedy outputs
+"""Prefix caching (engine/kv/prefix_cache.py): the index alone (LRU order, refcounts, chain keys), greedy outputs
 equal with it on and off (fp16 and diffkv, a shared prefix read by one request while another demotes and
 prunes its own copy), a repeated 1,000-token prefix computed once, and a property test of shared-prefix
 requests, aborts, preemptions and evictions that checks every page and reference after each operation."""
