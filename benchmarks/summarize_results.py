@@ -35,6 +35,9 @@ MEASURED_ALTERNATIVES = {
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",
+    "prefix_routing_cpu.json": "prefix-cache hit rate and TTFT, KV-headroom vs prefix-aware router "
+                               "(loadtest/prefix_routing.py, docs/DESIGN.md)",
+    "soak_cpu.json": "soak near capacity with an engine replica killed midway, CPU (docs/SOAK.md)",
     "throughput_learned_admission_qwen2.5-1.5b_H100.json": "throughput_qwen.py with --reservation learned: diffkv's "
                                                             "batch did not grow (80.6), its second run preempted more",
     "key_centering_decode_cost_H100.json": "decode step with key centering off / on (the rotated k_proj bias), "

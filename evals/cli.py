@@ -121,6 +121,10 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                         "fp16's accuracy on the calib problems (evals/task_calibration.py); agreement: thresholds "
                         "by teacher-forced top-1 agreement (evals/calibrate.py)")
     p.add_argument("--tolerance-points", type=float, default=1.0, help="tasks: accuracy a point may lose vs fp16")
+    p.add_argument("--min-agreement", type=float, default=None,
+                   help="tasks: the chosen point's teacher-forced top-1 agreement floor (default 0.97; 0 turns it off)")
+    p.add_argument("--pairs", nargs="+", default=None, metavar="HIGH/LOW",
+                   help="tasks: precision pairs to sweep (default: K8V4/K4V2 K8V4/K4V4 K4V4/K4V2)")
     p.add_argument("--tolerance", type=float, default=0.01, help="agreement: top-1 agreement tolerance per stage")
     p.add_argument("--tasks", nargs="*", default=None, choices=TASKS,
                    help="calib-split tasks (default: gsm_symbolic by tasks; none, recorded only, by agreement)")
@@ -163,7 +167,11 @@ def cmd_calibrate(args) -> int:
         if args.criterion == "tasks":
             from evals.task_calibration import calibrate_on_tasks
 
-            result = calibrate_on_tasks(model, problems, prompts, refs, tolerance_points=args.tolerance_points)
+            from evals.task_calibration import MIN_AGREEMENT, calib_pairs
+
+            floor = MIN_AGREEMENT if args.min_agreement is None else (args.min_agreement or None)
+            result = calibrate_on_tasks(model, problems, prompts, refs, tolerance_points=args.tolerance_points,
+                                        pairs=calib_pairs(args.pairs), min_agreement=floor)
         else:
             result = calibrate(model, prompts, refs, problems, tolerance=args.tolerance)
         result.update({key_centering.SETTINGS_KEY: key_centering.to_settings(model.key_center),

@@ -17,7 +17,7 @@ SPLITS = ("eval", "calib", "fidelity")
 # Each (split, task) has its own generator seed. reasoning-gym seeds item i with seed + i, so the splits'
 # seeds lie far apart (overlapping ranges would repeat items); sizes are what the study draws from.
 SEEDS = {"eval": 1_000_000, "calib": 2_000_000, "fidelity": 3_000_000}
-SIZES = {"eval": {"gsm_symbolic": 600, "basic_arithmetic": 300, "chain_sum": 300},
+SIZES = {"eval": {"gsm_symbolic": 2500, "basic_arithmetic": 300, "chain_sum": 300},
          "calib": {"gsm_symbolic": 200, "basic_arithmetic": 100, "chain_sum": 100},
          "fidelity": {"gsm_symbolic": 128}}
 

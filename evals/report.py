@@ -253,6 +253,20 @@ def model_section(summary: dict, per_layer: list[dict] = ()) -> list[str]:
     return out
 
 
+def large_n_section(summary: dict, path: Path) -> list[str]:
+    """A task-only study of a few configurations on many more problems (`<model>/large_n/summary.json`): the
+    paired interval of the accuracy target needs thousands of problems to be narrower than the loss it tests."""
+    s, rows = summary["settings"], summary["configs"]
+    tasks = sorted({t for r in rows.values() for t in r.get("tasks", {})})
+    out = [f"### Task accuracy on {s['task_n']} problems per task (the target's test)", "",
+           f"`{path}` ({summary.get('gpu') or summary['device']}; the model's settings file, no calibration; the "
+           f"first {s['task_n']} problems of the eval split, which include the ones above). Command:", "",
+           "```bash", study_command(s), "```", ""]
+    for task in tasks:
+        out += task_table(rows, task) + [""] + target_text(rows, task) + [""]
+    return out
+
+
 def variants_section(fp16: dict, variants: list[dict]) -> list[str]:
     """DiffKV precision / threshold variants measured on the study's references and problems
     (scripts/device/diffkv_variants.py), each paired with the study's fp16 run."""
@@ -392,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = [json.loads(q.read_text()) for q in sorted(p.parent.glob("variants/*.json"))]
         if variants:
             lines += variants_section(json.loads((p.parent / "configs" / "fp16.json").read_text()), variants)
+        large = p.parent / "large_n" / "summary.json"
+        if large.is_file():
+            lines += large_n_section(json.loads(large.read_text()), large.relative_to(ROOT))
         pruning = p.parent / "pruning" / "summary.json"
         if pruning.is_file():
             lines += pruning_section(json.loads(pruning.read_text()), pruning.relative_to(ROOT))

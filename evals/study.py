@@ -32,7 +32,7 @@ from evals.memory import fp16_token_bytes, token_bytes
 from evals.problems import TASKS, load_problems
 from evals.runner import EvalModel
 from evals.stats import paired_diff
-from evals.task_calibration import calib_pairs, calibrate_on_tasks
+from evals.task_calibration import MIN_AGREEMENT, calib_pairs, calibrate_on_tasks
 
 SMOKE = dict(fidelity_n=2, gen_len=24, calib_n=2, calib_gen_len=24, task_n=3, calib_task_n=3,
              max_tokens={"gsm_symbolic": 24, "basic_arithmetic": 16, "chain_sum": 16})
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                          "teacher-forced top-1 agreement (evals.calibrate)")
     ap.add_argument("--tolerance-points", type=float, default=1.0,
                     help="calibration by tasks: accuracy a point may lose against fp16 (points)")
+    ap.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT,
+                    help="calibration by tasks: the chosen point's top-1 agreement floor (0 turns it off)")
     ap.add_argument("--tolerance", type=float, default=0.01, help="calibration by agreement: tolerance per stage")
     ap.add_argument("--no-calibrate", action="store_true", help="use the model's settings file instead")
     ap.add_argument("--write-settings", action="store_true", help="write the calibrated alphas to engine/model_settings")
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 calib = calibrate_on_tasks(model, calib_problems, cal, refs["calib"], max_tokens,
                                            tolerance_points=args.tolerance_points, pairs=calib_pairs(args.calib_pairs),
+                                           min_agreement=args.min_agreement or None,
                                            progress=out / "task_calibration_progress.json")
         else:
             # --resume re-picks from the recorded sweep points and measures only the missing ones.

@@ -21,6 +21,12 @@ from evals.stats import paired_diff
 from evals.tasks import score_tasks, task_requests
 
 PRECISION_PAIRS = (("K8V4", "K4V2"), ("K8V4", "K4V4"), ("K4V4", "K4V2"))
+# Pairs a sweep may name beside the default ones: 8-bit values in the high tier, for models too small to keep
+# top-1 agreement with 4-bit values (SmolLM2-135M: uniform K8V4 is at the 0.97 floor).
+MORE_PAIRS = (("K8V8", "K8V4"), ("K8V8", "K4V4"), ("K8V4", "K8V4"))
+# The fidelity floor of a chosen point: teacher-forced top-1 agreement with the fp16 cache on the calibration
+# generations. Task accuracy alone cannot see a model's tokens drift on tasks it fails anyway.
+MIN_AGREEMENT = 0.97
 ALPHA_HIGH_GRID = (0.5, 1.0, 2.0, 4.0)
 ALPHA_LOW_GRID = (0.0, 0.02)
 
@@ -29,16 +35,17 @@ def calib_pairs(names: list[str] | None) -> tuple[tuple[str, str], ...]:
     """Precision pairs named "HIGH/LOW" (e.g. K4V4/K4V2); None means every pair of PRECISION_PAIRS."""
     if not names:
         return PRECISION_PAIRS
-    known = {f"{h}/{l}": (h, l) for h, l in PRECISION_PAIRS}
+    known = {f"{h}/{l}": (h, l) for h, l in PRECISION_PAIRS + MORE_PAIRS}
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"calib_pairs: unknown precision pair(s) {bad}; choose from {sorted(known)}")
     return tuple(known[n] for n in names)
 
 
-CRITERION = ("the lowest KV memory (measured on the calib problems) among points whose gsm_symbolic accuracy on the "
-             "calib split is within {tol:g} points of the fp16 cache's (paired over the same problems); ties go to "
-             "the higher accuracy; if no point qualifies, the most accurate one")
+CRITERION = ("the lowest KV memory (measured on the calib problems) among points whose task accuracy on the "
+             "calib split is within {tol:g} points of the fp16 cache's (paired over the same problems) and whose "
+             "teacher-forced top-1 agreement is at least {floor}; ties go to the higher accuracy; if no point "
+             "qualifies, the most accurate one")
 
 
 def _accuracy(task_result: dict) -> tuple[float, list[int]]:
@@ -93,17 +100,23 @@ def _summarize(point: dict, fp16_correct: list[int]) -> dict:
     return out
 
 
-def pick(points: list[dict], tolerance_points: float) -> tuple[dict, bool]:
-    """The chosen point and whether it met the tolerance (see CRITERION)."""
-    ok = [p for p in points if p["diff_vs_fp16_points"] >= -tolerance_points]
+def pick(points: list[dict], tolerance_points: float, min_agreement: float | None = None) -> tuple[dict, bool]:
+    """The chosen point and whether it met the tolerance and the agreement floor (see CRITERION). A point
+    without a fidelity measurement passes the floor only when there is no floor."""
+    def agrees(p: dict) -> bool:
+        return min_agreement is None or p.get("fidelity", {}).get("top1_agreement", -1.0) >= min_agreement
+
+    ok = [p for p in points if p["diff_vs_fp16_points"] >= -tolerance_points and agrees(p)]
     if ok:
         return min(ok, key=lambda p: (round(p["memory_fraction"], 4), -p["accuracy"])), True
-    return max(points, key=lambda p: (p["accuracy"], -p["memory_fraction"])), False
+    return max(points, key=lambda p: (p["accuracy"], p.get("fidelity", {}).get("top1_agreement", 0.0),
+                                      -p["memory_fraction"])), False
 
 
 def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | None = None,
                        tolerance_points: float = 1.0, pairs=PRECISION_PAIRS, alpha_high_grid=ALPHA_HIGH_GRID,
-                       alpha_low_grid=ALPHA_LOW_GRID, progress: Path | None = None) -> dict:
+                       alpha_low_grid=ALPHA_LOW_GRID, progress: Path | None = None,
+                       min_agreement: float | None = MIN_AGREEMENT) -> dict:
     """The settings-file fields (model, high, low, alpha_high, alpha_low, calibration) of the chosen point.
     `progress`: a JSON file where the fp16 reference and each finished precision pair are kept, so a run cut
     off by a time limit resumes at the next pair (the whole sweep takes ~10 GPU minutes at 200 problems)."""
@@ -112,6 +125,10 @@ def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | 
         raise ValueError("calibrate_on_tasks: needs calibration problems (the calib split)")
     if tolerance_points < 0:
         raise ValueError(f"tolerance_points={tolerance_points}: must be >= 0")
+    if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:
+        raise ValueError(f"min_agreement={min_agreement}: must be in [0, 1] (or None: no floor)")
+    if min_agreement is not None and not refs:
+        raise ValueError("min_agreement needs fidelity generations (prompts and refs) to measure agreement on")
     t0 = time.perf_counter()
     max_tokens = {**DEFAULT_MAX_TOKENS, **(max_tokens or {})}
     grid = [(ah, al) for ah in alpha_high_grid for al in alpha_low_grid if al <= ah]
@@ -138,13 +155,14 @@ def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | 
                                    _pair_points(model, high, low, grid, problems, prompts, refs, max_tokens)]
             save()
         points += state["pairs"][key]
-    chosen, within = pick(points, tolerance_points)
+    chosen, within = pick(points, tolerance_points, min_agreement)
     return {
         "model": model.name, "high": chosen["high"], "low": chosen["low"],
         "alpha_high": chosen["alpha_high"], "alpha_low": chosen["alpha_low"],
         "calibration": {
-            "split": "calib", "criterion": CRITERION.format(tol=tolerance_points), "by": "task accuracy",
-            "tolerance_points": tolerance_points, "within_tolerance": within,
+            "split": "calib", "criterion": CRITERION.format(tol=tolerance_points, floor=min_agreement),
+            "by": "task accuracy", "tolerance_points": tolerance_points, "min_agreement": min_agreement,
+            "within_tolerance": within,
             "problems": len(problems), "tasks": sorted(fp16), "fp16_accuracy": fp16_acc,
             "fidelity_generations": len(refs), "gen_tokens": len(refs[0]) if refs else 0,
             "chosen": chosen, "points": points, "seconds": time.perf_counter() - t0,

@@ -134,8 +134,11 @@ def panels() -> list[dict]:
         panel("Request rate by endpoint", [
             {"expr": f"sum by (endpoint) (rate({admitted}[{RATE}]))", "legendFormat": "admitted {{endpoint}}"},
             {"expr": f"sum by (endpoint, reason) (rate({finished}[{RATE}]))",
-             "legendFormat": "finished {{endpoint}} ({{reason}})"}], unit="reqps",
-              desc="Admitted requests and how admitted requests ended (stop, length, abort, error)."),
+             "legendFormat": "finished {{endpoint}} ({{reason}})"},
+            {"expr": f"sum by (endpoint) (rate({s('diffkv_requests_retried_total')}[{RATE}]))",
+             "legendFormat": "re-sent {{endpoint}}"}], unit="reqps",
+              desc="Admitted requests, how admitted requests ended (stop, length, abort, error), and re-sends "
+                   "to another replica after theirs failed before any output (a replica or node lost)."),
         panel("Admitted vs rejected", [
             {"expr": f"sum(rate({admitted}[{RATE}]))", "legendFormat": "admitted"},
             {"expr": f"sum by (reason) (rate({rejected}[{RATE}]))", "legendFormat": "rejected: {{reason}}"}],

@@ -7,7 +7,10 @@ For each overlay, `kubectl kustomize` renders the objects, then:
   * serveConfigV2 is parsed as a Serve config (Ray's ServeDeploySchema, unknown keys rejected) and every
     application of service.app:build_app gets its `args` validated by the service's own ServiceConfig;
   * cross-references: the GPUs of a worker pod hold a tensor-parallel engine, the PodMonitor selects the Ray
-    pods and names a port they expose, Ray's metrics export port is that port.
+    pods and names a port they expose, Ray's metrics export port is that port;
+  * node failure (docs/RELIABILITY.md): at least two engine replicas on at least two worker pods, one per pod,
+    the ingress on a group that offers its resources, re-sends on (retry.max_retries >= 1), and every Ray
+    container has a readiness and a liveness probe.
 
     python3 k8s/validate.py                 # every overlay under k8s/overlays, plus k8s/base
     python3 k8s/validate.py k8s/overlays/gpu
@@ -222,12 +225,86 @@ def check_rayservice(rs: dict, objs: list[dict]) -> list[str]:
                 errors.append(f"{app_where}.args: device={svc.device!r}, tensor_parallel_size="
                               f"{svc.tensor_parallel_size} needs a worker pod with that many nvidia.com/gpu "
                               f"(largest: {max(gpus) if gpus else 0:g}); the ranks of a replica pack on one node")
+        errors += check_node_failure(svc, cluster, app_where)
     for g in workers:
         lo, n, hi = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas", 2 ** 31 - 1)
         if not lo <= n <= hi:
             errors.append(f"{where} workerGroupSpecs({g.get('groupName')}): minReplicas <= replicas <= "
                           f"maxReplicas does not hold ({lo}, {n}, {hi})")
-    errors += _check_metrics_ports(rs, objs)
+    errors += _check_metrics_ports(rs, objs) + check_probes(rs)
+    return errors
+
+
+def offered_resources(group: dict) -> dict[str, float]:
+    """What a group's pods offer Ray: GPUs (from the container limits) and the custom resources of
+    rayStartParams.resources (a JSON object written as a quoted string, as KubeRay passes it to `ray start`)."""
+    out: dict[str, float] = {}
+    text = str((group.get("rayStartParams") or {}).get("resources", "")).strip()
+    if text:
+        if len(text) >= 2 and text[0] == text[-1] == '"':
+            text = text[1:-1].replace('\\"', '"')
+        try:
+            out.update({k: float(v) for k, v in json.loads(text).items()})
+        except (ValueError, AttributeError) as e:
+            raise ManifestError(f"rayStartParams.resources {text!r} is not a JSON object of numbers: {e}") from None
+    gpus = sum(_quantity(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu"))
+               for c in group.get("template", {}).get("spec", {}).get("containers", []))
+    if gpus:
+        out["GPU"] = gpus
+    return out
+
+
+def check_node_failure(svc, cluster: dict, where: str) -> list[str]:
+    """A worker pod's loss must cost one engine replica, not the service: >= 2 replicas, one per pod, on
+    >= 2 pods; the ingress's resources offered (on the head, it outlives any worker); re-sends on."""
+    errors = []
+    groups = [("headGroupSpec", cluster.get("headGroupSpec", {}), 1)]
+    groups += [(f"workerGroupSpecs({g.get('groupName')})", g, g.get("minReplicas", g.get("replicas", 0)))
+               for g in cluster.get("workerGroupSpecs") or []]
+    tp = svc.tensor_parallel_size
+    need = {k: v * tp for k, v in svc.rank_resources.items()}
+    if svc.device.startswith("cuda"):
+        need["GPU"] = float(tp)
+    replicas = svc.autoscaling.get("min_replicas", 1) if svc.autoscaling else svc.num_replicas  # Serve's default
+    if replicas < 2:
+        errors.append(f"{where}.args: {replicas} engine replica(s): a worker pod's loss would leave none; "
+                      f"use num_replicas (or autoscaling min_replicas) >= 2")
+    if not need:
+        errors.append(f"{where}.args: engine replicas need no GPU and no rank_resources, so nothing keeps them one "
+                      f"per worker pod (or off the head); set rank_resources offered by the worker group")
+    hosting_pods = 0
+    try:
+        for gwhere, group, pods in groups:
+            offered = offered_resources(group)
+            per_pod = min((int(offered.get(k, 0) // v) for k, v in need.items()), default=0)
+            if per_pod > 1:
+                errors.append(f"{where}.args: a {gwhere} pod offers {offered}, room for {per_pod} engine replicas "
+                              f"(each needs {need}): one pod's loss would take them all; offer one replica's worth")
+            if per_pod >= 1:
+                hosting_pods += pods
+        if need and hosting_pods < max(2, replicas):
+            errors.append(f"{where}.args: {replicas} engine replicas (each needs {need}) have {hosting_pods} worker "
+                          f"pod(s) to run on; need >= 2 pods and one per replica")
+        for k in svc.ingress_resources:
+            if not any(k in offered_resources(g) for _, g, _ in groups):
+                errors.append(f"{where}.args.ingress_resources: no group offers {k!r} in rayStartParams.resources; "
+                              f"the ingress could not be placed")
+    except ManifestError as e:
+        errors.append(f"{where}: {e}")
+    if svc.retry.max_retries < 1:
+        errors.append(f"{where}.args.retry.max_retries is 0: requests a lost replica had queued would fail "
+                      f"instead of being re-sent")
+    return errors
+
+
+def check_probes(rs: dict) -> list[str]:
+    """Every Ray container says when it is ready (Service endpoints) and when it must be restarted."""
+    errors = []
+    for where, template in pod_templates(rs):
+        for c in template.get("spec", {}).get("containers", []):
+            for probe in ("readinessProbe", "livenessProbe"):
+                if probe not in c:
+                    errors.append(f"{_name(rs)} {where} container {c.get('name')!r}: no {probe}")
     return errors
 
 

@@ -3,9 +3,11 @@
 Per request: validate (pydantic models in service.protocol; every failure is a 400 OpenAI error body),
 check the model and the token budget, ask admission control (429 + Retry-After when the predicted TTFT is
 over target), then stream from an engine replica through Serve's handle (our KV-headroom router picks it).
-The first item from the replica decides the status code (400 / 503 arrive before any token); later
-failures end an SSE stream with an error event. A client that goes away cancels the replica call, which
-aborts the request in the engine and frees its pages. Every admitted request ends in release().
+The first item from the replica decides the status code (400 / 503 arrive before any token); a replica
+that fails before that item is replaced by another (retry.max_retries re-sends: nothing reached the client
+yet); later failures end an SSE stream with an error event, a non-streaming request with a 503. A client
+that goes away cancels the replica call, which aborts the request in the engine and frees its pages. Every
+admitted request ends in release().
 (No `from __future__ import annotations`: Serve's class-based FastAPI views need the real annotations.)
 """
 import asyncio
@@ -138,13 +140,33 @@ class _Stream:
     def __init__(self, ingress: "OpenAIIngress", req: dict, endpoint: str, t0: float):
         self.ingress, self.req, self.endpoint, self.t0 = ingress, req, endpoint, t0
         self.rid = "chatcmpl-" + req["request_id"][4:] if endpoint == "chat" else "cmpl-" + req["request_id"][4:]
-        self.gen = ingress.engine.options(stream=True).generate.remote(req)
+        self.attempts = 0  # re-sends to another replica after a failure before any output
+        self.gen = self._call()
         self.t_first: Optional[float] = None
         self.t_last: Optional[float] = None  # when the latest tokens arrived
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
         self.failed = False  # ended by an error (400 / 503 from the replica)
         self._closed = False
+
+    def _call(self):
+        """Send the request to an engine replica (the router picks it). A re-send gets its own engine id: the
+        first replica may still hold the original (a dead engine keeps its requests until it is replaced)."""
+        req = self.req
+        if self.attempts:
+            req = {**req, "request_id": f"{req['request_id']}-r{self.attempts}"}
+        return self.ingress.engine.options(stream=True).generate.remote(req)
+
+    async def _resend(self, cause: APIError) -> None:
+        retry = self.ingress.cfg.retry
+        self.attempts += 1
+        self.failed = False
+        log.warning("request %s: its engine replica failed before any output (%s); re-sending it (%d of %d)",
+                    self.req["request_id"], cause.message, self.attempts, retry.max_retries)
+        self.ingress.metrics.inc("diffkv_requests_retried_total", endpoint=self.endpoint)
+        self.gen.cancel()  # no-op on a call that already failed; ends one a live replica still runs
+        await asyncio.sleep(retry.backoff_s)  # lets the router drop the lost replica before it picks again
+        self.gen = self._call()
 
     async def _next(self) -> Optional[dict]:
         try:
@@ -191,16 +213,23 @@ class _Stream:
         self.t_last = now
 
     async def first(self) -> dict:
-        try:
-            item = await self._next()
-        except APIError as e:
-            reason = {400: "invalid", 503: "engine_dead"}.get(e.status, "error")
-            self.ingress.metrics.inc("diffkv_requests_rejected_total", endpoint=self.endpoint, reason=reason)
-            raise
-        if item is None:
-            raise APIError(503, "the engine replica ended the request without output", "service_unavailable",
-                           retry_after=RETRY_AFTER_DEAD_S)
-        return item
+        """The replica's first item. Until it arrives nothing has reached the client, so a replica that fails
+        (503: actor or node lost, engine dead) is replaced by another one, up to retry.max_retries times."""
+        while True:
+            try:
+                item = await self._next()
+                if item is None:
+                    self.failed = True
+                    raise APIError(503, "the engine replica ended the request without output",
+                                   "service_unavailable", retry_after=RETRY_AFTER_DEAD_S)
+                return item
+            except APIError as e:
+                if e.status == 503 and self.attempts < self.ingress.cfg.retry.max_retries:
+                    await self._resend(e)
+                    continue
+                reason = {400: "invalid", 503: "engine_dead"}.get(e.status, "error")
+                self.ingress.metrics.inc("diffkv_requests_rejected_total", endpoint=self.endpoint, reason=reason)
+                raise
 
     async def rest(self) -> AsyncIterator[dict]:
         if self.finish_reason is not None:

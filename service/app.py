@@ -46,28 +46,47 @@ def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
     else:
         opts["num_replicas"] = cfg.num_replicas
     if cfg.uses_worker_actors():
-        # Bundle 0 holds the replica (scheduler, tokenizer, no model); bundles 1..N one worker each, packed on
-        # one node so the ranks' all-reduce stays local. The engine puts its workers in this placement group.
+        # Bundle 0 holds the replica (scheduler, tokenizer, no model); bundles 1..N one worker each, all on one
+        # node (STRICT_PACK: PACK would split them when no node has room for all, and the ranks' all-reduce
+        # would cross the network; then the replica waits for a node with room instead). The engine puts its
+        # workers in this placement group.
         worker = {"GPU": 1.0, "CPU": cfg.worker_cpus} if gpu else {"CPU": cfg.worker_cpus}
+        worker.update(cfg.rank_resources)
         opts["placement_group_bundles"] = [{"CPU": cfg.replica_cpus}] + [dict(worker)
                                                                           for _ in range(cfg.tensor_parallel_size)]
-        opts["placement_group_strategy"] = "PACK"
+        opts["placement_group_strategy"] = "STRICT_PACK"
         opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus}
     else:
         opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus, "num_gpus": 1 if gpu else 0}
-    if cfg.router.policy == "kv_headroom":
-        from service.router import KVHeadroomRouter
+        if cfg.rank_resources:
+            opts["ray_actor_options"]["resources"] = dict(cfg.rank_resources)
+    router_class, router_kwargs = _request_router(cfg)
+    if router_class is not None:
+        from ray.serve.config import RequestRouterConfig
 
-        if KVHeadroomRouter is None:  # pragma: no cover - Ray without the request-router extension point
-            log.warning("this Ray has no RequestRouter extension point; using Serve's default router")
-        else:
-            from ray.serve.config import RequestRouterConfig
-
-            opts["request_router_config"] = RequestRouterConfig(
-                request_router_class=KVHeadroomRouter,
-                request_routing_stats_period_s=cfg.router.stats_period_s,
-                request_routing_stats_timeout_s=max(5.0, 5 * cfg.router.stats_period_s))
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=router_class, request_router_kwargs=router_kwargs,
+            request_routing_stats_period_s=cfg.router.stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 5 * cfg.router.stats_period_s))
     return opts
+
+
+def _request_router(cfg: ServiceConfig) -> tuple[Any, dict[str, Any]]:
+    """The RequestRouter class of router.policy and its initialize_state kwargs; None: Serve's default."""
+    if cfg.router.policy == "pow2":
+        return None, {}
+    if cfg.router.policy == "prefix":
+        from service.prefix_router import PrefixAwareRouter as router_class
+
+        kwargs = cfg.router.prefix.model_dump()
+    else:
+        from service.router import KVHeadroomRouter as router_class
+
+        kwargs = {}
+    if router_class is None:  # pragma: no cover - Ray without the request-router extension point
+        log.warning("this Ray has no RequestRouter extension point; using Serve's default router")
+        return None, {}
+    return router_class, kwargs
 
 
 def build_app(args: ServiceConfig) -> Application:
@@ -80,4 +99,11 @@ def build_app(args: ServiceConfig) -> Application:
         # Every request reaches the ingress at once, so admission control sees the real arrivals (Serve's
         # default of 5 would queue them in the proxy, invisibly).
         max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(engine, payload)
+        ray_actor_options=ingress_actor_options(cfg)).bind(engine, payload)
+
+
+def ingress_actor_options(cfg: ServiceConfig) -> dict[str, Any]:
+    opts: dict[str, Any] = {"num_cpus": cfg.ingress_cpus}
+    if cfg.ingress_resources:
+        opts["resources"] = dict(cfg.ingress_resources)
+    return opts

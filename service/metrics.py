@@ -126,6 +126,9 @@ SPECS: tuple[MetricSpec, ...] = (
                                                             "engine_dead (503), error (other failures before the "
                                                             "first token).", (ENDPOINT, REASON),
                label_values=((REASON, REJECT_REASONS),)),
+    MetricSpec("diffkv_requests_retried_total", "counter", "Re-sends of admitted requests to another engine "
+                                                           "replica after theirs failed before any output "
+                                                           "(replica or node lost).", (ENDPOINT,)),
     MetricSpec("diffkv_requests_finished_total", "counter", "Admitted requests that completed, by finish reason "
                                                             "(stop, length, abort, error).", (ENDPOINT, REASON),
                label_values=((REASON, FINISH_REASONS),)),

@@ -232,7 +232,18 @@ class EngineReplica:
         return {"pages_total": st.get("pages_total", 0), "pages_used": st.get("pages_used", 0),
                 "num_running": st.get("num_running", 0), "num_waiting": st.get("num_waiting", 0),
                 "max_num_seqs": self.engine.config.scheduler.max_num_seqs, "in_flight": self.in_flight,
-                "pages_per_request": load.pages_per_request, "dead": self._dead is not None}
+                "pages_per_request": load.pages_per_request, "dead": self._dead is not None,
+                # service.prefix_router follows prefixes only to replicas that cache them
+                "prefix_caching": self.engine.config.cache.prefix_caching(),
+                "pages_evictable": self._evictable_pages(),
+                "kv_mode": self.engine.config.cache.kv_mode}
+
+    def _evictable_pages(self) -> int:
+        """Pages of cached prefix blocks no request reads: free as soon as a prompt needs them."""
+        pc = getattr(self.engine.scheduler, "prefix_cache", None)
+        if pc is None:
+            return 0
+        return pc.num_evictable * self.engine.arch.num_layers * self.engine.arch.num_kv_heads
 
     async def stats(self) -> dict:
         """Engine stats plus this replica's measured load (tests and debugging)."""

@@ -4,7 +4,8 @@
 autoscaling; we only rank the candidates. Each engine replica publishes its KV pages and queue through
 `record_routing_stats()` (every router.stats_period_s); Serve's queue-length cache adds the requests sent
 since. A replica's headroom is the smaller of its free page fraction (after the pages its queued requests
-will take) and its free batch slot fraction; candidates go best first, one per rank, so Serve tries the
+will take; pages of cached prefix blocks nobody reads count as free, they are evicted on demand) and its free
+batch slot fraction; candidates go best first, one per rank, so Serve tries the
 replica with the most headroom and falls back in order (it still skips replicas at max_ongoing_requests).
 """
 from __future__ import annotations
@@ -34,7 +35,9 @@ def headroom(stats: Optional[dict], queue_len: Optional[int]) -> float:
     per_request = float(stats.get("pages_per_request") or 0.0)
     # Requests that are queued (or just sent) hold no pages yet; they will take about per_request each.
     pending = max(0, queued - running) * per_request
-    page_room = 1.0 - (int(stats.get("pages_used") or 0) + pending) / total
+    # pages of cached prefix blocks nobody reads are evicted on demand: free for this purpose
+    used = int(stats.get("pages_used") or 0) - int(stats.get("pages_evictable") or 0)
+    page_room = 1.0 - (max(0, used) + pending) / total
     return min(page_room, slot_room)
 
 

@@ -24,6 +24,18 @@ def test_pick_lowest_memory_within_tolerance():
     assert not within and chosen["name"] == "b"  # nothing within: the most accurate
 
 
+def test_pick_keeps_the_agreement_floor():
+    """A point within the accuracy tolerance whose tokens drift from fp16 (top-1 below the floor) is not chosen:
+    task accuracy cannot see drift on tasks the model fails anyway."""
+    drift = {**_point(0.25, 0.0, 0.03, "drifts"), "fidelity": {"top1_agreement": 0.95}}
+    keeps = {**_point(0.40, 0.0, 0.03, "keeps"), "fidelity": {"top1_agreement": 0.975}}
+    assert tc.pick([drift, keeps], 1.0, min_agreement=0.97) == (keeps, True)
+    assert tc.pick([drift, keeps], 1.0, min_agreement=None) == (drift, True)
+    # Nothing meets the floor: the most accurate point, then the one that agrees most.
+    chosen, within = tc.pick([drift, {**keeps, "fidelity": {"top1_agreement": 0.96}}], 1.0, min_agreement=0.97)
+    assert not within and chosen["name"] == "keeps"
+
+
 def test_calibrate_on_tasks_end_to_end(tmp_path):
     """Every precision pair x threshold point is measured on the same problems as fp16, paired, with fidelity
     beside it; the settings-file fields name the chosen precisions and thresholds."""
@@ -35,7 +47,7 @@ def test_calibrate_on_tasks_end_to_end(tmp_path):
     refs = [[20 + i for i in range(6)], [40 + i for i in range(6)]]
     pairs = (("K8V4", "K4V2"), ("K4V4", "K4V2"))
     kw = dict(tolerance_points=1.0, alpha_high_grid=(1.0, 4.0), alpha_low_grid=(0.0, 0.5),
-              progress=tmp_path / "progress.json")
+              progress=tmp_path / "progress.json", min_agreement=0.5)
     # A run cut off after its first pair resumes at the second: the first pair's points are read back.
     first = tc.calibrate_on_tasks(model, problems, prompts, refs, {"chain_sum": 4}, pairs=pairs[:1], **kw)
     r = tc.calibrate_on_tasks(model, problems, prompts, refs, {"chain_sum": 4}, pairs=pairs, **kw)
@@ -50,14 +62,19 @@ def test_calibrate_on_tasks_end_to_end(tmp_path):
     chosen = c["chosen"]
     assert (r["high"], r["low"], r["alpha_high"], r["alpha_low"]) == (
         chosen["high"], chosen["low"], chosen["alpha_high"], chosen["alpha_low"])
-    assert chosen == tc.pick(c["points"], 1.0)[0]
+    assert chosen == tc.pick(c["points"], 1.0, 0.5)[0] and c["min_agreement"] == 0.5
     with pytest.raises(ValueError, match="tolerance_points"):
         tc.calibrate_on_tasks(model, problems, tolerance_points=-1)
+    with pytest.raises(ValueError, match="min_agreement"):
+        tc.calibrate_on_tasks(model, problems, min_agreement=1.5)
+    with pytest.raises(ValueError, match="min_agreement needs fidelity"):
+        tc.calibrate_on_tasks(model, problems, min_agreement=0.97)
 
 
 def test_calib_pairs_by_name():
     from evals.task_calibration import PRECISION_PAIRS, calib_pairs
     assert calib_pairs(None) == PRECISION_PAIRS
     assert calib_pairs(["K4V4/K4V2", "K8V4/K4V2"]) == (("K4V4", "K4V2"), ("K8V4", "K4V2"))
+    assert calib_pairs(["K8V8/K8V4"]) == (("K8V8", "K8V4"),)  # named beyond the default sweep
     with pytest.raises(ValueError, match="calib_pairs"):
         calib_pairs(["K2V2/K4V4"])

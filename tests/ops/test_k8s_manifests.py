@@ -32,7 +32,13 @@ def test_base_and_overlays_validate():
     (rs,) = _by_kind(demo, "RayService")
     cfg = ServiceConfig.model_validate(_serve_args(rs))
     assert cfg.device == "cpu" and cfg.model is None and cfg.kv_mode == "diffkv"  # the embedded model
-    assert "workerGroupSpecs" not in rs["spec"]["rayClusterConfig"]
+    # node failure: two CPU worker pods, one engine replica each; the ingress on the head; re-sends on
+    (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["groupName"] == "cpu" and group["minReplicas"] == group["replicas"] == 2
+    assert validate.offered_resources(group) == {"diffkv_engine": 1.0} and cfg.rank_resources == {"diffkv_engine": 1}
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert set(cfg.ingress_resources) <= set(validate.offered_resources(head))
+    assert cfg.num_replicas == 2 and cfg.retry.max_retries >= 1
     assert "nvidia.com/gpu" not in yaml.safe_dump(rs)
     assert len(_by_kind(demo, "PodMonitor")) == 1
 
@@ -41,6 +47,9 @@ def test_base_and_overlays_validate():
     cfg = ServiceConfig.model_validate(_serve_args(rs))
     assert cfg.tensor_parallel_size == 2 and cfg.device == "cuda" and cfg.model.startswith("/models/")
     (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["minReplicas"] == 2 and cfg.num_replicas == 2 and cfg.retry.max_retries >= 1
+    for _, template in validate.pod_templates(rs):
+        assert all("readinessProbe" in c and "livenessProbe" in c for c in template["spec"]["containers"])
     container = group["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
@@ -74,8 +83,22 @@ BROKEN = [
                  ["tensor_parallel_size=2", "nvidia.com/gpu"], id="tp-without-gpus"),
     pytest.param("base/rayservice.yaml", "  upgradeStrategy:", "  upgradeStrategey:", "cpu-demo",
                  ["rayservice.schema.json", "upgradeStrategey"], id="rayservice-field"),
-    pytest.param("base/rayservice.yaml", 'num-cpus: "0"', "num-cpus: 0", "gpu",
+    pytest.param("base/rayservice.yaml", 'num-cpus: "1"', "num-cpus: 1", "gpu",
                  ["rayservice.schema.json", "rayStartParams"], id="raystartparams-not-string"),
+    # node failure: one replica left, replicas sharing a pod, one pod, no re-sends, no probe, no ingress host
+    pytest.param("overlays/gpu/rayservice-patch.yaml", "num_replicas: 2", "num_replicas: 1", "gpu",
+                 ["1 engine replica(s)", "num_replicas"], id="single-replica"),
+    pytest.param("overlays/cpu-demo/rayservice-patch.yaml", '{\\"diffkv_engine\\": 1}', '{\\"diffkv_engine\\": 2}',
+                 "cpu-demo", ["room for 2 engine replicas", "workerGroupSpecs(cpu)"], id="replicas-share-a-pod"),
+    pytest.param("overlays/gpu/rayservice-patch.yaml", "workerGroupSpecs/0/minReplicas\n  value: 2",
+                 "workerGroupSpecs/0/minReplicas\n  value: 1", "gpu", ["1 worker pod(s)"], id="one-worker-pod"),
+    pytest.param("overlays/cpu-demo/rayservice-patch.yaml", "max_retries: 1", "max_retries: 0", "cpu-demo",
+                 ["retry.max_retries is 0"], id="no-retry"),
+    pytest.param("overlays/gpu/rayservice-patch.yaml", "ingress_resources: {diffkv_ingress: 1}",
+                 "ingress_resources: {diffkv_ingres: 1}", "gpu", ["ingress_resources", "diffkv_ingres"],
+                 id="ingress-resource-not-offered"),
+    pytest.param("base/rayservice.yaml", "                readinessProbe:", "                startupProbe:", "gpu",
+                 ["workerGroupSpecs[0](gpu)", "no readinessProbe"], id="worker-probe-missing"),
     pytest.param("base/rayservice.yaml", "- name: dashboard", "- nam: dashboard", "cpu-demo",
                  ["headGroupSpec.template", "'nam'"], id="pod-template-field"),
     pytest.param("base/rayservice.yaml", "terminationGracePeriodSeconds: 60", "terminationGracePeriodSeconds: 1m",

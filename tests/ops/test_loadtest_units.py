@@ -3,6 +3,7 @@
 import asyncio
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -252,3 +253,177 @@ def test_run_warms_up_writes_after_each_rate_and_skips_rates_past_the_budget(tmp
         assert r["completed"] == 2 and r["output_tokens"] == 8 and r["per_token_latency"]["count"] == 2
     finally:
         server.close()
+
+
+# ---- the soak test's pieces ------------------------------------------------------------------------------------
+soak_requests = load("loadtest/soak_requests.py", "soak_requests")
+soak_report = load("loadtest/soak_report.py", "soak_report")
+soak_cluster = load("loadtest/soak_cluster.py", "soak_cluster")
+soak = load("loadtest/soak.py", "soak")
+
+_ERR = {"error": {"message": "over capacity", "type": "rate_limit_error", "param": None, "code": "queue_delay"}}
+_CHUNK = '{"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":%s}]}'
+
+
+def _ex(kind="stream", **kw):
+    return soak_requests.Exchange(kind, **kw)
+
+
+@pytest.mark.parametrize("ex,outcome", [
+    (_ex(status=200, events=[_CHUNK % "null", _CHUNK % '"length"', "[DONE]"]), "completed"),
+    (_ex("plain", status=200, body=json.dumps({"id": "c", "choices": [{"finish_reason": "stop"}],
+                                               "usage": {}}).encode()), "completed"),
+    (_ex(status=429, body=json.dumps(_ERR).encode()), "rejected"),
+    (_ex(status=503, body=json.dumps(_ERR).encode()), "unavailable"),
+    (_ex("bad", status=400, body=json.dumps(_ERR).encode()), "invalid"),
+    (_ex(status=200, events=[_CHUNK % "null", json.dumps(_ERR)]), "stream_error"),
+    (_ex("disconnect", status=200, events=[_CHUNK % "null"], closed_by_client=True), "disconnected"),
+    (_ex("abort", closed_by_client=True), "disconnected"),
+    # lost: each way a request can vanish without a clean answer
+    (_ex(status=200, events=[_CHUNK % "null"]), "lost"),                               # cut off, no error event
+    (_ex(status=200, events=[_CHUNK % "null"], transport_error="RemoteProtocolError: peer closed"), "lost"),
+    (_ex(status=500, body=json.dumps(_ERR).encode()), "lost"),                         # a 500 is never clean
+    (_ex(status=503, body=b"Service Unavailable"), "lost"),                            # no OpenAI error body
+    (_ex(status=429, body=json.dumps({"error": {"message": "x"}}).encode()), "lost"),  # an incomplete one
+    (_ex(timed_out=True, status=200, events=[_CHUNK % "null"]), "lost"),               # hung
+    (_ex(transport_error="ConnectError: refused"), "lost"),                            # no response at all
+    (_ex(status=200, events=["[DONE]"]), "lost"),                                      # [DONE] without a finish
+    (_ex(status=200, events=[json.dumps({"error": {"message": "m"}})]), "lost"),      # error event not OpenAI's
+    (_ex(status=200, events=[_CHUNK % '"stop"', "[DONE]", _CHUNK % "null"]), "lost"),  # events after [DONE]
+    (_ex("plain", status=200, body=b'{"choices": []}'), "lost"),
+])
+def test_soak_judges_every_way_a_request_ends(ex, outcome):
+    assert soak_requests.judge(ex).outcome == outcome
+
+
+def test_soak_mix_parses_and_refuses_bad_input():
+    mix = soak_requests.parse_mix("stream=2, bad=1, disconnect=1")
+    assert mix == {"stream": 0.5, "plain": 0.0, "disconnect": 0.25, "abort": 0.0, "bad": 0.25}
+    for bad, match in [("stream=1,nope=2", "nope"), ("stream", "KIND=WEIGHT"), ("stream=x", "not a number"),
+                       ("stream=-1", ">= 0"), ("stream=0", "weight > 0"), ("bad=1", "only bad requests")]:
+        with pytest.raises(ValueError, match=match):
+            soak_requests.parse_mix(bad)
+
+
+def test_soak_bad_bodies_are_each_refused_by_the_ingress_schema():
+    from service.protocol import ChatCompletionRequest
+
+    cases = soak_requests.bad_bodies("m", max_model_len=512)
+    assert len({name for name, _ in cases}) == len(cases) >= 10
+    for name, raw in cases:
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError:
+            assert name == "malformed JSON"
+            continue
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except Exception:
+            continue  # the schema refuses it: FastAPI answers 400
+        # the rest pass the schema and are refused by the ingress before admission (model, context)
+        assert req.model != "m" or req.requested_max_tokens()[0] >= 512, name
+
+
+def test_soak_poisson_times_have_the_rate():
+    rng = random.Random(int(np.random.default_rng().integers(1 << 30)))
+    t = soak.poisson_times(5.0, 4000.0, rng)
+    assert all(0 < a < b < 4000 for a, b in zip(t, t[1:]))
+    assert len(t) / 4000 == pytest.approx(5.0, rel=0.03)  # sd of the count: sqrt(20000) = 0.7%
+    with pytest.raises(ValueError, match="rate"):
+        soak.poisson_times(0.0, 10, rng)
+
+
+def test_soak_rss_trend_recovers_a_slope_after_warm_up():
+    rng = np.random.default_rng()
+    slope = float(rng.uniform(-3, 3))  # MB per minute
+    t = np.arange(0, 1200, 5.0)
+    mb = 900 + slope * t / 60 + rng.normal(0, 0.5, t.size)
+    mb[t < 120] -= 400 * np.exp(-t[t < 120] / 20)  # the model loading: excluded by the warm-up
+    got = soak_report.rss_trend(list(zip(t.tolist(), mb.tolist())), warmup_s=120)
+    # 216 points over 18 min with 0.5 MB noise: the fitted slope's sd is ~0.01 MB/min
+    assert got["slope_mb_per_min"] == pytest.approx(slope, abs=0.1)
+    assert got["warm_samples"] == int((t >= 120).sum())
+    assert got["max_minus_min_mb"] == pytest.approx(float(np.ptp(mb[t >= 120])))
+    assert soak_report.rss_trend([(0.0, 1.0), (1.0, 2.0)], warmup_s=0)["slope_mb_per_min"] is None
+
+
+def test_soak_rss_is_flat_only_when_every_long_lived_engine_process_is():
+    def samples(rid, dep, slope, start=0.0, end=900.0):
+        return [{"t": t, "deployment": dep, "replica": rid, "pid": hash(rid) % 10000, "mb": 500 + slope * t / 60}
+                for t in np.arange(start, end, 10.0).tolist()]
+    flat = samples("a", "EngineReplica", 0.1) + samples("i", "OpenAIIngress", 30.0)  # the ingress is not judged
+    assert soak_report.rss_summary(flat, 60, 2.0, 180)["flat"] is True
+    growing = flat + samples("b", "EngineReplica", 5.0)
+    s = soak_report.rss_summary(growing, 60, 2.0, 180)
+    assert s["flat"] is False and s["max_abs_slope_mb_per_min"] == pytest.approx(5.0)
+    short = samples("c", "EngineReplica", 50.0, start=700.0)  # too short after warm-up to judge
+    assert soak_report.rss_summary(short, 60, 2.0, 180)["flat"] is None
+
+
+def test_soak_summary_and_invariants():
+    recs = [{"kind": "stream", "status": 200, "outcome": "completed", "detail": "", "t_send": 0.0, "t_end": 2.0,
+             "ttft": 0.5},
+            {"kind": "bad", "case": "unknown field", "status": 400, "outcome": "invalid", "detail": "", "t_send": 1.0,
+             "t_end": 1.1},
+            {"kind": "abort", "status": 0, "outcome": "disconnected", "detail": "", "t_send": 1.0, "t_end": 1.5},
+            {"kind": "stream", "status": 503, "outcome": "unavailable", "detail": "", "t_send": 2.0, "t_end": 2.1}]
+    s = soak_report.summarize(recs, 10.0, 0.4)
+    assert s["status_counts"] == {"200": 1, "429": 0, "503": 1, "4xx": 1, "other_5xx": 0, "none": 1, "other": 0}
+    assert s["clean_errors"] == 2 and s["outcomes"]["lost"] == 0
+    kill = {"replaced_by": "new"}
+    pages = {"all_free": True}
+    inv = soak_report.invariants(s, kill, pages, {"flat": None})
+    assert inv["ok"] and inv["replica_rss_flat"] is None
+    assert not soak_report.invariants(s, {"replaced_by": None}, pages, {"flat": None})["ok"]
+    assert not soak_report.invariants(s, kill, {"all_free": False}, {"flat": None})["ok"]
+    lost = soak_report.summarize(recs + [{"kind": "plain", "status": 500, "outcome": "lost", "detail": "HTTP 500",
+                                          "t_send": 3.0, "t_end": 3.2}], 10.0, 0.5)
+    inv = soak_report.invariants(lost, kill, pages, {"flat": True})
+    assert not inv["ok"] and not inv["nothing_lost"] and not inv["no_other_5xx"]
+    assert lost["lost"][0]["detail"] == "HTTP 500"
+    wrong = soak_report.summarize([dict(recs[1], status=429, outcome="rejected")], 10.0, 0.1)
+    assert not soak_report.invariants(wrong, None, None, {"flat": None})["bad_requests_all_400"]
+
+
+def test_soak_reads_the_page_gauges_per_replica():
+    text = ('ray_diffkv_kv_pages_used{replica="a",rank="0",SessionName="s"} 3.0\n'
+            'ray_diffkv_kv_pages_used{replica="a",rank="1",SessionName="s"} 2.0\n'
+            'ray_diffkv_kv_pages_total{replica="a",rank="0"} 100.0\n'
+            'ray_diffkv_kv_pages_total{replica="a",rank="1"} 100.0\n'
+            'ray_diffkv_kv_pages_used{replica="b",rank="0"} 0.0\n'
+            'ray_diffkv_kv_pages_total{replica="b",rank="0"} 50.0\n'
+            '# HELP ray_diffkv_requests_in_flight x\nray_diffkv_requests_in_flight{Component="x"} 4.0\n'
+            'ray_diffkv_requests_retried_total{endpoint="chat"} 2.0\n'
+            'ray_diffkv_requests_retried_total{endpoint="completions"} 1.0\n')
+    samples = soak_cluster.parse_metrics(text)
+    assert soak_cluster.pages_by_replica(samples) == {"a": {"used": 5.0, "total": 200.0},
+                                                      "b": {"used": 0.0, "total": 50.0}}
+    assert soak_cluster.in_flight(samples) == 4.0
+    assert soak_cluster.in_flight(samples[:2]) is None
+    assert soak_cluster.retried(samples) == 3.0 and soak_cluster.retried(samples[:2]) is None
+
+
+def test_soak_report_json_round_trips_with_one_line_per_request(tmp_path):
+    rng = np.random.default_rng()
+    recs = [{"id": i, "kind": "stream", "case": None, "t_send": float(rng.uniform(0, 100)), "t_end": 101.0,
+             "status": 200, "outcome": "completed", "ttft": float(rng.uniform(0, 1))} for i in range(30)]
+    report = {"request_columns": list(soak_report.REQUEST_COLUMNS), "requests": soak_report.request_rows(recs)}
+    text = soak_report.to_json(report)
+    back = soak_report.requests_of(json.loads(text))
+    assert [r["id"] for r in back] == list(range(30))
+    rows = [line for line in text.splitlines() if line.strip().startswith("[") and line.rstrip(",").endswith("]")]
+    assert len(rows) == 30
+    assert all(abs(b["t_send"] - r["t_send"]) <= 5e-4 for b, r in zip(back, recs))
+
+
+@pytest.mark.parametrize("flags,field", [(["--duration", "0"], "--duration"), (["--rate", "-1"], "--rate"),
+                                         (["--kill-at", "1.5"], "--kill-at"), (["--max-tokens", "1"], "--max-tokens"),
+                                         (["--url", "http://example.com"], "--url"), (["--mix", "x=1"], "--mix"),
+                                         (["--load", "0"], "--load"), (["--replicas", "0"], "--replicas")])
+def test_soak_flags_are_checked_naming_the_flag(flags, field):
+    args = soak.build_parser().parse_args(flags)
+    with pytest.raises(ValueError, match=field):
+        soak.check_args(args)
+    args = soak.build_parser().parse_args(["--service-config", '{"kv_mode": "nope"}'])
+    with pytest.raises(ValueError, match="kv_mode"):
+        soak.service_config(args)

@@ -1,8 +1,10 @@
 """The service's pieces without a Ray cluster: the queueing formulas, the estimators, the admission
 controller in a simulated M/M/c system under Poisson overload, the KV-headroom ranking and Serve router,
 the engine deployment's options, and build_app's typed arguments."""
+import asyncio
 import math
 import random
+import types
 
 import pytest
 
@@ -258,21 +260,38 @@ def test_kv_headroom_router_ranks_serve_candidates():
 
 
 def test_engine_deployment_options():
-    from service.app import engine_deployment_options
+    from service.app import engine_deployment_options, ingress_actor_options
     from service.config import ServiceConfig
     from service.router import KVHeadroomRouter
 
     tp2 = engine_deployment_options(ServiceConfig(device="cpu", tensor_parallel_size=2, num_replicas=3))
     assert tp2["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}]
-    assert tp2["placement_group_strategy"] == "PACK" and tp2["ray_actor_options"] == {"num_cpus": 0.5}
+    assert tp2["placement_group_strategy"] == "STRICT_PACK" and tp2["ray_actor_options"] == {"num_cpus": 0.5}
     assert tp2["num_replicas"] == 3
     router = tp2["request_router_config"]
-    assert router.request_router_class.endswith("KVHeadroomRouter") and KVHeadroomRouter is not None
+    assert router.request_router_class.endswith("PrefixAwareRouter") and KVHeadroomRouter is not None
+    headroom_only = engine_deployment_options(ServiceConfig(device="cpu", router={"policy": "kv_headroom"}))
+    assert headroom_only["request_router_config"].request_router_class.endswith("KVHeadroomRouter")
     tp1 = engine_deployment_options(ServiceConfig(device="cpu", router={"policy": "pow2"},
                                                   autoscaling={"min_replicas": 1, "max_replicas": 4}))
     assert "placement_group_bundles" not in tp1 and tp1["ray_actor_options"]["num_gpus"] == 0
     assert "request_router_config" not in tp1 and "num_replicas" not in tp1
     assert tp1["autoscaling_config"]["max_replicas"] == 4
+    # custom resources pin ranks (TP workers, or the replica itself at TP=1) and the ingress to nodes
+    pinned = ServiceConfig(device="cpu", tensor_parallel_size=2, rank_resources={"fake_gpu": 1})
+    assert engine_deployment_options(pinned)["placement_group_bundles"] == [
+        {"CPU": 0.5}, {"CPU": 0.25, "fake_gpu": 1}, {"CPU": 0.25, "fake_gpu": 1}]
+    tp1_pinned = engine_deployment_options(ServiceConfig(device="cpu", rank_resources={"fake_gpu": 0.5}))
+    assert tp1_pinned["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0, "resources": {"fake_gpu": 0.5}}
+    assert ingress_actor_options(ServiceConfig(ingress_resources={"head": 1})) == {"num_cpus": 0.25,
+                                                                                   "resources": {"head": 1}}
+    for field, bad, words in (("rank_resources", {"GPU": 1}, "Ray's own resource"),
+                              ("ingress_resources", {"head": 0}, "must be > 0"),
+                              ("rank_resources", {"fake_gpu": -1}, "must be > 0")):
+        with pytest.raises(ValueError, match=f"{field}: .*{words}"):
+            ServiceConfig(**{field: bad})
+    with pytest.raises(ValueError, match="retry.max_retries"):
+        ServiceConfig(retry={"max_retries": 4})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ServiceConfig(device="cpu", tensor_parallel_size=2, distributed_executor="local")
     with pytest.raises(ValueError):
@@ -295,3 +314,107 @@ def test_serve_builds_the_app_from_typed_args():
         call_user_app_builder_with_args_if_necessary(build_app, {"admission": {"ttft_target_s": -1}})
     with pytest.raises(pydantic.ValidationError, match="num_replica"):
         call_user_app_builder_with_args_if_necessary(build_app, {"num_replica": 2})  # a typo is an error
+
+
+# ---- ingress failover: re-send before the first output, never after ----------------------------------------
+class _FakeCall:
+    """One replica call: yields its items in order; an exception item is raised (the replica failing)."""
+
+    def __init__(self, items):
+        self.items, self.cancelled = list(items), False
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _FakeIngress:
+    """What _Stream uses of OpenAIIngress: the engine handle (one scripted call per send), config, metrics."""
+
+    def __init__(self, scripts, max_retries):
+        from service.config import ServiceConfig
+
+        self.cfg = ServiceConfig(retry={"max_retries": max_retries, "backoff_s": 0})
+        self.scripts, self.sent, self.calls, self.counted = list(scripts), [], [], []
+        self.engine = self
+        self.generate = self
+        self.admission = types.SimpleNamespace(report=lambda load: None, release=lambda: None)
+        self.metrics = types.SimpleNamespace(inc=lambda name, value=1.0, **tags: self.counted.append((name, tags)),
+                                             observe=lambda *a, **k: None)
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, req):
+        self.sent.append(req)
+        self.calls.append(_FakeCall(self.scripts.pop(0)))
+        return self.calls[-1]
+
+    def _publish_admission_gauges(self):
+        pass
+
+
+def _token(text, finish=None):
+    return {"text": text, "tokens": 1, "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": 1}
+
+
+def _dead(status=503):
+    return {"error": {"status": status, "message": "engine dead", "type": "service_unavailable", "param": None}}
+
+
+def test_ingress_resends_a_request_whose_replica_fails_before_any_output():
+    from service.api import APIError, _Stream
+
+    req = {"request_id": "req-abc"}
+    # the replica's actor dies (an exception from the handle), then a survivor answers
+    ing = _FakeIngress([[RuntimeError("ActorDiedError: node lost")], [_token("hi"), _token("!", "length")]], 1)
+    stream = _Stream(ing, req, "completions", 0.0)
+    first = asyncio.run(stream.first())
+    assert first["text"] == "hi" and stream.attempts == 1 and ing.calls[0].cancelled
+    assert [r["request_id"] for r in ing.sent] == ["req-abc", "req-abc-r1"] and stream.rid == "cmpl-abc"
+    assert ("diffkv_requests_retried_total", {"endpoint": "completions"}) in ing.counted
+    assert not any(name == "diffkv_requests_rejected_total" for name, _ in ing.counted)
+
+    # an in-band 503 (the replica alive, its engine dead) is retried too, up to max_retries, then surfaces
+    ing = _FakeIngress([[_dead()], [_dead()], [_dead()]], 2)
+    with pytest.raises(APIError) as e:
+        asyncio.run(_Stream(ing, req, "chat", 0.0).first())
+    assert e.value.status == 503 and e.value.retry_after >= 1 and len(ing.sent) == 3
+    assert [n for n, _ in ing.counted].count("diffkv_requests_retried_total") == 2
+    assert ("diffkv_requests_rejected_total", {"endpoint": "chat", "reason": "engine_dead"}) in ing.counted
+
+    # max_retries 0: the first failure is the client's; a replica that ends without output counts as failed
+    ing = _FakeIngress([[]], 0)
+    with pytest.raises(APIError, match="without output"):
+        asyncio.run(_Stream(ing, req, "completions", 0.0).first())
+    assert len(ing.sent) == 1
+
+    # a 400 is the request's fault: never re-sent
+    ing = _FakeIngress([[_dead(400)]], 3)
+    with pytest.raises(APIError) as e:
+        asyncio.run(_Stream(ing, req, "completions", 0.0).first())
+    assert e.value.status == 400 and len(ing.sent) == 1
+
+
+def test_ingress_never_resends_after_output():
+    from service.api import APIError, _Stream
+
+    ing = _FakeIngress([[_token("partial"), RuntimeError("ActorDiedError: node lost")]], 3)
+    stream = _Stream(ing, {"request_id": "req-x"}, "completions", 0.0)
+
+    async def run():
+        first = await stream.first()
+        rest = [item async for item in stream.rest()]
+        return first, rest
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(run())
+    assert e.value.status == 503 and e.value.type == "service_unavailable"
+    assert len(ing.sent) == 1 and stream.attempts == 0 and stream.failed
