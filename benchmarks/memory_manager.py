@@ -30,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.memory import CacheShape, worst_case_pages  # noqa: E402
+from engine.kv.layout import CacheShape  # noqa: E402
+from engine.kv.policy import KVCache  # noqa: E402
+from engine.kv.request_settings import KVRequestSettings  # noqa: E402
+from engine.kv.reservation import worst_case_pages  # noqa: E402
 from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
 
@@ -113,15 +115,13 @@ def bench(B: int, dev: torch.device, seq: int, steps: int, L: int = 32, H: int =
             mm.alloc_slot()
     prompt_step(kv, slots, seq, n_high, n_low)
     fill_sections(kv, slots, seq, g)
-    prompt_len = torch.full((B,), seq, dtype=torch.int32, device=dev)
-    ah = torch.full((B,), 1.0, device=dev)
-    al = torch.full((B,), 0.02, device=dev)
+    kv.write_slot_settings(slots, [KVRequestSettings(1.0, 0.02, "both")] * B, [seq] * B)
     gen_s = []
     n = seq
     for _ in range(steps):
         sync(dev)
         t0 = time.perf_counter()
-        kv.prepare_decode(slots, torch.full((B,), n + 1, dtype=torch.int32, device=dev), prompt_len, ah, al)
+        kv.prepare_decode(slots, torch.full((B,), n + 1, dtype=torch.int32, device=dev))
         sync(dev)
         gen_s.append(time.perf_counter() - t0)
         n += 1

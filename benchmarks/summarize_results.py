@@ -38,7 +38,7 @@ MEASURED_ALTERNATIVES = {
     "prefix_routing_cpu.json": "prefix-cache hit rate and TTFT, KV-headroom vs prefix-aware router "
                                "(loadtest/prefix_routing.py, docs/DESIGN.md)",
     "soak_cpu.json": "soak near capacity with an engine replica killed midway, CPU (docs/SOAK.md)",
-    "throughput_learned_admission_qwen2.5-1.5b_H100.json": "throughput_qwen.py with --admission learned: diffkv's "
+    "throughput_learned_admission_qwen2.5-1.5b_H100.json": "throughput_qwen.py with --reservation learned: diffkv's "
                                                             "batch did not grow (80.6), its second run preempted more",
     "key_centering_decode_cost_H100.json": "decode step with key centering off / on (the rotated k_proj bias), "
                                            "random-weight Qwen2.5-1.5B shape, int4, engines in order A B B A",

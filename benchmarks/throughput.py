@@ -7,11 +7,11 @@ fewer bytes keeps more sequences running. A mode may carry cache settings after 
 `diffkv:alpha_low=0.06` (settings left out keep the model's calibrated values). Reported per mode: generated tokens/s, mean and max running batch,
 compression ratio (fp16 bytes / bytes held, averaged over steps), preemptions, steps; beside them Hugging Face
 transformers' `generate` on the same weights and prompts (static batches of --hf-batch, what a user without a
-server would run), unless --no-hf. `--admission worst_case learned` runs diffkv once per prompt admission rule
-(SchedulerConfig.admission), same prompts and pool, and adds the prefills redone after an estimate was too small.
+server would run), unless --no-hf. `--reservation worst_case learned` runs diffkv once per prompt reservation rule
+(SchedulerConfig.reservation), same prompts and pool, and adds the prefills redone after an estimate was too small.
 
 Usage (GPU):  python benchmarks/throughput.py --num-prompts 96 --max-tokens 4096 --kv-memory-gb 2 --warmup full
-Admission:    python benchmarks/throughput.py --modes diffkv --admission worst_case learned --no-hf
+Reservation:  python benchmarks/throughput.py --modes diffkv --reservation worst_case learned --no-hf
 Smoke (CPU):  python benchmarks/throughput.py --smoke
 """
 from __future__ import annotations
@@ -73,16 +73,16 @@ def parse_mode(spec: str) -> tuple[str, dict]:
     return mode, settings
 
 
-def run_mode(ckpt, spec: str, prompts: list[list[int]], args, admission: str) -> dict:
+def run_mode(ckpt, spec: str, prompts: list[list[int]], args, reservation: str) -> dict:
     mode, settings = parse_mode(spec)
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                        cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb, **settings},
                        scheduler={"max_num_seqs": args.max_num_seqs,
-                                  "max_num_batched_tokens": args.max_num_batched_tokens, "admission": admission})
+                                  "max_num_batched_tokens": args.max_num_batched_tokens, "reservation": reservation})
     engine = LLMEngine(cfg, checkpoint=ckpt)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.natural_stop)
     # Warm-up outside the timed region: one batch of the prompts, two tokens each, so Triton compiles its
-    # variants for these shapes here (not inside the first mode's timing) and learned admission starts with
+    # variants for these shapes here (not inside the first mode's timing) and learned reservation starts with
     # samples, as in a running server.
     # `--warmup full` runs the whole workload once untimed instead: Triton also compiles a decode variant per
     # split count as sequences grow, which the short warm-up does not reach (a cold cache favours later modes).
@@ -100,7 +100,7 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, admission: str) ->
 
     total = len(prompts) * args.max_tokens
     t0 = time.perf_counter()
-    with tqdm(total=total, desc=f"{_label(spec, admission, args):>6}", unit="tok", disable=args.quiet) as bar:
+    with tqdm(total=total, desc=f"{_label(spec, reservation, args):>6}", unit="tok", disable=args.quiet) as bar:
         while engine.has_unfinished_requests():
             outs = engine.step()
             steps += 1
@@ -118,11 +118,11 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, admission: str) ->
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     st = engine.stats()
-    adm = st["admission"]
+    adm = st["reservation"]
     cc = engine.config.cache  # after the model's calibrated settings were applied
-    res = {"mode": _label(spec, admission, args), "kv_mode": mode, "admission": admission,
+    res = {"mode": _label(spec, reservation, args), "kv_mode": mode, "reservation": reservation,
            "settings": {k: getattr(cc, k) for k in MODE_SETTINGS} if mode == "diffkv" else {},
-           "overflows": adm["overflows"] - before["admission"]["overflows"], "prompt_ratio": adm.get("prompt_ratio"), "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
+           "overflows": adm["overflows"] - before["reservation"]["overflows"], "prompt_ratio": adm.get("prompt_ratio"), "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
            "mean_batch": statistics.mean(batches) if batches else None, "max_batch": max(batches, default=None),
            "compression_ratio": statistics.mean(ratios) if ratios else None,
            "preemptions": st["num_preemptions"] - before["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
@@ -137,14 +137,14 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, admission: str) ->
     return res
 
 
-def _label(spec: str, admission: str, args) -> str:
-    """A row's name: the --modes entry, with the admission rule when several are compared."""
-    return f"{spec}/{admission}" if parse_mode(spec)[0] == "diffkv" and len(args.admission) > 1 else spec
+def _label(spec: str, reservation: str, args) -> str:
+    """A row's name: the --modes entry, with the reservation rule when several are compared."""
+    return f"{spec}/{reservation}" if parse_mode(spec)[0] == "diffkv" and len(args.reservation) > 1 else spec
 
 
-def _admissions(spec: str, args) -> list[str]:
-    """Admission rules to run a mode under: only diffkv's footprint is unknown before its prefill."""
-    return args.admission if parse_mode(spec)[0] == "diffkv" else args.admission[:1]
+def _reservations(spec: str, args) -> list[str]:
+    """Prompt reservation rules to run a mode under: only diffkv's footprint is unknown before its prefill."""
+    return args.reservation if parse_mode(spec)[0] == "diffkv" else args.reservation[:1]
 
 
 def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
@@ -187,8 +187,8 @@ def parse_args(argv):
     ap.add_argument("--prompts", default="gsm_symbolic", choices=("gsm_symbolic", "synthetic"))
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--natural-stop", action="store_true", help="stop at EOS instead of ignore_eos")
-    ap.add_argument("--admission", nargs="+", choices=("worst_case", "learned"),
-                    default=[SchedulerConfig().admission], help="diffkv prompt admission rule(s), one row each")
+    ap.add_argument("--reservation", nargs="+", choices=("worst_case", "learned"),
+                    default=[SchedulerConfig().reservation], help="diffkv prompt reservation rule(s), one row each")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="page pool size, the same for every mode")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -219,7 +219,7 @@ def parse_args(argv):
         args.device, args.prompts = "cpu", "synthetic"
         args.num_prompts, args.max_tokens, args.kv_memory_gb = 4, 16, 0.001
         args.modes = [m for m in args.modes if parse_mode(m)[0] in ("fp16", "diffkv")]
-        args.admission = ["worst_case", "learned"]
+        args.reservation = ["worst_case", "learned"]
         args.hf_prompts, args.hf_batch, args.stats_every, args.trace = 2, 2, 1, True
     return args
 
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu")
     print(f"{gpu} | model {ckpt.name} | {len(prompts)} prompts (mean {statistics.mean(map(len, prompts)):.0f} "
           f"tokens) x {args.max_tokens} new | KV pool {args.kv_memory_gb} GiB")
-    rows = [run_mode(ckpt, m, prompts, args, a) for m in args.modes for a in _admissions(m, args)]
+    rows = [run_mode(ckpt, m, prompts, args, a) for m in args.modes for a in _reservations(m, args)]
     if not args.no_hf:
         rows.append(run_hf(ckpt, prompts, args))
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "fp16"), None)

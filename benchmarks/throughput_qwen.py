@@ -50,7 +50,7 @@ from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.config import KVMode  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
-from engine.memory import worst_case_pages  # noqa: E402
+from engine.kv.reservation import worst_case_pages  # noqa: E402
 from engine.model_runner import resolve_device, resolve_dtype  # noqa: E402
 from evals.configs import baseline_configs, diffkv_config  # noqa: E402
 from evals.problems import load_problems  # noqa: E402
@@ -142,7 +142,7 @@ def build_engine(ckpt, mode: str, args) -> LLMEngine:
                               "kv_cache_memory_gb": args.kv_memory_gb},
                        scheduler={"max_num_seqs": args.max_num_seqs,
                                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                                  "admission": args.admission})
+                                  "reservation": args.reservation})
     return LLMEngine(cfg, checkpoint=ckpt)
 
 
@@ -205,7 +205,7 @@ def timed_run(engine: LLMEngine, prompts: list[list[int]], args, tag: str, deadl
             "max_batch": max(batches, default=None),
             "compression_ratio": statistics.mean(ratios) if ratios else None,
             "preemptions": st["num_preemptions"] - before["num_preemptions"],
-            "overflows": st["admission"]["overflows"] - before["admission"]["overflows"]}
+            "overflows": st["reservation"]["overflows"] - before["reservation"]["overflows"]}
 
 
 def run_order(modes: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -288,7 +288,8 @@ def parse_args(argv):
     ap.add_argument("--accuracy-task", default="gsm_symbolic")
     ap.add_argument("--within", type=float, default=1.0, help="accuracy points below fp16 a mode may be and "
                     "still count as fp16's accuracy (the 'x best' column)")
-    ap.add_argument("--admission", choices=("worst_case", "learned"), default="worst_case")
+    ap.add_argument("--reservation", choices=("worst_case", "learned"), default="worst_case",
+                    help="diffkv prompt page reservation rule (SchedulerConfig.reservation)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="default: --num-prompts (every prompt may run at once; CUDA graphs up to that batch)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
+from engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
 from engine.profiling import cost_range
 from kernels.prefill_attention import prefill_attention
 

@@ -149,11 +149,11 @@ class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)
-    # Admission of DiffKV prompts (engine.footprint): "worst_case" reserves every prompt all-high; "learned"
-    # admits against what prompts of that length kept so far and retries a prompt that overflowed the pool
-    # under the worst case. Single-precision modes keep exactly their worst case, so both rules agree there.
-    admission: Literal["worst_case", "learned"] = Field(
-        "worst_case", description="diffkv prompt admission: the all-high worst case, or the learned footprint")
+    # Prompt page reservation of DiffKV prompts (engine.kv.footprint): "worst_case" reserves every prompt
+    # all-high; "learned" reserves what prompts of that length kept so far and retries a prompt that overflowed
+    # the pool under the worst case. Single-precision modes keep exactly their worst case, so both rules agree there.
+    reservation: Literal["worst_case", "learned"] = Field(
+        "worst_case", description="diffkv prompt page reservation: the all-high worst case, or the learned footprint")
     footprint_quantile: float = Field(0.95, gt=0, le=1, description="learned: quantile of the kept-page ratios")
     footprint_margin: float = Field(0.1, ge=0, description="learned: the estimate is scaled by 1 + margin")
     footprint_min_samples: int = Field(

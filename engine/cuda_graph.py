@@ -5,11 +5,13 @@
   forward            the model with the paged attention kernels, and the logits
 
 so a decode step costs one host-to-device copy and two or three graph launches instead of one launch per
-operator (the step is launch-bound at small batch otherwise). CUDA events around the memory-management replay
-time it on the device.
+operator (the step is launch-bound at small batch otherwise). Per-request settings (thresholds, prompt length,
+prunable positions) are not among the step's inputs: the policy graph gathers them from the policy's per-slot
+table (KVCache.slot_alphas / slot_ranges, written at each sequence's prefill) by the step's slots. CUDA
+events around the memory-management replay time it on the device.
 
 Static buffers hold the step's inputs. Padding rows point at the memory manager's dummy slot (every
-section empty, length 0): they allocate nothing, their write targets are page -1 (skipped) and they read
+section empty, length 0, all-zero settings): they allocate nothing, their write targets are page -1 (skipped) and they read
 no token. Capture runs with every row padded, because the captured work is not idempotent (it moves
 tokens and adds attention to their scores); the real inputs are copied in afterwards. The decode kernel
 is captured with max_len = max_model_len, which fixes its split count for every length.
@@ -21,6 +23,9 @@ import torch
 from engine.attention import PagedAttention, StepMetadata
 from engine.model import CausalLM
 from engine.profiling import cost_range
+
+
+ROWS = 4  # a step's inputs: ids, positions, slots, new lengths
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -39,13 +44,11 @@ class DecodeGraphs:
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.buckets = graph_buckets(max_batch)
         dev = self.kv.mm.device
-        # ids, positions, slots, new lengths, prompt lengths, prunable positions [lo, hi) | alpha_high, alpha_low
-        self.ints = torch.zeros(7, max_batch, dtype=torch.int64, device=dev)
-        self.floats = torch.zeros(2, max_batch, dtype=torch.float32, device=dev)
-        # Pinned staging copies, filled through numpy views: a pin_memory() per step cost ~0.2 ms of host time.
-        # A step of bucket b uses their first 7 * b (2 * b) entries as a contiguous [7, b] ([2, b]) block.
-        self.ints_host = torch.zeros(7 * max_batch, dtype=torch.int64).pin_memory()
-        self.floats_host = torch.zeros(2 * max_batch, dtype=torch.float32).pin_memory()
+        # ids, positions, slots, new lengths
+        self.ints = torch.zeros(ROWS, max_batch, dtype=torch.int64, device=dev)
+        # A pinned staging copy, filled through a numpy view: a pin_memory() per step cost ~0.2 ms of host time.
+        # A step of bucket b uses its first ROWS * b entries as a contiguous [ROWS, b] block.
+        self.ints_host = torch.zeros(ROWS * max_batch, dtype=torch.int64).pin_memory()
         self.copied = torch.cuda.Event()  # the last step's staging copies are done (the buffers may be reused)
         self.graphs: dict[int, tuple] = {}  # bucket -> (plan graph or None, memory graph, forward graph, outputs)
         self.logits: dict[int, torch.Tensor] = {}
@@ -65,12 +68,10 @@ class DecodeGraphs:
     def _pad(self, start: int, stop: int) -> None:
         self.ints[:, start:stop].zero_()
         self.ints[2, start:stop] = self.dummy
-        self.floats[:, start:stop].zero_()
 
     def _plan(self, b: int):
-        ids, pos, slots, lens, plen, p_lo, p_hi = self.ints[:, :b]
-        return self.kv.plan_decode(slots.int(), lens.int(), plen.int(), self.floats[0, :b], self.floats[1, :b],
-                                   (p_lo.int(), p_hi.int()))
+        slots, lens = self.ints[2, :b], self.ints[3, :b]
+        return self.kv.plan_decode(slots.int(), lens.int())
 
     def _pages(self, b: int, plan):
         slots, lens = self.ints[2, :b], self.ints[3, :b]
@@ -108,30 +109,20 @@ class DecodeGraphs:
         self.graphs[b] = (g_plan, g_mm, g_fwd, plan, dst)  # keep plan and dst alive: later graphs read them
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], new_lens: list[int],
-            prompt_lens: list[int], alphas: tuple[list[float], list[float]] | None,
-            snapshot: bool = False, prunable: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+            snapshot: bool = False) -> torch.Tensor:
         """One decode step of n <= max_batch sequences -> logits [n, V]. snapshot: copy the memory manager's
-        step state to the host right after the memory-management graph (async scheduling). prunable (diffkv):
-        each sequence's prunable positions [lo, hi) (padding rows get [0, 0): nothing)."""
+        step state to the host right after the memory-management graph (async scheduling)."""
         n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
             self._capture(b)
         self.copied.synchronize()  # long done (the last step's tokens were read), but never overwrite in flight
-        stage = self.ints_host[:7 * b].view(7, b)
+        stage = self.ints_host[:ROWS * b].view(ROWS, b)
         h = stage.numpy()
-        lo, hi = prunable if prunable is not None else ([0] * n, [0] * n)
-        for row, vals, fill in ((0, ids, 0), (1, positions, 0), (2, slots, self.dummy), (3, new_lens, 0),
-                                (4, prompt_lens, 0), (5, lo, 0), (6, hi, 0)):
+        for row, vals, fill in ((0, ids, 0), (1, positions, 0), (2, slots, self.dummy), (3, new_lens, 0)):
             h[row, :n] = vals
             h[row, n:] = fill
         self.ints[:, :b].copy_(stage, non_blocking=True)
-        if alphas is not None:
-            stage_f = self.floats_host[:2 * b].view(2, b)
-            f = stage_f.numpy()
-            f[0, :n], f[1, :n] = alphas
-            f[:, n:] = 0.0
-            self.floats[:, :b].copy_(stage_f, non_blocking=True)
         self.copied.record()
         g_plan, g_mm, g_fwd, _, _ = self.graphs[b]
         if g_plan is not None:

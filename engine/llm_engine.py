@@ -7,15 +7,16 @@ from typing import Any, Optional, Union
 
 import torch
 
-from engine.config import PRUNE_PHASES, EngineConfig
+from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, make_executor
+from engine.kv.prefix_cache import PrefixCache
+from engine.kv.request_settings import resolve as resolve_kv_settings
 from engine.model_runner import Batch, InFlight
 from engine.loader import LoadedCheckpoint, load_checkpoint
 from engine.model_settings import apply_model_settings
 from engine.parallel import check_tensor_parallel
 from engine.sampling_params import SamplingParams
-from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, Status
 from engine.tokenizer import IncrementalDetokenizer
@@ -89,54 +90,16 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens needs more KV pages than the whole cache holds "
                 f"({self.mm.num_pages}); raise the KV cache size", "prompt")
-        alphas = self._check_kv_compression(kv_compression)
-        phase = self._check_prune_phase(kv_compression)
+        kv_settings = resolve_kv_settings(kv_compression, self.config.cache)
         gen = None
         if sampling.seed is not None:
             gen = self.executor.make_generator(sampling.seed)
         seq = Sequence(request_id, ids, sampling,
                        IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
                        generator=gen, arrival_time=arrival_time or time.monotonic())
-        seq.alpha_high, seq.alpha_low = alphas
-        seq.prune_phase = phase
+        seq.kv_settings = kv_settings
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-
-    def _check_kv_compression(self, kv: Optional[dict]) -> tuple[Optional[float], Optional[float]]:
-        """Per-request DiffKV thresholds {"alpha_high", "alpha_low"}; both optional, both >= 0 (and the
-        ablation setting "prune_phase", checked by _check_prune_phase)."""
-        if not kv:
-            return None, None
-        if not isinstance(kv, dict) or set(kv) - {"alpha_high", "alpha_low", "prune_phase"}:
-            raise InvalidRequestError("kv_compression accepts only 'alpha_high', 'alpha_low' and 'prune_phase'",
-                                      "kv_compression")
-        cc = self.config.cache
-        vals = []
-        for name in ("alpha_high", "alpha_low"):
-            v = kv.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
-                raise InvalidRequestError(f"kv_compression.{name} must be a number >= 0, got {v!r}",
-                                          f"kv_compression.{name}")
-            vals.append(None if v is None else float(v))
-        ah = vals[0] if vals[0] is not None else cc.alpha_high
-        al = vals[1] if vals[1] is not None else cc.alpha_low
-        if al > ah:
-            raise InvalidRequestError(f"kv_compression.alpha_low ({al}) must not exceed alpha_high ({ah})",
-                                      "kv_compression.alpha_low")
-        return vals[0], vals[1]
-
-    def _check_prune_phase(self, kv: Optional[dict]) -> Optional[str]:
-        """Per-request kv_compression.prune_phase (None: the engine's CacheConfig.prune_phase)."""
-        phase = (kv or {}).get("prune_phase")
-        if phase is None:
-            return None
-        if not isinstance(phase, str) or phase not in PRUNE_PHASES:
-            raise InvalidRequestError(f"kv_compression.prune_phase must be one of {PRUNE_PHASES}, got {phase!r}",
-                                      "kv_compression.prune_phase")
-        if self.config.cache.policy != "thresholds" and phase != "both":
-            raise InvalidRequestError("kv_compression.prune_phase needs the engine's policy 'thresholds'",
-                                      "kv_compression.prune_phase")
-        return phase
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages. Returns False if it is unknown or already finished."""
@@ -309,7 +272,7 @@ class LLMEngine:
 
     def token_classes(self, request_id: str) -> torch.Tensor:
         """Debug / evaluation: where each cached token position of a running request lives now, per (layer, KV
-        head): int8 [L, H, tokens] on the CPU, engine.kv_cache.KEPT_HIGH / KEPT_LOW / PRUNED (one device read;
+        head): int8 [L, H, tokens] on the CPU, engine.kv.policy.KEPT_HIGH / KEPT_LOW / PRUNED (one device read;
         local executor). With CacheConfig.record_pruning a finished request's kv_usage["token_classes"] holds
         the same at its finish."""
         seq = self.requests.get(request_id)
@@ -367,7 +330,7 @@ class LLMEngine:
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
-            "admission": self._admission_stats(),
+            "reservation": self._reservation_stats(),
             "num_generated_tokens": self._num_generated,
             **self._prefix_cache_stats(),
             "pages_total": sum(r["pages_total"] for r in ranks),
@@ -400,10 +363,10 @@ class LLMEngine:
         returns how many blocks went."""
         return self.scheduler.reset_prefix_cache()
 
-    def _admission_stats(self) -> dict[str, Any]:
-        """The admission rule, prefills redone because their pages did not fit, and the learned estimates."""
+    def _reservation_stats(self) -> dict[str, Any]:
+        """The prompt reservation rule, prefills redone because their pages did not fit, and the learned estimates."""
         sch = self.scheduler
-        out = {"mode": self.config.scheduler.admission, "overflows": sch.num_overflows}
+        out = {"mode": self.config.scheduler.reservation, "overflows": sch.num_overflows}
         if sch.footprint is not None:
             out.update(sch.footprint.summary())
         return out

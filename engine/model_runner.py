@@ -12,8 +12,10 @@ from engine import key_centering
 from engine.attention import PagedAttention, StepMetadata
 from engine.config import EngineConfig
 from engine.host_copy import to_device
-from engine.kv_cache import CachedPrefix, KVCache, PrefillInfo
-from engine.memory import CacheShape, MemoryManager
+from engine.kv.layout import CacheShape, pages_for_bytes
+from engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
+from engine.kv.request_settings import KVRequestSettings
+from engine.kv.request_settings import resolve as resolve_kv_settings
 from engine.model import CausalLM
 from engine.model_config import ModelArch
 from engine.model_settings import load_model_settings
@@ -21,7 +23,6 @@ from engine.parallel import SINGLE, ParallelContext
 from engine.profiling import cost_range, costed
 from engine.sampler import sample
 from engine.sequence import Sequence
-from kernels.compression_plan import BIG as PRUNE_ALL  # a prunable range's open end
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,9 +47,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Batch:
     is_prefill: bool
     seqs: list[Sequence]
-    # Set by a learned-admission prefill (engine.footprint): indices of sequences whose pages did not fit
+    # Set by a learned-reservation prefill (engine.kv.footprint): indices of sequences whose pages did not fit
     # (their tokens are placeholders; their pages stay held until the scheduler frees them), and the pages
-    # each sequence kept: on the busiest rank (admission) and summed over ranks (growth stats).
+    # each sequence kept: on the busiest rank (reservation) and summed over ranks (growth stats).
     overflowed: list[int] = field(default_factory=list)
     pages_kept: Optional[list[int]] = None
     pages_total: Optional[list[int]] = None
@@ -90,8 +91,10 @@ class ModelRunner:
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
                           pc.num_heads(arch))
         self.mm = self.kv.mm
-        # DiffKV under learned admission: prompts take their pages layer by layer, nothing reserved.
-        self.learned = self.kv.diffkv and config.scheduler.admission == "learned"
+        # Sequences the driver resolved no settings for (a prompt_logits probe) run with the cache config's.
+        self.default_kv_settings = resolve_kv_settings(None, config.cache)
+        # DiffKV under learned reservation: prompts take their pages layer by layer, nothing reserved.
+        self.learned = self.kv.diffkv and config.scheduler.reservation == "learned"
         self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
         self.max_model_len = max_model_len
         self.num_prefill_tokens = 0  # prompt tokens prefills computed (prefix-cache hits are read, not computed)
@@ -153,7 +156,7 @@ class ModelRunner:
             nbytes = max(free - (1 - cc.gpu_memory_utilization) * total - act, 2**26)
         else:
             nbytes = 0.5 * 2**30
-        return MemoryManager.pages_for_bytes(shape, self.dtype, nbytes)
+        return pages_for_bytes(shape, self.dtype, nbytes)
 
     def _to_device(self, rows: list) -> list[torch.Tensor]:
         """Several int lists / numpy arrays in one host-to-device copy (int64)."""
@@ -161,30 +164,8 @@ class ModelRunner:
         packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
         return list(packed.split([len(r) for r in rows]))
 
-    def _prune_phase(self, seq: Sequence) -> str:
-        return seq.prune_phase or self.config.cache.prune_phase
-
-    def _alpha_lists(self, seqs: list[Sequence], prefill: bool = False) -> tuple[list[float], list[float]]:
-        """Each sequence's alpha_high and alpha_low: its request's override, else the cache config's. A prefill
-        whose prune_phase spares the prompt ("generation") classifies with alpha_low 0: nothing is pruned."""
-        cc = self.config.cache
-        high = [s.alpha_high if s.alpha_high is not None else cc.alpha_high for s in seqs]
-        low = [s.alpha_low if s.alpha_low is not None else cc.alpha_low for s in seqs]
-        if prefill:
-            low = [0.0 if self._prune_phase(s) == "generation" else a for s, a in zip(seqs, low)]
-        return high, low
-
-    def _alphas(self, seqs: list[Sequence], prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        a = to_device(list(self._alpha_lists(seqs, prefill)), torch.float32, self.device)
-        return a[0], a[1]
-
-    def _prunable_lists(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """Per sequence, the positions [lo, hi) its decode steps may prune (CacheConfig.prune_phase): every one,
-        the prompt's, or the generated tokens'."""
-        ranges = {"both": lambda n0: (0, PRUNE_ALL), "prompt": lambda n0: (0, n0),
-                  "generation": lambda n0: (n0, PRUNE_ALL)}
-        pairs = [ranges[self._prune_phase(s)](len(s.prompt_token_ids)) for s in seqs]
-        return [a for a, _ in pairs], [b for _, b in pairs]
+    def _kv_settings(self, seq: Sequence) -> KVRequestSettings:
+        return seq.kv_settings or self.default_kv_settings
 
     @torch.inference_mode()
     def execute(self, batch: Batch, keep_logits: bool = False,
@@ -333,9 +314,11 @@ class ModelRunner:
         info = None
         if self.kv.diffkv:
             B, L, H = len(seqs), mm.shape.num_layers, mm.shape.num_kv_heads
-            ah, al = self._alphas(seqs, prefill=True)
+            self.kv.write_slot_settings(slots, [self._kv_settings(s) for s in seqs],
+                                        [len(s.prompt_token_ids) for s in seqs])
+            ah, al = self.kv.prompt_alphas(token_slots_t)
             zeros = lambda: torch.zeros(B, L, H, dtype=torch.int32, device=self.device)  # noqa: E731
-            info = PrefillInfo(slots, token_slots_t, seq_t, len_t.int(), cu_t, ah[seq_t], al[seq_t], zeros(), zeros())
+            info = PrefillInfo(slots, token_slots_t, seq_t, len_t.int(), cu_t, ah, al, zeros(), zeros())
             if self.learned:
                 info.overflow = torch.zeros(B, dtype=torch.bool, device=self.device)
                 info.max_new_pages = max_pages + 1  # both sections rounded up: one page over all-high at most
@@ -366,23 +349,17 @@ class ModelRunner:
         pos = [s.num_cached for s in seqs]
         slots = [s.slot for s in seqs]
         new_lens = [s.num_cached + 1 for s in seqs]
-        prompt_lens = [len(s.prompt_token_ids) for s in seqs]
-        alphas = self._alpha_lists(seqs) if self.kv.diffkv else None
-        prunable = self._prunable_lists(seqs) if self.kv.diffkv else None
+        # Thresholds and prunable positions are read from the policy's per-slot table (written at the prefill).
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.run(ids, pos, slots, new_lens, prompt_lens, alphas, snapshot, prunable)
+            logits = self.graphs.run(ids, pos, slots, new_lens, snapshot)
             self._decode_slots = self.graphs.ints[2, :len(seqs)]
             return logits
-        input_ids, positions, slots_t, seq_len, prompt_len = self._to_device([ids, pos, slots, new_lens, prompt_lens])
+        input_ids, positions, slots_t, seq_len = self._to_device([ids, pos, slots, new_lens])
         self._decode_slots = slots_t
         if self.token_table is not None:
             input_ids = self.token_table[slots_t]
         positions, slots_t = positions.int(), slots_t.int()
-        ah, al, pr = None, None, None
-        if self.kv.diffkv:
-            ah, al = self._alphas(seqs)
-            pr = tuple(to_device(list(prunable), torch.int32, self.device).unbind(0))
-        dst_page, dst_row = self.kv.prepare_decode(slots_t, seq_len.int(), prompt_len.int(), ah, al, prunable=pr)
+        dst_page, dst_row = self.kv.prepare_decode(slots_t, seq_len.int())
         if snapshot:
             self.mm.snapshot_step_state()
         self.attn.meta = StepMetadata(False, positions, dst_page, dst_row, slots_t, max(new_lens))

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed_pages import DistributedPages
+from engine.kv.distributed import DistributedPages
 from engine.errors import EngineDeadError
 from engine.executor import Executor
 from engine.loader import LoadedCheckpoint
@@ -87,7 +87,7 @@ class RayExecutor(Executor):
         self.dtype = infos[0]["dtype"]
         self.key_centering = infos[0]["key_centering"]  # every rank resolves the same mode
         self.mm = DistributedPages(infos, self._check_ranks)
-        self.learned = infos[0]["two_sided"] and config.scheduler.admission == "learned"  # ModelRunner.learned
+        self.learned = infos[0]["two_sided"] and config.scheduler.reservation == "learned"  # ModelRunner.learned
         log.info("%d tensor-parallel rank(s) on %s; pages per rank %s", n, self.devices, self.mm.pages_total)
 
     # ---- placement ---------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ class RayExecutor(Executor):
         frees, forget = self.mm.take_pending(), self._take_forget()
         if batch.is_prefill:
             new = [NewSequence(s.request_id, s.slot, s.prompt_token_ids, list(s.output_token_ids), s.params,
-                               s.alpha_high, s.alpha_low, s.prefix_hits, s.prefix_inserts, s.prune_phase)
+                               s.kv_settings, s.prefix_hits, s.prefix_inserts)
                    for s in seqs]
             self._seeded.update(s.request_id for s in seqs if s.params.seed is not None)
             req = StepRequest(frees, forget, True, new=new)

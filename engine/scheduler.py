@@ -1,22 +1,22 @@
-"""Continuous batching: FCFS admission of whole prompts, decode of everything running, and
+"""Continuous batching: FCFS scheduling of whole prompts, decode of everything running, and
 preemption by recompute when the page pool runs out.
 
-A step is either a prefill batch (newly admitted prompts, prioritized like vLLM) or a decode batch
+A step is either a prefill batch (newly scheduled prompts, prioritized like vLLM) or a decode batch
 (one token for every running sequence). Page accounting asks the memory manager for the device's free
 page count once per step and plans against each sequence's worst-case growth. With tensor parallelism
 the page pool is a view of every rank's memory manager: free pages are the minimum over ranks, page
-demands the largest rank's, and frees reach every rank (engine.distributed_pages).
+demands the largest rank's, and frees reach every rank (engine.kv.distributed).
 
-Learned admission (SchedulerConfig.admission = "learned", engine.footprint): a prompt is admitted against a
+Learned reservation (SchedulerConfig.reservation = "learned", engine.kv.footprint): a prompt reserves a
 quantile of what prompts of its length kept so far, and decode steps are planned against each sequence's
 exact bound (a head needs a page only on a side whose section is full), read with the free count (so are
 diffkv's decode steps under either rule: a page per head and step would keep ~5% of the pool idle). A prefill
 whose pages did not fit is detected on the device; its sequences go back to the head of the queue, the
-first of them marked for the worst-case rule, so it is admitted next, and fits.
+first of them marked for the worst-case rule, so it is scheduled next, and fits.
 
-Prefix caching (engine.prefix_cache): admission looks each prompt up, counts only the uncached part's
+Prefix caching (engine.kv.prefix_cache): scheduling looks each prompt up, counts only the uncached part's
 pages (single precision: the cached blocks are shared; diffkv copies them, but may cache new blocks), and
-admits against free plus evictable pages: unreferenced cached blocks are evicted, least recently used
+reserves against free plus evictable pages: unreferenced cached blocks are evicted, least recently used
 first, before anything is refused or preempted.
 """
 from __future__ import annotations
@@ -27,17 +27,17 @@ from collections import deque
 from typing import Optional, Protocol
 
 from engine.config import SchedulerConfig
-from engine.footprint import FootprintEstimator
+from engine.kv.footprint import FootprintEstimator
 from engine.model_runner import Batch
-from engine.prefix_cache import CachedBlock, PrefixCache
+from engine.kv.prefix_cache import CachedBlock, PrefixCache
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
 
 class PagePool(Protocol):
-    """What the scheduler needs of the KV memory (engine.memory.MemoryManager or, over Ray ranks,
-    engine.distributed_pages.DistributedPages)."""
+    """What the scheduler needs of the KV memory (engine.kv.pool.MemoryManager or, over Ray ranks,
+    engine.kv.distributed.DistributedPages)."""
 
     num_pages: int
     num_free_slots: int
@@ -66,13 +66,13 @@ class Scheduler:
         self.mm = mm
         self.prefix_cache = prefix_cache
         self.min_computed = min_computed  # prompt tokens a prefill computes even if cached (diffkv: its queries)
-        self.num_prefill_computed = 0  # prompt tokens admitted prefills compute (cached blocks are read instead)
+        self.num_prefill_computed = 0  # prompt tokens scheduled prefills compute (cached blocks are read instead)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_overflows = 0  # learned admission: prefills redone because their pages did not fit
-        self.footprint = FootprintEstimator(config) if config.admission == "learned" else None
-        # Exact decode growth (step_view: a head needs a page only on a full side) for learned admission and for
+        self.num_overflows = 0  # learned reservation: prefills redone because their pages did not fit
+        self.footprint = FootprintEstimator(config) if config.reservation == "learned" else None
+        # Exact decode growth (step_view: a head needs a page only on a full side) for learned reservation and for
         # two-sided (diffkv) pools, whose host worst case (a page per head and step) kept ~5% of the pool idle.
         self.exact_growth = self.footprint is not None or bool(getattr(mm, "two_sided", False))
         self._growth_by_slot: Optional[dict[int, int]] = None  # exact: slot -> pages its next decode step may take
@@ -116,7 +116,7 @@ class Scheduler:
         else:
             free = self.mm.planning_free_pages()
         demand = self._decode_demand()  # once per step: a per-sequence sum is the scheduler's main host cost
-        prefill = self._admit(free, demand)
+        prefill = self._schedule_prompts(free, demand)
         if prefill:
             return Batch(True, prefill), []
         if not self.running:
@@ -150,25 +150,25 @@ class Scheduler:
         log.debug("preempted %s (recompute)", victim.request_id)
         return pages
 
-    def _admit(self, free: int, demand: int) -> list[Sequence]:
+    def _schedule_prompts(self, free: int, demand: int) -> list[Sequence]:
         """FCFS prompts that fit the token budget, the slots and the pages (worst case), in order.
         demand: pages the running sequences' next decode step may take."""
         cfg, mm = self.config, self.mm
         budget = cfg.max_num_batched_tokens
-        # Keep one decode step's growth for everyone already running, so admission cannot force preemption.
+        # Keep one decode step's growth for everyone already running, so a new prompt cannot force preemption.
         free -= demand
-        admitted: list[Sequence] = []
+        scheduled: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
             n = seq.num_tokens
-            if len(self.running) + len(admitted) >= cfg.max_num_seqs or mm.num_free_slots == 0:
+            if len(self.running) + len(scheduled) >= cfg.max_num_seqs or mm.num_free_slots == 0:
                 break
-            if seq.rows_in_flight:  # preempted with its next token still on the way: admit it once read
+            if seq.rows_in_flight:  # preempted with its next token still on the way: schedule it once read
                 break
             hits, new, reclaim = self._prefix_plan(seq)
             computed = n - len(hits) * (mm.prefix_block_tokens if hits else 0)
             # A prompt longer than the token budget still runs, alone.
-            if computed > budget and admitted:
+            if computed > budget and scheduled:
                 break
             need = self._prompt_pages(seq)
             if hits and not mm.copies_prefix:
@@ -184,7 +184,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:  # a preempted one's recompute is not queue time
                 seq.first_scheduled_time = time.monotonic()
-            admitted.append(seq)
+            scheduled.append(seq)
             if self.prefix_cache is not None:
                 self._take_prefix(seq, hits, new)
             if need + insert_cost > free:  # unreferenced cached blocks make room (the hits are referenced now)
@@ -194,15 +194,15 @@ class Scheduler:
             free -= need + insert_cost
             if budget <= 0:
                 break
-        self.running.extend(admitted)
-        return admitted
+        self.running.extend(scheduled)
+        return scheduled
 
     def _prompt_pages(self, seq: Sequence) -> int:
-        """Pages to admit a prompt against: its all-high worst case, or the learned estimate plus one
+        """Pages to reserve for a prompt: its all-high worst case, or the learned estimate plus one
         decode step's worst case."""
         n, mm = seq.num_tokens, self.mm
         worst = mm.pages_for_tokens(n + 1)
-        if self.footprint is None or seq.worst_case_admission:
+        if self.footprint is None or seq.worst_case_reservation:
             return worst
         return min(worst, self.footprint.prompt_pages(n, mm.pages_for_tokens(n)) + mm.pages_to_grow(n, n + 1))
 
@@ -228,7 +228,7 @@ class Scheduler:
         if lost:
             # Only the first one surely took more than estimated (the others may have lost to its pages):
             # the worst case makes it fit next time, and it is first in line.
-            batch.seqs[min(lost)].worst_case_admission = True
+            batch.seqs[min(lost)].worst_case_reservation = True
         return lost
 
     def observe_finish(self, seq: Sequence, pages_now: int) -> None:

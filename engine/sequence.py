@@ -5,11 +5,14 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.kv.request_settings import KVRequestSettings
 
 
 class Status(enum.Enum):
@@ -50,16 +53,15 @@ class Sequence:
     rows_in_flight: int = 0
     kv_usage: Optional[dict] = None  # KV memory held at finish (engine.kv_usage)
     teacher_agree: list[bool] = field(default_factory=list)  # teacher forcing: greedy choice == forced token
-    alpha_high: Optional[float] = None  # per-request DiffKV thresholds (None: the engine's)
-    alpha_low: Optional[float] = None
-    prune_phase: Optional[str] = None  # per-request CacheConfig.prune_phase (None: the engine's)
-    # Prefix cache (engine.prefix_cache): block ids this prefill reads instead of computing, block ids it
+    # Its DiffKV thresholds and prune phase, resolved when the request was added (None: the cache config's).
+    kv_settings: Optional[KVRequestSettings] = None
+    # Prefix cache (engine.kv.prefix_cache): block ids this prefill reads instead of computing, block ids it
     # writes (its next full prompt blocks), and the driver's blocks it holds references on.
     prefix_hits: list[int] = field(default_factory=list)
     prefix_inserts: list[int] = field(default_factory=list)
-    prefix_refs: list = field(default_factory=list)  # engine.prefix_cache.CachedBlock
-    # Learned admission (engine.footprint): after its prompt overflowed the pool once, admit it all-high.
-    worst_case_admission: bool = False
+    prefix_refs: list = field(default_factory=list)  # engine.kv.prefix_cache.CachedBlock
+    # Learned reservation (engine.kv.footprint): after its prompt overflowed the pool once, reserve it all-high.
+    worst_case_reservation: bool = False
     prefill_pages: Optional[int] = None  # pages its last prefill kept, summed over ranks (growth stats)
     prefill_tokens: int = 0
 

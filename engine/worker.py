@@ -7,7 +7,7 @@ driver sends each rank the same small StepRequest, a delta against what the rank
   decode   per sequence only (slot, newest token, tokens cached): the rank keeps its own copy of each
            sequence (engine.sequence.Sequence without a detokenizer) and appends the token
   frees    slots to release first (finished, aborted, preempted), in the order the driver released them
-  evict    prefix-cache blocks to drop next (engine.prefix_cache: the driver decides every hit, insert and
+  evict    prefix-cache blocks to drop next (engine.kv.prefix_cache: the driver decides every hit, insert and
            eviction by block id, so all ranks cache the same blocks, each in its own pages)
 
 Slots are chosen by the driver; every rank's memory manager hands out slots in the same order (last
@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from engine.config import EngineConfig
+from engine.kv.request_settings import KVRequestSettings
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -52,11 +53,9 @@ class NewSequence:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     params: SamplingParams
-    alpha_high: Optional[float]
-    alpha_low: Optional[float]
+    kv_settings: Optional[KVRequestSettings]  # resolved by the driver (None: the cache config's)
     prefix_hits: list[int] = field(default_factory=list)  # cached blocks its prefill reads
     prefix_inserts: list[int] = field(default_factory=list)  # blocks its prefill caches
-    prune_phase: Optional[str] = None  # per-request CacheConfig.prune_phase (None: the engine's)
 
 
 @dataclass
@@ -80,7 +79,7 @@ class StepReport:
     tokens_low: list[int]
     mm_seconds: float
     growth: list[int] = field(default_factory=list)  # per sequence: pages its next decode step may take here
-    overflowed: list[int] = field(default_factory=list)  # learned-admission prefill: indices that did not fit
+    overflowed: list[int] = field(default_factory=list)  # learned-reservation prefill: indices that did not fit
     tokens: Optional[list[int]] = None  # rank 0 only
     logprobs: Optional[list[float]] = None
     teacher_agree: Optional[list[Optional[bool]]] = None  # rank 0: per sequence, None if not teacher-forced
@@ -143,7 +142,7 @@ class Worker:
 
         self._release(req.frees, req.forget, req.evict)
         if req.is_prefill:
-            seqs = [self._admit(n) for n in req.new]
+            seqs = [self._adopt(n) for n in req.new]
         else:
             seqs = []
             for slot, tok, cached in zip(req.slots, req.tokens, req.num_cached):
@@ -171,8 +170,8 @@ class Worker:
         from engine.model_runner import Batch
 
         self._release(frees, forget, evict)
-        seq = self._admit(NewSequence("__logits__", slot, list(prompt_token_ids), [],
-                                      SamplingParams(temperature=0, max_tokens=1), None, None))
+        seq = self._adopt(NewSequence("__logits__", slot, list(prompt_token_ids), [],
+                                      SamplingParams(temperature=0, max_tokens=1), None))
         try:
             self.runner.execute(Batch(True, [seq]), keep_logits=True, sample_tokens=False)
             return self.runner.last_logits[0].cpu() if self.rank == 0 else None
@@ -196,7 +195,7 @@ class Worker:
         return self.rank
 
     # ---- helpers ---------------------------------------------------------------------------------------
-    def _admit(self, n: NewSequence) -> Sequence:
+    def _adopt(self, n: NewSequence) -> Sequence:
         slot = self.runner.mm.alloc_slot()
         if slot != n.slot:
             raise RuntimeError(f"rank {self.rank}: slot order diverged from the driver's "
@@ -209,7 +208,7 @@ class Worker:
                 self.generators[n.request_id] = gen
         seq = Sequence(n.request_id, list(n.prompt_token_ids), n.params, None, generator=gen)
         seq.output_token_ids = list(n.output_token_ids)
-        seq.alpha_high, seq.alpha_low, seq.prune_phase = n.alpha_high, n.alpha_low, n.prune_phase
+        seq.kv_settings = n.kv_settings
         seq.prefix_hits, seq.prefix_inserts = list(n.prefix_hits), list(n.prefix_inserts)
         seq.slot = slot
         self.seqs[slot] = seq

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from engine.kv_cache import KEPT_LOW, PRUNED
+from engine.kv.policy import KEPT_LOW, PRUNED
 from evals.harness import DEFAULT_MAX_TOKENS
 from evals.problems import load_problems
 from evals.runner import EvalModel, run_requests
@@ -100,7 +100,7 @@ class PruneTally:
         self.problems = 0
 
     def add(self, classes: torch.Tensor, cats: list[str]) -> None:
-        """classes int8 [L, H, N] (engine.kv_cache classes), cats: N categories."""
+        """classes int8 [L, H, N] (engine.kv.policy classes), cats: N categories."""
         L, H, N = classes.shape
         if len(cats) != N:
             raise ValueError(f"PruneTally.add: {len(cats)} categories for {N} positions")

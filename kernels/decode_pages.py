@@ -20,7 +20,7 @@ move nothing and get write target page -1.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -29,22 +29,8 @@ import triton.language as tl
 from kernels._common import next_pow2, pool_views, seg_offsets, use_triton
 from kernels.kv_move import _check as _check_move, move_rows, move_tokens_ref
 from kernels.page_alloc import grow_pages
-from kernels.page_layout import PageFormat
+from kernels.page_layout import PageFormat, PageState
 from kernels.sections import section_page, section_targets
-
-
-class PageState(NamedTuple):
-    """The memory manager's device state the decode step updates in place (engine/memory.py)."""
-
-    pool: torch.Tensor  # uint8 [num_pages, page_bytes]
-    page_table: torch.Tensor  # int32 [S, L, H, P + 1]
-    held_high: torch.Tensor  # int32 [S, L, H]
-    held_low: torch.Tensor
-    len_high: torch.Tensor
-    len_low: torch.Tensor
-    free_list: torch.Tensor  # int32 [num_pages + 1]
-    counters: torch.Tensor  # int64 [2]: (start, end)
-    next_growth: torch.Tensor  # int64 [S]
 
 
 # ---- reference ------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def _write_sections_kernel(
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     hmask = h < H
-    if HAS_DROP:  # learned admission: a sequence whose pages did not fit writes nothing
+    if HAS_DROP:  # learned reservation: a sequence whose pages did not fit writes nothing
         hmask = hmask & (tl.load(drop_ptr + tl.load(seq_ptr + n)) == 0)
     slot = tl.load(tslot_ptr + n).to(tl.int64)
     pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth

@@ -14,10 +14,16 @@ segments, each 16-byte aligned:
 size is `full_itemsize`. Every page has the same byte size; tokens per page T follow from the precision.
 A format with `float8` stores its 8-bit sides as fp8 e4m3 codes x / scale (kernels/quant.py) instead of
 integers: the same bytes per token, so paging and page sizes do not depend on the code format.
+
+PageState names the device tensors of a whole pool (pages, page table, section sizes, free list) as the
+kernels that manage pages take them; the engine's memory manager (engine/kv/pool.py) owns them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
 
 ALIGN = 16
 SUPPORTED_BITS = (16, 8, 4, 2)
@@ -110,3 +116,17 @@ class PageFormat:
     def token_bytes(self) -> float:
         """Bytes per token on a full page of this precision (metadata included)."""
         return self.page_bytes / self.tokens
+
+
+class PageState(NamedTuple):
+    """A pool's device state, as the page-managing kernels (kernels/decode_pages.py) update it in place."""
+
+    pool: torch.Tensor  # uint8 [num_pages, page_bytes]
+    page_table: torch.Tensor  # int32 [S, L, H, P + 1]
+    held_high: torch.Tensor  # int32 [S, L, H]
+    held_low: torch.Tensor
+    len_high: torch.Tensor
+    len_low: torch.Tensor
+    free_list: torch.Tensor  # int32 [num_pages + 1]
+    counters: torch.Tensor  # int64 [2]: (start, end)
+    next_growth: torch.Tensor  # int64 [S]

@@ -1,6 +1,6 @@
 """Prefix-aware request routing, composed with KV headroom.
 
-An engine replica's prefix cache (engine/prefix_cache.py) saves the prefill of a prompt prefix it has seen,
+An engine replica's prefix cache (engine/kv/prefix_cache.py) saves the prefill of a prompt prefix it has seen,
 but only on that replica. `PrefixAwareRouter` remembers, per replica, the prefixes it routed there and sends a
 request to the replica holding the longest prefix of its prompt, as long as load is balanced: the spread of
 replica headroom (service.router.headroom) stays within `imbalance_threshold`. Otherwise, or when no replica

@@ -10,12 +10,13 @@ import time
 import uuid
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo,
+                      field_validator, model_validator)
 
 from engine.config import PrunePhase
+from engine.kv.request_settings import ALPHA_MAX, check_alpha, check_order, check_prune_phase
 
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
-ALPHA_MAX = 1e6  # upper bound of a kv_compression threshold
 
 
 class _Strict(BaseModel):
@@ -26,7 +27,8 @@ class _Strict(BaseModel):
 class KVCompression(_Strict):
     """Per-request DiffKV thresholds (diffkv mode): a token stays high precision if its significance is >=
     alpha_high / position, low precision if >= alpha_low / position, else it is pruned; prune_phase limits
-    pruning to the prompt's or the generated tokens (engine CacheConfig.prune_phase)."""
+    pruning to the prompt's or the generated tokens (engine CacheConfig.prune_phase). The checks are the
+    engine's (engine/kv/request_settings.py), which also fills in the server's defaults."""
 
     alpha_high: Optional[StrictFloat] = Field(None, ge=0, le=ALPHA_MAX)
     alpha_low: Optional[StrictFloat] = Field(None, ge=0, le=ALPHA_MAX)
@@ -35,16 +37,19 @@ class KVCompression(_Strict):
 
     @field_validator("alpha_high", "alpha_low", mode="before")
     @classmethod
-    def _finite(cls, v):
-        # Before the range checks, whose messages say nothing useful about NaN ("less than or equal to ...").
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 <= v <= ALPHA_MAX:
-            raise ValueError(f"must be a finite number >= 0 (at most {ALPHA_MAX:g}), got {v}")
-        return v
+    def _alpha(cls, v, info: ValidationInfo):
+        # Before the type and range checks, so a bad value gets the engine's message.
+        return v if v is None else check_alpha(info.field_name, v)
+
+    @field_validator("prune_phase", mode="before")
+    @classmethod
+    def _prune_phase(cls, v):
+        return v if v is None else check_prune_phase(v)
 
     @model_validator(mode="after")
     def _order(self) -> "KVCompression":
-        if self.alpha_high is not None and self.alpha_low is not None and self.alpha_low > self.alpha_high:
-            raise ValueError(f"alpha_low ({self.alpha_low}) must not exceed alpha_high ({self.alpha_high})")
+        if self.alpha_high is not None and self.alpha_low is not None:
+            check_order(self.alpha_high, self.alpha_low)
         return self
 
 

@@ -109,7 +109,7 @@ def test_throughput_smoke(tmp_path):
         assert r["tokens"] == 4 * 16 and r["tokens_per_s"] > 0 and r["steps"] > 0
         assert r["max_batch"] >= 1 and r["compression_ratio"] > 0 and r["preemptions"] >= 0
     assert rows[1]["compression_ratio"] > rows[0]["compression_ratio"]
-    assert rows[1]["overflows"] == 0 and rows[2]["overflows"] >= 0 and rows[2]["admission"] == "learned"
+    assert rows[1]["overflows"] == 0 and rows[2]["overflows"] >= 0 and rows[2]["reservation"] == "learned"
     for r in rows:  # --smoke traces every step: one sample per step, pages and token classes consistent
         tr = r["trace"]
         assert len(tr["samples"]) == r["steps"]

@@ -1,4 +1,4 @@
-"""Prefix caching (engine/prefix_cache.py): the index alone (LRU order, refcounts, chain keys), greedy outputs
+"""Prefix caching (engine/kv/prefix_cache.py): the index alone (LRU order, refcounts, chain keys), greedy outputs
 equal with it on and off (fp16 and diffkv, a shared prefix read by one request while another demotes and
 prunes its own copy), a repeated 1,000-token prefix computed once, and a property test of shared-prefix
 requests, aborts, preemptions and evictions that checks every page and reference after each operation."""
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
-from engine.prefix_cache import PrefixCache, chain_keys
+from engine.kv.prefix_cache import PrefixCache, chain_keys
 
 from engine_helpers import TEST_DEVICE, apply_op, assert_all_pages_free
 
@@ -42,7 +42,7 @@ def test_lru_evicts_least_recently_released_and_children_first():
     hits, rest = pc.match([1, 2, 3, 4, 5, 6, 7], max_tokens=6)
     assert hits == a and rest == []
     pc.acquire(hits[:1])  # a's first block is read again: no longer evictable
-    assert pc.evictable_excluding(a[1:]) == 2  # what admission could evict if it also read a[1:]
+    assert pc.evictable_excluding(a[1:]) == 2  # what scheduling a prompt could evict if it also read a[1:]
     assert pc.evict(3) == [a[2].block_id, a[1].block_id, b[1].block_id]
     pc.release(hits[:1])  # now the most recently used
     assert pc.evict(10) == [b[0].block_id, a[0].block_id]

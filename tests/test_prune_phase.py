@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from engine import EngineConfig, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.kv_cache import KEPT_HIGH, KEPT_LOW, PRUNED
+from engine.kv.policy import KEPT_HIGH, KEPT_LOW, PRUNED
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 from engine_helpers import TEST_DEVICE, assert_all_pages_free, run_all

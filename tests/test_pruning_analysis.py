@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.kv_cache import KEPT_HIGH, KEPT_LOW, PRUNED
+from engine.kv.policy import KEPT_HIGH, KEPT_LOW, PRUNED
 from evals import pruning_analysis as pa
 from evals.runner import EvalModel
 

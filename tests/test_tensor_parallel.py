@@ -148,27 +148,27 @@ def test_ray_executor_with_one_rank_equals_local_bit_for_bit(engines):
     assert_all_pages_free(eng)
 
 
-def test_tp2_learned_admission_redoes_an_overflowed_prompt_on_every_rank(engines):
-    """Learned admission learns on compressible prompts, then meets prompts that keep every token: a prefill
+def test_tp2_learned_reservation_redoes_an_overflowed_prompt_on_every_rank(engines):
+    """Learned reservation learns on compressible prompts, then meets prompts that keep every token: a prefill
     that overflowed on any rank is redone on both (driver's flag union), with the tokens of worst-case
-    admission and every page back on every rank."""
+    reservation and every page back on every rank."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 500, (int(torch.randint(40, 64, (1,), generator=g)),), generator=g).tolist()
                for _ in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     outs = {}
-    for admission in ("worst_case", "learned"):
+    for reservation in ("worst_case", "learned"):
         # random:tiny, 2 layers x 1 KV head per rank; a 40-63 token prompt is 10 pages all-high on each rank.
-        eng = engines(f"tiny-tp2-{admission}", model="random:tiny", tensor_parallel_size=2, max_model_len=256,
-                      scheduler={"max_num_seqs": 8, "admission": admission, "footprint_min_samples": 2},
+        eng = engines(f"tiny-tp2-{reservation}", model="random:tiny", tensor_parallel_size=2, max_model_len=256,
+                      scheduler={"max_num_seqs": 8, "reservation": reservation, "footprint_min_samples": 2},
                       cache={"kv_mode": "diffkv", "num_pages": 30, "block_size": 4, "window": 4,
                              "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
         squeeze = run_all(eng, prompts[:2], sp, kv_compression={"alpha_high": 50.0, "alpha_low": 20.0})
         keep = run_all(eng, prompts[2:], sp, kv_compression={"alpha_high": 0.0, "alpha_low": 0.0})
-        outs[admission] = [o.token_ids for o in squeeze + keep]
+        outs[reservation] = [o.token_ids for o in squeeze + keep]
         assert_all_pages_free(eng)
-        if admission == "learned":
-            assert eng.stats()["admission"]["overflows"] > 0
+        if reservation == "learned":
+            assert eng.stats()["reservation"]["overflows"] > 0
     assert outs["learned"] == outs["worst_case"]
 
 
@@ -364,8 +364,9 @@ def test_bad_tensor_parallel_sizes_name_the_field(smollm):
 def test_driver_page_rules_match_the_memory_manager(kv_mode):
     """DistributedPages restates MemoryManager's worst-case page rules for the rank with the most heads."""
     from engine.config import CacheConfig
-    from engine.distributed_pages import DistributedPages
-    from engine.memory import CacheShape, MemoryManager
+    from engine.kv.distributed import DistributedPages
+    from engine.kv.layout import CacheShape
+    from engine.kv.pool import MemoryManager
 
     high, low = CacheConfig(kv_mode=kv_mode).precisions()
     mm = MemoryManager(CacheShape(4, 2, 32, 8, 256, 16), 64, torch.float32, "cpu", high=high, low=low)

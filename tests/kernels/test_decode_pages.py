@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from engine.memory import CacheShape, MemoryManager
+from engine.kv.layout import CacheShape
+from engine.kv.pool import MemoryManager
 from kernels.compression_plan import compression_plan
 from kernels.decode_pages import decode_pages
 from kernels.kv_write import write_kv

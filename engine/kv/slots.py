@@ -1,7 +1,7 @@
 """Sequence slots: the rows of the page and length tables that live sequences own.
 
-A stack of free slots, last freed first reused. engine.memory.MemoryManager (each rank) and
-engine.distributed_pages.DistributedPages (the driver's view of all ranks) hand slots out in the same order,
+A stack of free slots, last freed first reused. engine.kv.pool.MemoryManager (each rank) and
+engine.kv.distributed.DistributedPages (the driver's view of all ranks) hand slots out in the same order,
 so the driver's choice is every rank's."""
 from __future__ import annotations
 

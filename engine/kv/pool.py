@@ -17,53 +17,27 @@ Allocation and recycling for every (sequence, layer, head) of a step are one bat
 head states its demand, an exclusive prefix sum gives each a disjoint range of the circular list, and
 every head reads (or writes) its page ids in parallel. Masked-out lanes write to the trash cells, so
 nothing needs a host round trip or a data-dependent shape. Host-side bookkeeping is O(requests).
+Prefix-cache blocks are engine/kv/prefix_blocks.py's, the invariants tests check engine/kv/invariants.py's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from engine.host_copy import to_device
-from engine.slots import SequenceSlots
-from kernels.decode_pages import PageState
+from engine.kv import invariants
+from engine.kv.layout import CacheShape, cdiv
+from engine.kv.prefix_blocks import PrefixBlocks
+from engine.kv.reservation import worst_case_growth, worst_case_pages
+from engine.kv.slots import SequenceSlots
 from kernels.page_alloc import grow_pages
-from kernels.page_layout import PageFormat, page_bytes_for
+from kernels.page_layout import PageFormat, PageState, page_bytes_for
 from kernels.prompt_page_fit import fit_prompt_pages
 from kernels.sections import section_targets
 
 
-@dataclass(frozen=True)
-class CacheShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_seqs: int
-    max_model_len: int
-    block_size: int  # tokens per full-precision page
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def worst_case_pages(heads: int, tokens_high: int, extra_prompt_pages: int, num_tokens: int) -> int:
-    """All-high pages of one sequence of num_tokens tokens over `heads` (layer, KV head) pairs: the page rule
-    the scheduler admits against, on one device or on the busiest tensor-parallel rank."""
-    return heads * (_cdiv(num_tokens, tokens_high) + extra_prompt_pages)
-
-
-def worst_case_growth(heads: int, tokens_high: int, extra_prompt_pages: int, two_sided: bool, old_len: int,
-                      new_len: int) -> int:
-    """Worst-case new pages to grow a sequence from old_len to new_len cached tokens."""
-    if two_sided:
-        return heads * (new_len - old_len)  # any head may fill a page on either side
-    return (worst_case_pages(heads, tokens_high, extra_prompt_pages, new_len)
-            - worst_case_pages(heads, tokens_high, extra_prompt_pages, old_len))
-
-
-class MemoryManager:
+class MemoryManager(PrefixBlocks):
     def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device,
                  high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None, float8: bool = False):
         """float8: the high precision's 8-bit sides hold e4m3 codes (kv_mode fp8)."""
@@ -81,9 +55,9 @@ class MemoryManager:
                              f"high precision {self.fmt_high.name}")
         self.num_pages = num_pages
         # A prompt reserves its all-high worst case; its low pages come out of that reservation, and rounding
-        # both sections up to whole pages can need one page more (fit_prompt_plan): admission counts it.
+        # both sections up to whole pages can need one page more (fit_prompt_plan): the reservation counts it.
         self.extra_prompt_pages = 1 if self.fmt_low is not None else 0
-        self.max_pages = _cdiv(shape.max_model_len, self.fmt_high.tokens) + self.extra_prompt_pages
+        self.max_pages = cdiv(shape.max_model_len, self.fmt_high.tokens) + self.extra_prompt_pages
         L, H, S, P = shape.num_layers, shape.num_kv_heads, shape.max_seqs, self.max_pages
         dev = self.device
         self.pool = torch.empty(num_pages, self.page_bytes, dtype=torch.uint8, device=dev)
@@ -127,12 +101,6 @@ class MemoryManager:
     @property
     def held(self) -> torch.Tensor:
         return self.held_high
-
-    # ---- sizes -------------------------------------------------------------------------------------
-    @staticmethod
-    def pages_for_bytes(shape: CacheShape, cache_dtype: torch.dtype, nbytes: float) -> int:
-        itemsize = torch.tensor([], dtype=cache_dtype).element_size()
-        return max(1, int(nbytes // page_bytes_for(shape.block_size, shape.head_dim, itemsize)))
 
     @property
     def heads_per_seq(self) -> int:
@@ -212,7 +180,7 @@ class MemoryManager:
         return int((self.held_high[slot] + self.held_low[slot]).sum()) - self.shared_cols[slot] * self.heads_per_seq
 
     def page_rules(self) -> dict:
-        """What the driver's tensor-parallel page view (engine.distributed_pages) needs of this rank's pool."""
+        """What the driver's tensor-parallel page view (engine.kv.distributed) needs of this rank's pool."""
         return {"num_pages": self.num_pages, "page_bytes": self.page_bytes, "heads_per_seq": self.heads_per_seq,
                 "tokens_high": self.fmt_high.tokens, "extra_prompt_pages": self.extra_prompt_pages,
                 "two_sided": self.two_sided, "max_seqs": self.shape.max_seqs,
@@ -226,6 +194,9 @@ class MemoryManager:
     @property
     def num_free_slots(self) -> int:
         return len(self._slots)
+
+    def slots_in_use(self) -> set[int]:
+        return self._slots.in_use()
 
     # ---- batched allocation ------------------------------------------------------------------------
     def grow(self, slots: torch.Tensor, need_high: torch.Tensor, need_low: torch.Tensor, max_new_pages: int,
@@ -241,7 +212,7 @@ class MemoryManager:
 
     def reserve(self, slots: torch.Tensor, new_lens: torch.Tensor, max_new_pages: int) -> None:
         """Grow every head's high side to hold new_lens[b] tokens at high precision (the prompt's worst case)."""
-        need_high = (_cdiv(new_lens, self.fmt_high.tokens).view(-1, 1, 1) - self.held_high[slots]).clamp_min(0)
+        need_high = (cdiv(new_lens, self.fmt_high.tokens).view(-1, 1, 1) - self.held_high[slots]).clamp_min(0)
         need_high = need_high.to(torch.int32)
         self.grow(slots, need_high, torch.zeros_like(need_high), max_new_pages)
 
@@ -255,7 +226,7 @@ class MemoryManager:
 
     def alloc_prompt_layer(self, slots: torch.Tensor, layer: int, n_high: torch.Tensor, n_low: torch.Tensor,
                            overflow: torch.Tensor, max_new_pages: int) -> None:
-        """Learned admission (no all-high reservation): grow each head of this layer to its plan, n_high
+        """Learned reservation (no all-high reservation): grow each head of this layer to its plan, n_high
         tokens on the left and n_low on the right ([B, H]), in batch order while the free list lasts.
 
         A sequence whose pages do not fit (or that overflowed in an earlier layer) gets none and is flagged
@@ -263,8 +234,8 @@ class MemoryManager:
         the host learns of it after the forward, in the sync it makes anyway (no per-layer round trip).
         """
         at = (slots, layer)
-        need_h = (_cdiv(n_high, self.fmt_high.tokens) - self.held_high[at]).clamp_min(0)
-        need_l = (_cdiv(n_low, self.fmt_low.tokens) - self.held_low[at]).clamp_min(0)
+        need_h = (cdiv(n_high, self.fmt_high.tokens) - self.held_high[at]).clamp_min(0)
+        need_l = (cdiv(n_low, self.fmt_low.tokens) - self.held_low[at]).clamp_min(0)
         per_seq = (need_h + need_l).sum(1, dtype=torch.int64) * (~overflow)
         fits = ~overflow & (torch.cumsum(per_seq, 0) <= self.counters[1] - self.counters[0])
         overflow |= ~fits
@@ -314,8 +285,8 @@ class MemoryManager:
         side of the page table); the pages between go back to the free list in one batched recycle."""
         P = self.max_pages
         R = self.held_high[slots].to(torch.int64)  # [B, L, H]
-        h = _cdiv(n_high.to(torch.int64), self.fmt_high.tokens)
-        lo = _cdiv(n_low.to(torch.int64), self.fmt_low.tokens) if self.fmt_low else torch.zeros_like(h)
+        h = cdiv(n_high.to(torch.int64), self.fmt_high.tokens)
+        lo = cdiv(n_low.to(torch.int64), self.fmt_low.tokens) if self.fmt_low else torch.zeros_like(h)
         rows = self.page_table[slots][..., :P]  # [B, L, H, P] copy
         cols = self._cols.to(torch.int64)
         # Right side column j holds low page c = P-1-j, taken from reservation column R-1-c.
@@ -370,141 +341,7 @@ class MemoryManager:
             t[s] = 0
         self._slots.release(slots)
 
-    # ---- prefix-cache blocks (engine.prefix_cache decides; every rank applies the same block ids) -------
-    def _init_prefix_blocks(self) -> None:
-        """Single-precision modes share pages: a cached block is one page per (layer, head) that the page
-        tables of its readers point at (columns [0, shared_cols[slot]) of a slot are such pages, read-only).
-        diffkv keeps blocks uncompressed (K16V16, block_size tokens) in pages of their own, which a prefill
-        reads and copies into the sequence's compressed pages; no page table ever points at them."""
-        L, H = self.shape.num_layers, self.shape.num_kv_heads
-        self.copies_prefix = self.fmt_low is not None
-        self.prefix_fmt = (PageFormat.make(16, 16, self.shape.head_dim, self.page_bytes, self.fmt_high.full_itemsize)
-                           if self.copies_prefix else self.fmt_high)
-        self.prefix_block_tokens = self.prefix_fmt.tokens
-        self.max_prefix_blocks = self.num_pages // self.heads_per_seq  # a block costs one page per head
-        self.block_pages = torch.full((max(1, self.max_prefix_blocks), L, H), -1, dtype=torch.int32, device=self.device)
-        self.cached_blocks: set[int] = set()
-        self.shared_cols = [0] * (self.shape.max_seqs + 1)
-
-    def attach_blocks(self, slot: int, block_ids: list[int]) -> None:
-        """Single precision: a new sequence reads these cached blocks as its first page-table columns."""
-        k = len(block_ids)
-        if k == 0:
-            return
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.page_table[slot, :, :, :k] = self.block_pages[ids].permute(1, 2, 0)
-        self.held_high[slot] = k
-        self.shared_cols[slot] = k
-
-    def adopt_blocks(self, slot: int, first_col: int, block_ids: list[int]) -> None:
-        """Single precision: after its prefill, full page columns [first_col, first_col + k) of a sequence
-        become cached blocks (the cache owns the pages now; the sequence keeps reading them)."""
-        k = len(block_ids)
-        if k == 0:
-            return
-        if first_col != self.shared_cols[slot]:
-            raise RuntimeError(f"slot {slot}: adopting columns from {first_col}, but {self.shared_cols[slot]} "
-                               "are shared")
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.block_pages[ids] = self.page_table[slot, :, :, first_col:first_col + k].permute(2, 0, 1)
-        self.shared_cols[slot] = first_col + k
-        self._add_blocks(block_ids)
-
-    def alloc_blocks(self, block_ids: list[int]) -> None:
-        """diffkv: take one page per (layer, head) of each new block from the free list (written by the prefill)."""
-        k = len(block_ids)
-        if k == 0:
-            return
-        n = k * self.heads_per_seq
-        j = torch.arange(n, device=self.device, dtype=torch.int64)
-        pages = self.free_list[(self.counters[0] + j) % self.num_pages]
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.block_pages[ids] = pages.view(k, *self.block_pages.shape[1:])
-        self.counters[0] += n
-        self._add_blocks(block_ids)
-
-    def evict_blocks(self, block_ids: list[int]) -> None:
-        """Recycle the pages of these cached blocks (no sequence reads them any more) in one batched recycle."""
-        if not block_ids:
-            return
-        missing = set(block_ids) - self.cached_blocks
-        if missing:
-            raise RuntimeError(f"evicting prefix blocks {sorted(missing)} that are not cached")
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        pages = self.block_pages[ids].view(len(block_ids), -1)
-        self._recycle(pages, torch.ones_like(pages, dtype=torch.bool))
-        self.block_pages[ids] = -1
-        self.cached_blocks -= set(block_ids)
-
-    def _add_blocks(self, block_ids: list[int]) -> None:
-        dup = self.cached_blocks & set(block_ids)
-        if dup:
-            raise RuntimeError(f"prefix blocks {sorted(dup)} are cached already")
-        self.cached_blocks |= set(block_ids)
-
-    def prefix_block_cost(self, num_blocks: int) -> int:
-        """Pages num_blocks cached blocks take (one per layer and head)."""
-        return num_blocks * self.heads_per_seq
-
-    def prefix_block_yield(self, num_blocks: int) -> int:
-        """Pages evicting num_blocks cached blocks frees (the same here; tensor-parallel views differ)."""
-        return num_blocks * self.heads_per_seq
-
-    # ---- invariant (tests) ---------------------------------------------------------------------------
-    def held_page_ids(self) -> list[int]:
-        """Pages the sequences own (not the prefix-cache pages their first columns may point at)."""
-        P = self.max_pages
-        pt = self.page_table.cpu()[..., :P]
-        cols = torch.arange(P).view(1, 1, 1, -1)
-        shared = torch.tensor(self.shared_cols).view(-1, 1, 1, 1)
-        mask = ((cols >= shared) & (cols < self.held_high.cpu().unsqueeze(-1))) | (
-            cols >= P - self.held_low.cpu().unsqueeze(-1))
-        return pt[mask].tolist()
-
-    def _check_prefix_blocks(self, refcounts: Optional[dict[int, int]]) -> list[int]:
-        """Cached blocks' pages (returned); shared columns point at whole cached blocks; given the driver's
-        refcounts (single precision), each block is read by exactly that many slots."""
-        ids = sorted(self.cached_blocks)
-        bp = self.block_pages.cpu()
-        pages = bp[ids].flatten().tolist() if ids else []
-        assert all(p >= 0 for p in pages), "a cached block lacks a page"
-        assert not self.copies_prefix or not any(self.shared_cols), "diffkv slots never share pages"
-        page_to_block = {int(bp[b, 0, 0]): b for b in ids}
-        readers = {b: 0 for b in ids}
-        pt = self.page_table.cpu()
-        for slot, k in enumerate(self.shared_cols):
-            for col in range(k):
-                b = page_to_block.get(int(pt[slot, 0, 0, col]))
-                assert b is not None, f"slot {slot} column {col} is shared but points at no cached block"
-                assert torch.equal(pt[slot, :, :, col], bp[b]), f"slot {slot} column {col}: not all of block {b}"
-                readers[b] += 1
-        if refcounts is not None:
-            assert set(refcounts) == set(ids), f"driver caches blocks {sorted(refcounts)}, rank {ids}"
-            if not self.copies_prefix:
-                assert readers == refcounts, f"slots reading each block {readers} != refcounts {refcounts}"
-        return pages
-
-    def check_invariants(self, live_slots: list[int] | None = None, refcounts: dict[int, int] | None = None) -> None:
-        """Every page is either free exactly once, owned by exactly one (slot, layer, head, column) or by
-        exactly one cached prefix block (which slots may also read: as often as refcounts says), and every
-        section fits in the pages its side holds."""
-        start, end = self.counters.tolist()
-        n = self.num_pages
-        assert 0 <= end - start <= n, f"free count {end - start} outside [0, {n}]"
-        # The free ids are the circular range [start, end) of the list: one roll, not a Python loop over pages
-        # (millions at benchmark pool sizes).
-        free_ids = self.free_list[:n].cpu().roll(-(start % n))[: end - start].tolist()
-        used_ids = self.held_page_ids() + self._check_prefix_blocks(refcounts)
-        assert all(0 <= p < n for p in used_ids), "page table points outside the pool"
-        seen = free_ids + used_ids
-        assert len(seen) == n and len(set(seen)) == n, (
-            f"pages lost or duplicated: {len(free_ids)} free + {len(used_ids)} held, "
-            f"{len(set(seen))} distinct of {n}")
-        assert not set(free_ids) & set(used_ids), "a page table points at a free page"
-        assert bool((self.held_high + self.held_low <= self.max_pages).all()), "page table sides overlap"
-        assert bool((self.len_high <= self.held_high * self.fmt_high.tokens).all()), "high section overflows"
-        if self.fmt_low is not None:
-            assert bool((self.len_low <= self.held_low * self.fmt_low.tokens).all()), "low section overflows"
-        if live_slots is not None:
-            busy = self._slots.in_use()
-            assert busy == set(live_slots), f"slots in use {sorted(busy)} != live sequences {sorted(live_slots)}"
+    def check_invariants(self, live_slots: Optional[list[int]] = None,
+                         refcounts: Optional[dict[int, int]] = None) -> None:
+        """Tests: engine/kv/invariants.py's check_pool (asserts)."""
+        invariants.check_pool(self, live_slots, refcounts)

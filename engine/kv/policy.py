@@ -7,7 +7,7 @@ token lives (DiffKV paper §4-§5). Every mode uses the same pages and kernels:
 Prompt: each layer scores its tokens (attention from the last queries), classifies them (recent window
 and score >= alpha_high / i: high; >= alpha_low / i: low; else pruned) and writes them quantized into the
 all-high reservation (high pages from its left, low pages from its right); after the forward the unused
-pages are recycled in one batched operation. With learned admission (SchedulerConfig.admission) nothing is
+pages are recycled in one batched operation. With learned reservation (SchedulerConfig.reservation) nothing is
 reserved: each layer takes exactly its plan's pages, and flags a sequence they do not fit for (the scheduler
 retries it). Generation: before each step the token leaving the window
 is placed by Algorithm 1 (compression_plan); then each head gets at most one new page, the tokens move and
@@ -23,9 +23,12 @@ from typing import Optional
 import torch
 
 from engine.config import CacheConfig
-from engine.memory import CacheShape, MemoryManager
+from engine.host_copy import to_device
+from engine.kv.layout import CacheShape
+from engine.kv.pool import MemoryManager
+from engine.kv.request_settings import KVRequestSettings
 from engine.profiling import cost_range, costed
-from kernels.compression_plan import compression_plan
+from kernels.compression_plan import BIG, compression_plan
 from kernels.decode_pages import decode_pages
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_write import write_kv
@@ -53,7 +56,7 @@ class PrefillInfo:
     alpha_low: torch.Tensor  # f32 [N]
     n_high: torch.Tensor  # int32 [B, L, H], filled layer by layer
     n_low: torch.Tensor
-    # Learned admission: no all-high reservation; each layer takes its pages, and a sequence they do not
+    # Learned reservation: no all-high reservation; each layer takes its pages, and a sequence they do not
     # fit for is flagged here (bool [B]) instead (MemoryManager.alloc_prompt_layer). None: reserved.
     overflow: Optional[torch.Tensor] = None
     max_new_pages: int = 0  # host bound on one head's pages in a layer (alloc_prompt_layer)
@@ -61,7 +64,7 @@ class PrefillInfo:
 
 @dataclass
 class CachedPrefix:
-    """A prefill batch that reads cached prompt blocks or (diffkv) writes new ones (engine.prefix_cache).
+    """A prefill batch that reads cached prompt blocks or (diffkv) writes new ones (engine.kv.prefix_cache).
 
     Keys are every prompt token of the batch, packed per sequence (cached prefix, then the computed
     suffix); queries only the computed ones. All on the device."""
@@ -91,9 +94,32 @@ class KVCache:
         scale = config.layer_alpha_scale if self.diffkv and config.policy == "thresholds" else None
         self.layer_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=device)
         self.significance_probe = None  # evals/layer_profile.py: called with each layer's prompt significance
+        # Each slot's request settings (engine/kv/request_settings.py), written at its sequence's prefill and read
+        # by every decode step on the device, eager or replayed in a CUDA graph: they never change during a
+        # request, so no step copies them. Row max_seqs is the dummy slot of padded graph rows: all zeros.
+        S = shape.max_seqs + 1
+        self.slot_alphas = torch.zeros(3, S, dtype=torch.float32, device=device)  # high, low, prompt's low
+        self.slot_ranges = torch.zeros(3, S, dtype=torch.int32, device=device)  # prompt length, prunable [lo, hi)
         self.num_query_heads = num_query_heads
         self.last_mm_seconds = 0.0
         self._mm_events: Optional[tuple] = None
+
+    # ---- per-slot request settings -------------------------------------------------------------------
+    def write_slot_settings(self, slots: torch.Tensor, settings: list[KVRequestSettings],
+                            prompt_lens: list[int]) -> None:
+        """A prefill's sequences (device slots [B]) take their slots: their thresholds and prunable positions
+        go into the per-slot table (two small copies per prefill batch, none per decode step)."""
+        ranges = [_prunable(s, n0) for s, n0 in zip(settings, prompt_lens)]
+        alphas = [[s.alpha_high for s in settings], [s.alpha_low for s in settings],
+                  [s.prefill_alpha_low for s in settings]]
+        ints = [list(prompt_lens), [lo for lo, _ in ranges], [hi for _, hi in ranges]]
+        at = slots.long()
+        self.slot_alphas[:, at] = to_device(alphas, torch.float32, self.mm.device)
+        self.slot_ranges[:, at] = to_device(ints, torch.int32, self.mm.device)
+
+    def prompt_alphas(self, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """alpha_high and the prompt's alpha_low of each prompt token (int64 [N] slots), from the table."""
+        return self.slot_alphas[0, token_slots], self.slot_alphas[2, token_slots]
 
     # ---- prompt ------------------------------------------------------------------------------------
     @costed("attention")  # the K/V writes (and cached-prefix reads); classification and pages marked inside
@@ -178,32 +204,31 @@ class KVCache:
             self.mm.finish_prompt(info.slots, info.n_high, info.n_low)
 
     # ---- generation ----------------------------------------------------------------------------------
-    def prepare_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
-                       alpha_high: torch.Tensor, alpha_low: torch.Tensor,
-                       timed: bool = True, prunable: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_decode(self, slots: torch.Tensor, seq_len: torch.Tensor,
+                       timed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Place the token leaving the window (diffkv), give heads their page, append the new token's slot.
 
         slots int32 [B]; seq_len int32 [B] = tokens after this step's token; returns write targets [L, B, H].
-        prunable: None, or int32 [B] (lo, hi): the positions each sequence may prune (CacheConfig.prune_phase).
+        Thresholds, prompt lengths and prunable positions come from the per-slot table (write_slot_settings).
         No host synchronization: a CUDA graph can capture it (timed=False there; the graph runner times it).
         """
-        plan = self.plan_decode(slots, seq_len, prompt_len, alpha_high, alpha_low, prunable)
+        plan = self.plan_decode(slots, seq_len)
         return self.decode_pages(slots, seq_len, plan, timed)
 
     @costed("policy")
-    def plan_decode(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor,
-                    alpha_high: torch.Tensor, alpha_low: torch.Tensor,
-                    prunable: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[dict]:
-        """diffkv: Algorithm 1 for the token leaving each head's window (None for one precision)."""
+    def plan_decode(self, slots: torch.Tensor, seq_len: torch.Tensor) -> Optional[dict]:
+        """diffkv: Algorithm 1 for the token leaving each head's window (None for one precision), with each
+        slot's settings gathered from the per-slot table on the device."""
         if not self.diffkv:
             return None
-        mm = self.mm
+        mm, at = self.mm, slots.long()
+        alpha_high, alpha_low = self.slot_alphas[0, at], self.slot_alphas[1, at]
+        prompt_len, lo, hi = self.slot_ranges[:, at].unbind(0)
         return compression_plan(mm.pool, mm.fmt_high, mm.fmt_low, mm.page_table, mm.len_high, mm.len_low, slots,
                                 prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
                                 num_queries=self.config.significance_queries,
                                 budget=self.config.budget if self.config.policy == "budget" else None,
-                                layer_scale=self.layer_scale, prunable=prunable)
+                                layer_scale=self.layer_scale, prunable=(lo, hi))
 
     @costed("memory")
     def decode_pages(self, slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict],
@@ -303,3 +328,13 @@ class KVCache:
         s = torch.tensor(slots, device=self.mm.device)
         hi, lo = torch.stack([self.mm.len_high[s].sum(), self.mm.len_low[s].sum()]).tolist()
         return {"tokens_high": hi, "tokens_low": lo, "tokens_pruned": cached * self.mm.heads_per_seq - hi - lo}
+
+
+def _prunable(settings: KVRequestSettings, prompt_len: int) -> tuple[int, int]:
+    """The positions [lo, hi) a sequence's decode steps may prune (prune_phase): every one, the prompt's, or the
+    generated tokens' (BIG: above any position)."""
+    if settings.prune_phase == "prompt":
+        return 0, prompt_len
+    if settings.prune_phase == "generation":
+        return prompt_len, BIG
+    return 0, BIG

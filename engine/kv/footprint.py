@@ -1,10 +1,10 @@
-"""What a DiffKV prompt really keeps, learned per engine (one model x cache config), for admission.
+"""What a DiffKV prompt really keeps, learned per engine (one model x cache config), for its page reservation.
 
 Before its prefill a prompt's compressed size is unknown; the all-high worst case over-reserves it by the
 compression ratio. After each prefill the engine reports the pages the prompt kept; this learner keeps the
 fraction of the worst case they were (`ratio`), per prompt-length bucket (powers of two: short prompts are
 mostly recent window and keep relatively more), as the most recent `footprint_max_samples` samples of each
-bucket. Admission asks for the `footprint_quantile` of a bucket's ratios times (1 + `footprint_margin`),
+bucket. A reservation asks for the `footprint_quantile` of a bucket's ratios times (1 + `footprint_margin`),
 never more than the worst case. Warm-up: a bucket with fewer than `footprint_min_samples` samples borrows
 the nearest shorter bucket that has enough (longer prompts compress at least as well, as a rule), else the
 worst case. An estimate that turns out too small is not a correctness problem: the prefill detects it on
@@ -87,7 +87,7 @@ class FootprintEstimator:
         return None
 
     def prompt_pages(self, num_tokens: int, worst_pages: int) -> int:
-        """Pages to admit a prompt against: the learned quantile with its margin, at most the worst case."""
+        """Pages to reserve for a prompt: the learned quantile with its margin, at most the worst case."""
         r = self.ratio(num_tokens)
         if r is None:
             return worst_pages

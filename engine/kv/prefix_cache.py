@@ -3,7 +3,7 @@
 A block is a run of `block_tokens` consecutive prompt tokens, named by a chain hash (the parent block's hash
 and its own token ids), so a block matches only under the same whole prefix. Only full blocks are cached.
 Each cached block has an id that every tensor-parallel rank uses for its own pages of that block (one page
-per (layer, KV head), engine.memory.MemoryManager.block_pages); ranks never decide anything themselves:
+per (layer, KV head), engine.kv.pool.MemoryManager.block_pages); ranks never decide anything themselves:
 the driver's scheduler looks blocks up, counts references, picks evictions and sends them with the batch.
 
 Reference counts: a sequence holds a reference on every block it reads or inserted until it lets go (at

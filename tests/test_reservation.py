@@ -1,4 +1,4 @@
-"""Learned (compression-aware) admission: the footprint learner, the memory manager's overflow-safe prompt
+"""Learned (compression-aware) prompt page reservation: the footprint learner, the memory manager's overflow-safe prompt
 allocation and exact decode bound, and an adversarial prompt mix end to end (estimate wrong on purpose)."""
 import pytest
 import torch
@@ -6,10 +6,11 @@ from pydantic import ValidationError
 
 from engine import EngineConfig, SamplingParams
 from engine.config import SchedulerConfig
-from engine.footprint import FootprintEstimator, length_bucket, quantile
+from engine.kv.footprint import FootprintEstimator, length_bucket, quantile
+from engine.kv.layout import CacheShape
+from engine.kv.pool import MemoryManager
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
-from engine.memory import CacheShape, MemoryManager
 
 from engine_helpers import TEST_DEVICE, assert_all_pages_free
 
@@ -23,7 +24,7 @@ def test_quantile_is_nearest_rank():
         quantile([], 0.5)
 
 
-def test_learner_warms_up_on_the_worst_case_then_admits_the_quantile_with_margin():
+def test_learner_warms_up_on_the_worst_case_then_reserves_the_quantile_with_margin():
     est = FootprintEstimator(SchedulerConfig(footprint_quantile=0.9, footprint_margin=0.25, footprint_min_samples=10))
     assert length_bucket(100) == length_bucket(127) == 6 and length_bucket(128) == 7
     for i in range(9):
@@ -57,8 +58,8 @@ def test_learner_keeps_only_recent_samples():
 
 @pytest.mark.parametrize("field, value", [("footprint_quantile", 0.0), ("footprint_quantile", 1.5),
                                           ("footprint_margin", -0.1), ("footprint_min_samples", 0),
-                                          ("admission", "optimistic")])
-def test_bad_admission_settings_name_the_field(field, value):
+                                          ("reservation", "optimistic")])
+def test_bad_reservation_settings_name_the_field(field, value):
     with pytest.raises(ValidationError, match=field):
         SchedulerConfig(**{field: value})
 
@@ -131,12 +132,12 @@ def test_decode_growth_counts_heads_with_a_full_section():
 TINY = None
 
 
-def _engine(admission, num_pages):
+def _engine(reservation, num_pages):
     global TINY
     if TINY is None:
         TINY = load_checkpoint("random:tiny")
     cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=True,
-                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 512, "admission": admission,
+                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 512, "reservation": reservation,
                                   "footprint_min_samples": 2},
                        cache={"kv_mode": "diffkv", "num_pages": num_pages, "block_size": 4, "window": 4,
                               "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
@@ -184,13 +185,13 @@ def test_adversarial_prompt_mix_never_crashes_or_loses_a_request():
     # Every token kept: the estimate learned on the prompts above is far too small for these.
     adversary = [(f"k{i}", prompts[i], seeded if i == 7 else greedy, keep_all) for i in range(4, 10)]
     outs, stats = {}, {}
-    for admission in ("worst_case", "learned"):
-        eng = _engine(admission, num_pages=60)  # a 40-63 token prompt: 20 pages all-high
+    for reservation in ("worst_case", "learned"):
+        eng = _engine(reservation, num_pages=60)  # a 40-63 token prompt: 20 pages all-high
         _check_decode_bound(eng)
-        outs[admission] = {**_run(eng, learn), **_run(eng, adversary)}
-        stats[admission] = eng.stats()
+        outs[reservation] = {**_run(eng, learn), **_run(eng, adversary)}
+        stats[reservation] = eng.stats()
         assert_all_pages_free(eng)
     assert len(outs["learned"]) == 10 and outs["learned"] == outs["worst_case"]
-    adm = stats["learned"]["admission"]
+    adm = stats["learned"]["reservation"]
     assert adm["overflows"] > 0 and adm["prompt_samples"] >= 10
-    assert stats["worst_case"]["admission"] == {"mode": "worst_case", "overflows": 0}
+    assert stats["worst_case"]["reservation"] == {"mode": "worst_case", "overflows": 0}

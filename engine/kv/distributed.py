@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from engine.memory import worst_case_growth, worst_case_pages
-from engine.slots import SequenceSlots
+from engine.kv.reservation import worst_case_growth, worst_case_pages
+from engine.kv.slots import SequenceSlots
 
 
 class DistributedPages:
