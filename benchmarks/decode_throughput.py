@@ -5,6 +5,8 @@ Usage (GPU):  python benchmarks/decode_throughput.py --preset llama3-8b --batche
 Key centering's decode cost: the same batches with centering off and on (the rotated k_proj bias: a model with one),
 in the order off, on, on, off per repeat so drift shows as spread:
     python benchmarks/decode_throughput.py --preset qwen2.5-1.5b --kv-mode int4 --key-centering off bias
+KV rotation's decode cost (engine.kv_rotation: one [tokens, heads, D] x [D, D] matmul per layer), the same way:
+    python benchmarks/decode_throughput.py --preset qwen2.5-1.5b --kv-mode int4 --kv-rotation off hadamard
 Smoke (CPU):  python benchmarks/decode_throughput.py --smoke
 """
 from __future__ import annotations
@@ -81,10 +83,16 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-mode", default="fp16", choices=KV_MODES, help="the engine's kv_mode")
     ap.add_argument("--key-centering", nargs="+", default=None, choices=("auto", "bias", "off"),
                     help="compare these key-centering modes side by side (an engine each, order A B B A)")
+    ap.add_argument("--kv-rotation", nargs="+", default=None, choices=("auto", "hadamard", "off"),
+                    help="compare these KV-rotation modes side by side (an engine each, order A B B A)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI keeps the script alive)")
     args = ap.parse_args(argv)
+    if args.key_centering and args.kv_rotation:
+        ap.error("compare --key-centering or --kv-rotation, not both at once")
     if args.key_centering:
-        return compare_key_centering(args, argv)
+        return compare_cache_option(args, argv, "key_centering", args.key_centering, "key_centering_decode_cost")
+    if args.kv_rotation:
+        return compare_cache_option(args, argv, "kv_rotation", args.kv_rotation, "kv_rotation_decode_cost")
     if args.smoke:
         args.preset, args.batches, args.prompt_len, args.new_tokens = "tiny", [1, 3], 16, 6
         args.device = "cpu" if args.device == "auto" else args.device
@@ -114,53 +122,54 @@ def main(argv=None) -> int:
     return 0
 
 
-def _engine(args, centering: str = "auto") -> LLMEngine:
+def _engine(args, option: dict) -> LLMEngine:
     ckpt = load_checkpoint(f"random:{args.preset}")
     max_len = args.prompt_len + args.new_tokens + 16
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len,
                        scheduler={"max_num_seqs": max(args.batches), "max_num_batched_tokens": 8192},
-                       cache={"block_size": args.block_size, "kv_mode": args.kv_mode, "key_centering": centering})
+                       cache={"block_size": args.block_size, "kv_mode": args.kv_mode, **option})
     return LLMEngine(cfg, checkpoint=ckpt)
 
 
-def compare_key_centering(args, argv) -> int:
-    """Decode step time per batch with each key-centering mode, engines built one at a time in the order
-    A B ... B A (so a drifting clock or thermal state shows as spread, not as a difference)."""
+def compare_cache_option(args, argv, field: str, modes: list[str], benchmark: str) -> int:
+    """Decode step time per batch with each value of one cache option (key_centering, kv_rotation), engines built
+    one at a time in the order A B ... B A (so a drifting clock or thermal state shows as spread, not as a
+    difference)."""
     import gc
 
     if args.smoke:
         args.preset, args.batches, args.prompt_len, args.new_tokens = "tiny-qwen2", [2], 16, 6
         args.device = "cpu" if args.device == "auto" else args.device
-    order = list(args.key_centering) + list(reversed(args.key_centering))
-    runs: dict[str, list[dict]] = {m: [] for m in args.key_centering}
+    order = list(modes) + list(reversed(modes))
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     gpu = "cpu"
     for mode in order:
-        engine = _engine(args, mode)
+        engine = _engine(args, {field: mode})
         dev = engine.runner.device
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
-        runs[mode].append({"key_centering": engine.runner.key_centering,
+        runs[mode].append({field: engine.stats()[field],
                            "rows": [timed_batch(engine, b, args.prompt_len, args.new_tokens, seed=b)
                                     for b in args.batches]})
         del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    base = args.key_centering[0]
-    print(f"{'batch':>6} " + " ".join(f"{m + ' step ms':>22}" for m in args.key_centering)
-          + " " + " ".join(f"{m + ' / ' + base:>14}" for m in args.key_centering[1:]))
+    base = modes[0]
+    print(f"{'batch':>6} " + " ".join(f"{m + ' step ms':>22}" for m in modes)
+          + " " + " ".join(f"{m + ' / ' + base:>14}" for m in modes[1:]))
     rows = []
     for i, b in enumerate(args.batches):
-        ms = {m: [r["rows"][i]["step_ms"] for r in runs[m]] for m in args.key_centering}
+        ms = {m: [r["rows"][i]["step_ms"] for r in runs[m]] for m in modes}
         mean = {m: sum(v) / len(v) for m, v in ms.items()}
         rows.append({"batch": b, "step_ms": ms, "mean_step_ms": mean,
-                     "ratio_vs_" + base: {m: mean[m] / mean[base] for m in args.key_centering}})
-        print(f"{b:>6} " + " ".join(f"{mean[m]:>10.3f} ({min(ms[m]):.3f}-{max(ms[m]):.3f})" for m in args.key_centering)
-              + " " + " ".join(f"{mean[m] / mean[base]:>14.3f}" for m in args.key_centering[1:]))
-    result = {"benchmark": "key_centering_decode_cost", "device": gpu, "preset": args.preset, "kv_mode": args.kv_mode,
+                     "ratio_vs_" + base: {m: mean[m] / mean[base] for m in modes}})
+        print(f"{b:>6} " + " ".join(f"{mean[m]:>10.3f} ({min(ms[m]):.3f}-{max(ms[m]):.3f})" for m in modes)
+              + " " + " ".join(f"{mean[m] / mean[base]:>14.3f}" for m in modes[1:]))
+    result = {"benchmark": benchmark, "device": gpu, "preset": args.preset, "kv_mode": args.kv_mode,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "order": order, "torch": torch.__version__,
               "command": " ".join(["python", "benchmarks/decode_throughput.py", *(argv or sys.argv[1:])]),
-              "modes": {m: [r["key_centering"] for r in runs[m]][0] for m in args.key_centering}, "rows": rows}
-    write_result(result, "key_centering_decode_cost", gpu, args.out, args.smoke)
+              "modes": {m: [r[field] for r in runs[m]][0] for m in modes}, "rows": rows}
+    write_result(result, benchmark, gpu, args.out, args.smoke)
     return 0
 
 

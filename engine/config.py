@@ -88,6 +88,12 @@ class CacheConfig(BaseModel):
         "auto", description="subtract a per-(layer, KV head) key mean before quantizing: 'calibrated' (the model's "
                             "settings file), 'bias' (the rotated k_proj bias, no calibration), 'off', or 'auto' "
                             "(calibrated, else bias, else off; off for the fp16 cache)")
+    # KV rotation (engine.kv_rotation): keys, queries and values multiplied by one orthogonal (randomized
+    # Hadamard) matrix, exact under attention, so a channel outlier no longer sets a token's low-bit scale.
+    kv_rotation: Literal["auto", "hadamard", "off"] = Field(
+        "auto", description="rotate keys, queries and values by a randomized Hadamard matrix before the cache "
+                            "(values folded into v_proj / o_proj at load, keys one small matmul per layer): "
+                            "'hadamard', 'off', or 'auto' (on for every quantized cache, off for fp16)")
 
     @model_validator(mode="after")
     def _check(self) -> "CacheConfig":

@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from engine import kv_rotation
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, make_executor
@@ -326,6 +327,7 @@ class LLMEngine:
         return {
             "kv_mode": self.config.cache.kv_mode,
             "key_centering": self.executor.key_centering,
+            "kv_rotation": kv_rotation.resolve_mode(self.config.cache),
             "cache_dtype": self.cache_dtype,
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),

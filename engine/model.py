@@ -44,6 +44,8 @@ class DecoderLayer(nn.Module):
         # Key centering (engine.key_centering): [Hq + Hk, D] subtracted after RoPE (zeros for queries), or None.
         self.register_buffer("qk_shift", None, persistent=False)
         self.key_observer = None  # calibration: called with (layer, keys) on eager forwards
+        # KV rotation (engine.kv_rotation): [D, D] applied to queries and keys after RoPE, or None.
+        self.register_buffer("kv_rotation", None, persistent=False)
 
     def forward(self, h: torch.Tensor, delta: Optional[torch.Tensor], rope: RotaryEmbedding,
                 tables: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
@@ -62,6 +64,9 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :Hq], qk[:, Hq:]
         if self.key_observer is not None:
             self.key_observer(self, k)
+        if self.kv_rotation is not None:  # after centering: the centers are measured in the model's own basis
+            qk = qk @ self.kv_rotation
+            q, k = qk[:, :Hq], qk[:, Hq:]
         o = attn(self.idx, q, k, v).reshape(N, self.num_heads * D)
         h, x = self.post_attention_layernorm.add_and_norm(h, self.pc.all_reduce(self.o_proj(o)))
         return h, self.pc.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from engine import key_centering
+from engine import key_centering, kv_rotation
 from engine.attention import PagedAttention, StepMetadata
 from engine.config import EngineConfig
 from engine.host_copy import to_device
@@ -86,6 +86,7 @@ class ModelRunner:
             model.load_weights(weights)
         self.model = model.eval()
         self.key_centering = self._center_keys(model_name, pc)
+        kv_rotation.install(self.model, kv_rotation.resolve_mode(config.cache))
         shape = CacheShape(arch.num_layers, pc.num_kv_heads(arch), arch.head_dim,
                            config.scheduler.max_num_seqs, max_model_len, config.cache.block_size)
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,

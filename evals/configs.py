@@ -3,6 +3,7 @@
   fp16                16-bit cache (reference)
   diffkv              K8V4 / K4V2 / pruned by the model's calibrated alpha_high, alpha_low
   k8v8, k4v4          uniform int8 / int4 (kv_mode int8 / int4)
+  k4v4_norot, ...     the same without the KV rotation (engine.kv_rotation; on for every quantized cache)
   fp8                 e4m3 keys and values, a scale per token and KV head (kv_mode fp8: vLLM's fp8 cache)
   k8v4, k4v8,         uniform at one precision: diffkv with high = low = that precision and both alphas 0,
   k4v2, k2v4          so every token stays in the high section (the mirrors test "keys over values")
@@ -65,10 +66,15 @@ def prune_config(budget: float, name: str) -> KVConfig:
 
 def baseline_configs(attention_bias: bool = False) -> list[KVConfig]:
     """Every configuration that does not depend on DiffKV's calibrated thresholds or measured memory. Quantized
-    ones center keys as the engine does by default (measured centers in a study); k4v4_raw turns centering off,
-    and, for a model with a k_proj bias, k4v4_bias centers on the rotated bias (no calibration)."""
+    ones center keys and rotate keys and values as the engine does by default (measured centers in a study);
+    k4v4_raw turns centering off, k4v4_norot / k4v2_norot the rotation, and, for a model with a k_proj bias,
+    k4v4_bias centers on the rotated bias (no calibration)."""
     centering = [KVConfig("k4v4_raw", "uniform K4V4, keys not centered", "uniform",
                           {"kv_mode": "int4", "key_centering": "off"})]
+    rotation = [KVConfig("k4v4_norot", "uniform K4V4, not rotated", "uniform",
+                         {"kv_mode": "int4", "kv_rotation": "off"}),
+                KVConfig("k4v2_norot", "uniform K4V2, not rotated", "uniform",
+                         {**_uniform("k4v2", "K4V2").cache, "kv_rotation": "off"})]
     if attention_bias:
         centering.append(KVConfig("k4v4_bias", "uniform K4V4, keys centered on the bias", "uniform",
                                   {"kv_mode": "int4", "key_centering": "bias"}))
@@ -78,6 +84,7 @@ def baseline_configs(attention_bias: bool = False) -> list[KVConfig]:
         KVConfig("fp8", "fp8 e4m3", "uniform", {"kv_mode": "fp8"}),
         KVConfig("k4v4", "uniform K4V4", "uniform", {"kv_mode": "int4"}),
         *centering,
+        *rotation,
         _uniform("k8v4", "K8V4"),
         _uniform("k4v8", "K4V8", "mirror"),
         _uniform("k4v2", "K4V2"),

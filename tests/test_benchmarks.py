@@ -31,6 +31,17 @@ def test_key_centering_cost_smoke(tmp_path):
     assert row["ratio_vs_off"]["off"] == 1.0
 
 
+def test_kv_rotation_cost_smoke(tmp_path):
+    out = tmp_path / "rotation.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_throughput.py"), "--smoke", "--kv-mode", "int4",
+                    "--kv-rotation", "off", "hadamard", "--out", str(out)], check=True, cwd=ROOT, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "kv_rotation_decode_cost" and r["order"] == ["off", "hadamard", "hadamard", "off"]
+    assert r["modes"] == {"off": "off", "hadamard": "hadamard"}
+    row = r["rows"][0]
+    assert all(t > 0 for t in row["step_ms"]["off"] + row["step_ms"]["hadamard"])
+
+
 def test_decode_splits_smoke(tmp_path):
     out = tmp_path / "splits.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_splits.py"), "--smoke", "--out", str(out)],
