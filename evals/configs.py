@@ -67,10 +67,10 @@ def prune_config(budget: float, name: str) -> KVConfig:
 def baseline_configs(attention_bias: bool = False) -> list[KVConfig]:
     """Every configuration that does not depend on DiffKV's calibrated thresholds or measured memory. Quantized
     ones center keys and rotate keys and values as the engine does by default (measured centers in a study);
-    k4v4_raw turns centering off, k4v4_norot / k4v2_norot the rotation, and, for a model with a k_proj bias,
+    k4v4_raw turns both off, k4v4_norot / k4v2_norot the rotation alone, and, for a model with a k_proj bias,
     k4v4_bias centers on the rotated bias (no calibration)."""
-    centering = [KVConfig("k4v4_raw", "uniform K4V4, keys not centered", "uniform",
-                          {"kv_mode": "int4", "key_centering": "off"})]
+    centering = [KVConfig("k4v4_raw", "uniform K4V4, keys neither centered nor rotated", "uniform",
+                          {"kv_mode": "int4", "key_centering": "off", "kv_rotation": "off"})]
     rotation = [KVConfig("k4v4_norot", "uniform K4V4, not rotated", "uniform",
                          {"kv_mode": "int4", "kv_rotation": "off"}),
                 KVConfig("k4v2_norot", "uniform K4V2, not rotated", "uniform",

@@ -76,7 +76,12 @@ def test_problem_splits_are_disjoint_and_answered():
 # ---- configurations ----------------------------------------------------------------------------------------
 def test_every_configuration_is_a_valid_cache_config():
     names = [c.name for c in baseline_configs()]
-    assert names == ["fp16", "k8v8", "fp8", "k4v4", "k4v4_raw", "k8v4", "k4v8", "k4v2", "k2v4", "kivi2", "prune50"]
+    assert names == ["fp16", "k8v8", "fp8", "k4v4", "k4v4_raw", "k4v4_norot", "k4v2_norot", "k8v4", "k4v8", "k4v2",
+                     "k2v4", "kivi2", "prune50"]
+    from engine import kv_rotation
+    rotation = {c.name: kv_rotation.resolve_mode(c.cache_config()) for c in baseline_configs()}
+    assert [n for n, m in rotation.items() if m == "off"] == ["fp16", "k4v4_raw", "k4v4_norot", "k4v2_norot",
+                                                              "prune50"]
     assert [c.name for c in baseline_configs(attention_bias=True)][4:6] == ["k4v4_raw", "k4v4_bias"]
     fp8 = next(c for c in baseline_configs() if c.name == "fp8")
     assert fp8.cache == {"kv_mode": "fp8"} and fp8.cache_config().float8
