@@ -60,8 +60,10 @@ def engines(smollm):
 # DiffKV thresholds pinned here, not taken from the model's calibration file (which may change): with them
 # the long prompt keeps tokens high, low and pruned. TP=2 sums partial products in another order than
 # TP=1 (fp32 differences ~1e-7), and quantizing the cache can turn that into a different code, so diffkv
-# logits differ by up to ~1e-2; greedy tokens stay equal unless two candidates are that close.
-DIFFKV = {"kv_mode": "diffkv", "alpha_high": 1.0, "alpha_low": 0.02}
+# logits differ by up to ~1e-2; greedy tokens stay equal unless two candidates are that close. With the KV
+# rotation (engine.kv_rotation) one of these prompts has such a near-tie (measured on CPU), so the token test runs
+# unrotated; test_tp2_rotation_equals_tp1 checks the rotation's sharding on logits.
+DIFFKV = {"kv_mode": "diffkv", "alpha_high": 1.0, "alpha_low": 0.02, "kv_rotation": "off"}
 CACHES = {"fp16": {"kv_mode": "fp16"}, "diffkv": DIFFKV}
 _REFS: dict = {}
 
@@ -109,6 +111,22 @@ def test_tp2_prompt_logits_and_seeded_sampling_equal_tp1(engines):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+    assert_all_pages_free(eng)
+
+
+def test_tp2_rotation_equals_tp1(engines):
+    """The KV rotation folded into each rank's v_proj rows and o_proj columns, and applied to its own heads'
+    queries and keys, gives TP=1's logits (a 16-bit cache: nothing quantized, rounding only)."""
+    rotated = {"kv_mode": "fp16", "kv_rotation": "hadamard"}
+    local = engines("local-fp16-rotated", cache={**rotated, "num_pages": 4000})
+    eng = engines("tp2-fp16-rotated", tensor_parallel_size=2, cache={**rotated, "num_pages": 300})
+    assert eng.stats()["kv_rotation"] == "hadamard"
+    ids = local.tokenizer.encode(PROMPTS[1])
+    torch.testing.assert_close(eng.prompt_logits(ids), local.prompt_logits(ids), atol=2e-4, rtol=0)
+    plain = engines("local-fp16", cache={**CACHES["fp16"], "num_pages": 4000})
+    torch.testing.assert_close(local.prompt_logits(ids), plain.prompt_logits(ids), atol=2e-4, rtol=0)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in run_all(eng, PROMPTS[:2], sp)] == [o.token_ids for o in run_all(local, PROMPTS[:2], sp)]
     assert_all_pages_free(eng)
 
 
