@@ -96,7 +96,9 @@ def task_calibration_table(calib: dict) -> list[str]:
     out = [f"Calibration split: {c['problems']} problems of {', '.join(c['tasks'])} (`calib`, disjoint from the "
            f"evaluation; fp16 solves {_pct(c['fp16_accuracy'])}), teacher-forced fidelity on "
            f"{c['fidelity_generations']} x {c['gen_tokens']} tokens as a secondary number; rule: {c['criterion']}."
-           + ("" if c["within_tolerance"] else " No point was within the tolerance."), "",
+           + ("" if c["within_tolerance"] else " No point was within the tolerance.")
+           + ("" if c.get("kv_rotation", "off") != "off" else " The sweep ran with the KV rotation off (a record "
+              "without `kv_rotation`); the tables above run the point it chose with the rotation on."), "",
            "| high / low | alpha_high | alpha_low | accuracy | vs fp16 [95% CI] | KV memory | top-1 agreement | "
            "high / low / pruned |", "|---|---|---|---|---|---|---|---|"]
     for p in sorted(c["points"], key=lambda p: p["memory_fraction"]):
@@ -394,8 +396,11 @@ def main(argv: list[str] | None = None) -> int:
              "budget (H2O/SnapKV-style static sparsity) at 16 bits, at 50% and at DiffKV's measured memory.",
              "- **Key centering**: every quantized configuration subtracts a per-(layer, KV head) mean of the "
              "post-RoPE keys before quantizing them (`engine/key_centering.py`; exact under softmax), measured on the "
-             "calibration sequences; `k4v4_raw` turns it off, `k4v4_bias` centers on the rotated k_proj bias instead "
-             "(no calibration).",
+             "calibration sequences; `k4v4_bias` centers on the rotated k_proj bias instead (no calibration).",
+             "- **KV rotation**: every quantized configuration then multiplies queries, keys and values by one "
+             "randomized Hadamard matrix (`engine/kv_rotation.py`; exact: dot products are kept, o_proj turns the "
+             "values back), so a channel outlier no longer sets a token's low-bit scale. `k4v4_norot` / "
+             "`k4v2_norot` turn the rotation off, `k4v4_raw` turns off both centering and rotation.",
              "- High / low / pruned: shares of (token, layer, KV head) entries at the end of each request. Short "
              "requests (the arithmetic tasks) keep relatively more: the 64 most recent tokens always stay high, and "
              "the pruning budget never goes below that window.", ""]

@@ -166,5 +166,6 @@ def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | 
             "problems": len(problems), "tasks": sorted(fp16), "fp16_accuracy": fp16_acc,
             "fidelity_generations": len(refs), "gen_tokens": len(refs[0]) if refs else 0,
             "chosen": chosen, "points": points, "seconds": time.perf_counter() - t0,
+            "kv_rotation": "hadamard",  # the sweep's diffkv caches quantize: 'auto' rotates (engine.kv_rotation)
         },
     }
