@@ -14,7 +14,7 @@ from engine.model import CausalLM
 from engine.model_config import ModelArch
 from engine.tokenizer import Tokenizer
 from kernels.quant import dequantize_ref, quantize_ref
-from test_key_centering import assert_same_logprobs
+from test_key_centering import assert_same_logprobs, run
 from engine_helpers import TEST_DEVICE
 
 # GQA 2, head_dim 32, a k_proj / v_proj bias (Qwen2-like).
@@ -44,17 +44,6 @@ def engine(ckpt, cache: dict) -> LLMEngine:
                        scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 2048},
                        cache={"num_pages": 512, **cache})
     return LLMEngine(cfg, checkpoint=ckpt)
-
-
-def run(eng: LLMEngine, prompts, sps):
-    for i, (p, sp) in enumerate(zip(prompts, sps)):
-        eng.add_request(str(i), prompt_token_ids=p, sampling=sp)
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return [outs[str(i)] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
