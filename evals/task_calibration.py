@@ -14,6 +14,8 @@ import json
 import time
 from pathlib import Path
 
+from engine import kv_rotation
+from engine.config import CacheConfig
 from evals.fidelity import score_fidelity, teacher_forced_requests
 from evals.harness import DEFAULT_MAX_TOKENS
 from evals.runner import run_requests
@@ -166,6 +168,7 @@ def calibrate_on_tasks(model, problems, prompts=(), refs=(), max_tokens: dict | 
             "problems": len(problems), "tasks": sorted(fp16), "fp16_accuracy": fp16_acc,
             "fidelity_generations": len(refs), "gen_tokens": len(refs[0]) if refs else 0,
             "chosen": chosen, "points": points, "seconds": time.perf_counter() - t0,
-            "kv_rotation": "hadamard",  # the sweep's diffkv caches quantize: 'auto' rotates (engine.kv_rotation)
+            "kv_rotation": kv_rotation.resolve_mode(CacheConfig(kv_mode="diffkv", high=chosen["high"],
+                                                                 low=chosen["low"])),  # 'auto', as the sweep ran
         },
     }

@@ -74,21 +74,32 @@ def assert_same_logprobs(a: LLMEngine, b: LLMEngine, prompts, refs) -> None:
                                    atol=2e-4, rtol=0)
 
 
-def agreement(ckpt, kv_mode: str, centering: str, prompts, refs, rotation: str = "off") -> float:
-    sps = [SamplingParams(temperature=0, max_tokens=len(r), ignore_eos=True, teacher_tokens=r) for r in refs]
-    outs = run(engine(ckpt, kv_mode, centering, rotation), prompts, sps)
+def teacher_forced(eng: LLMEngine, prompts, refs) -> tuple[float, float]:
+    """(top-1 agreement with the fp16 cache's tokens `refs`, mean NLL of those tokens) under `eng`'s cache."""
+    sps = [SamplingParams(temperature=0, max_tokens=len(r), ignore_eos=True, teacher_tokens=r, logprobs=True)
+           for r in refs]
+    outs = run(eng, prompts, sps)
     agree = [a for o in outs for a in o.teacher_agree]
-    return sum(agree) / len(agree)
+    logprobs = [x for o in outs for x in o.logprobs]
+    return sum(agree) / len(agree), -sum(logprobs) / len(logprobs)
+
+
+def agreement(ckpt, kv_mode: str, centering: str, prompts, refs, rotation: str = "off") -> float:
+    return teacher_forced(engine(ckpt, kv_mode, centering, rotation), prompts, refs)[0]
+
+
+def prompts_and_references(fp16: LLMEngine, seed: int) -> tuple[list, list]:
+    """Six random 24-token prompts and the greedy 40-token continuations `fp16` gives them."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, fp16.arch.vocab_size, (24,), generator=g).tolist() for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return prompts, [o.token_ids for o in run(fp16, prompts, [sp] * len(prompts))]
 
 
 @pytest.fixture(scope="module")
 def planted():
     ckpt = planted_checkpoint()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, ARCH.vocab_size, (24,), generator=g).tolist() for _ in range(6)]
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    refs = [o.token_ids for o in run(engine(ckpt, "fp16", "off"), prompts, [sp] * len(prompts))]
-    return ckpt, prompts, refs
+    return (ckpt, *prompts_and_references(engine(ckpt, "fp16", "off"), seed=0))
 
 
 def test_k4_agreement_needs_centering(planted):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
+from engine import EngineConfig
 from engine import kv_rotation
 from engine.config import CacheConfig
 from engine.llm_engine import LLMEngine
@@ -14,7 +14,7 @@ from engine.model import CausalLM
 from engine.model_config import ModelArch
 from engine.tokenizer import Tokenizer
 from kernels.quant import dequantize_ref, quantize_ref
-from test_key_centering import assert_same_logprobs, run
+from test_key_centering import assert_same_logprobs, prompts_and_references, teacher_forced
 from engine_helpers import TEST_DEVICE
 
 # GQA 2, head_dim 32, a k_proj / v_proj bias (Qwen2-like).
@@ -49,21 +49,7 @@ def engine(ckpt, cache: dict) -> LLMEngine:
 @pytest.fixture(scope="module")
 def planted():
     ckpt = planted_checkpoint()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, ARCH.vocab_size, (24,), generator=g).tolist() for _ in range(6)]
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    refs = [o.token_ids for o in run(engine(ckpt, {"kv_mode": "fp16"}), prompts, [sp] * len(prompts))]
-    return ckpt, prompts, refs
-
-
-def teacher_forced(ckpt, cache: dict, prompts, refs) -> tuple[float, float]:
-    """(top-1 agreement with the fp16 cache's tokens, mean NLL of those tokens) under `cache`."""
-    sps = [SamplingParams(temperature=0, max_tokens=len(r), ignore_eos=True, teacher_tokens=r, logprobs=True)
-           for r in refs]
-    outs = run(engine(ckpt, cache), prompts, sps)
-    agree = [a for o in outs for a in o.teacher_agree]
-    logprobs = [x for o in outs for x in o.logprobs]
-    return sum(agree) / len(agree), -sum(logprobs) / len(logprobs)
+    return (ckpt, *prompts_and_references(engine(ckpt, {"kv_mode": "fp16"}), seed=1))
 
 
 @pytest.mark.parametrize("d", [32, 64, 128, 80, 96])
@@ -166,8 +152,8 @@ def test_low_bit_values_gain_from_rotation(planted):
     ckpt, prompts, refs = planted
     for precision in ("K8V4", "K8V2"):
         cache = {"kv_mode": "diffkv", "high": precision, "low": precision, "alpha_high": 0.0, "alpha_low": 0.0}
-        off_top1, off_nll = teacher_forced(ckpt, {**cache, "kv_rotation": "off"}, prompts, refs)
-        on_top1, on_nll = teacher_forced(ckpt, {**cache, "kv_rotation": "hadamard"}, prompts, refs)
+        off_top1, off_nll = teacher_forced(engine(ckpt, {**cache, "kv_rotation": "off"}), prompts, refs)
+        on_top1, on_nll = teacher_forced(engine(ckpt, {**cache, "kv_rotation": "hadamard"}), prompts, refs)
         print(f"{precision} top-1 / NLL: not rotated {off_top1:.3f} / {off_nll:.3f}, "
               f"rotated {on_top1:.3f} / {on_nll:.3f}")
         assert on_top1 > off_top1 and on_nll < off_nll

@@ -2,22 +2,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from loadtest.soak_cluster import parse_metrics  # the one Prometheus text parser (the soak reads it too)
+# One Prometheus text parser and one port picker (the soak uses them too).
+from loadtest.soak_cluster import free_port, parse_metrics  # noqa: F401  (free_port: re-exported)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("DIFFKV_CACHE_DIR", os.path.expanduser("~/.cache/diffkv"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
