@@ -1,5 +1,6 @@
 """benchmarks/attention.py keeps working: its --smoke mode (CPU, impl="ref" + SDPA, tiny shapes) writes rows for
-every page precision and both SDPA baselines."""
+every page precision and both SDPA baselines, a floor fitted to SDPA and the verdict; its floor fit and head
+layouts are right."""
 import json
 import subprocess
 import sys
@@ -32,3 +33,34 @@ def test_attention_smoke(tmp_path):
     # The correctness pass ran for every precision; the fp16 reference matched SDPA on the same data.
     assert {c["precision"] for c in res["checks"]} == precisions - {"sdpa-gqa", "sdpa-fold"}
     assert res["checks"][0]["ref_vs_sdpa_gqa"] < 4e-3
+    # A floor from the SDPA rows, every row placed against it; no smoke shape is large enough to be judged.
+    assert res["floor"]["points"] == len(shapes) and res["floor"]["t0_us"] is not None
+    assert all(r["of_floor"] > 0 and r["floor_us"] > 0 for r in rows)
+    assert res["targets"]["of_floor"]["rows"] == 0 and res["targets"]["of_floor"]["pass"] is None
+    assert res["targets"]["big_reads"]["rows"] == 0
+
+
+def test_floor_fit_recovers_a_line():
+    """fit_floor returns the t0 and bandwidth of points on t0 + bytes / bw, and reports the residual of noise."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention import fit_floor
+
+    pts = [(b, 7.3 + b / 3.09e12 * 1e6) for b in (1e5, 3e7, 1.3e8, 5e8, 2e9)]
+    fit = fit_floor(pts)
+    assert abs(fit["t0_us"] - 7.3) < 1e-6 and abs(fit["bw"] / 3.09e12 - 1) < 1e-9
+    assert fit["max_rel_residual"] < 1e-9
+    noisy = [(b, t * (1.05 if i == 2 else 1.0)) for i, (b, t) in enumerate(pts)]
+    assert 0.02 < fit_floor(noisy)["max_rel_residual"] < 0.06
+
+
+def test_head_layouts_match_the_model_presets():
+    """attention.HEADS (kept import-free for the GPU box) names the presets' own head counts."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention import HEADS
+
+    from engine.loader.presets import ARCH_PRESETS
+
+    for name, (hq, hkv, d) in HEADS.items():
+        arch = ARCH_PRESETS[name]
+        assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (hq, hkv, d)
+    assert {hq // hkv for hq, hkv, _ in HEADS.values()} == {4, 6}
