@@ -65,6 +65,20 @@ def test_decode_sass_smoke(tmp_path):
     assert sum(row["opcodes"].values()) == row["loop"]
 
 
+def test_fp8_values_convert_before_the_transpose(tmp_path):
+    """The q8 kernel's e4m3 value codes are converted in registers before Triton's shared-memory transpose (so the
+    value dot reads fp16 pairs): no single-byte shared loads in its sm_90 main loop, and no more instructions per
+    tile than the integer K8V8 codes take."""
+    out = tmp_path / "sass.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_sass.py"), "--precisions", "K8V8", "fp8",
+                    "--hq", "12", "--hkv", "2", "--seq", "256", "--batch", "32", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    rows = {r["precision"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["fp8"]["kernel"] == rows["K8V8"]["kernel"] == "decode_q8_kernel"
+    assert "LDS.U8" not in rows["fp8"]["opcodes"] and rows["fp8"]["opcodes"]["F2FP.F16.E4M3.UNPACK_B"] > 0
+    assert rows["fp8"]["loop"] <= rows["K8V8"]["loop"]
+
+
 def test_memory_manager_smoke(tmp_path):
     out = tmp_path / "mm.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_manager.py"), "--smoke", "--engine",

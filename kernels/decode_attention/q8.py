@@ -15,7 +15,10 @@ denominator, zero-point terms) stay [G, N] across the loop and are reduced once 
 scale rides in a padding row of the logit max: one cross-warp reduction per tile instead of five.
 
 FP8 (e4m3 codes, zero point 0): the codes reach the dots as their own values in fp16 (one conversion per two
-codes, exact), so the bias and the zero-point terms drop out; the scales act on [G, N] as above.
+codes, exact), so the bias and the zero-point terms drop out; the scales act on [G, N] as above. Value codes are
+converted by asm kept before the transpose, as the integer ones are unpacked: converted after it, they were read
+as single bytes (128 shared loads per tile) and fp8 ran at 0.79-0.88 of the decode floor where K8V8 ran at
+0.85-0.96; now both run alike (benchmarks/attention.py, docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ from kernels.sections import section_page
 
 # Four codes (bytes of $2) -> fp16 pairs 1024 + c: each byte under an 0x64 exponent byte.
 _PRMT = tl.constexpr(planes_ptx(8))
+# Four e4m3 codes (bytes of $2) -> their values as two fp16 pairs (sm_89+, as Triton's own fp8 conversion).
+_E4M3 = tl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n"
+                     "cvt.rn.f16x2.e4m3x2 $1, hi;\n}")
 
 
 @triton.jit
@@ -38,9 +44,12 @@ def _codes(x, DOT_FP32: tl.constexpr, PURE: tl.constexpr, FP8: tl.constexpr):
     """uint8 tile -> dot operand: c in fp32 (interpreter), else 1024 + c in fp16; e4m3 codes as their values
     (fp32 or fp16). PURE lets Triton unpack after its shared-memory layout change (the keys: their dot reads
     rows as they lie); not pure keeps it before (the values: the dot needs them transposed, which
-    ldmatrix.trans does on 16-bit data only)."""
-    if FP8:
+    ldmatrix.trans does on 16-bit data only; converted after it, e4m3 values cost 128 single-byte shared
+    loads per tile)."""
+    if FP8 and (DOT_FP32 or PURE):
         return e4m3_values(x, tl.float32 if DOT_FP32 else tl.float16)
+    elif FP8:  # asm kept before the transpose, like the integer codes: the pure form read single bytes after it
+        return tl.inline_asm_elementwise(_E4M3, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
     elif DOT_FP32:
         return x.to(tl.float32)
     else:
