@@ -75,7 +75,11 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     shared memory per program); value codes unpacked before the shared-memory transpose (5-24% slower); value
     codes as token pairs in the page (fewer instructions, three programs per SM instead of four); the split
     merge done by the last split to finish, or by programmatic dependent launch (within 2%, and slower for many
-    splits); split counts that are not powers of two, or twice as many; register caps; 7 stages. Fewer
+    splits); split counts that are not powers of two, or twice as many; register caps; 7 stages. Re-measured on an
+    H100 at both the GQA 4 (Llama-3-8B) and GQA 6 (Qwen2.5-1.5B) heads for K8V4, K4V2 and mix: twice the splits
+    (+1-29%), maxnreg 128 (+2-48%) or 96, value codes unpacked before the transpose (+1-33%) are all slower than
+    these defaults, and the automatic split count is within 8% of the best of 1-64 splits at every shape
+    (benchmarks/results/decode_splits_gqa6_H100.json). Fewer
     instructions per tile stopped buying time once the loop is bound by fixed-latency dependency waits (ncu,
     K4V2 B=32 S=16384: 57% of issue slots busy)."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
