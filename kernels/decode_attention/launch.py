@@ -79,7 +79,9 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     H100 at both the GQA 4 (Llama-3-8B) and GQA 6 (Qwen2.5-1.5B) heads for K8V4, K4V2 and mix: twice the splits
     (+1-29%), maxnreg 128 (+2-48%) or 96, value codes unpacked before the transpose (+1-33%) are all slower than
     these defaults, and the automatic split count is within 8% of the best of 1-64 splits at every shape
-    (benchmarks/results/decode_splits_gqa6_H100.json). Fewer
+    (benchmarks/results/decode_splits_gqa6_H100.json). ncu on K4V2 (B32 S16384): registers (179) and shared memory
+    (18.9 KB) each cap residency at 8 one-warp programs per SM and a scheduler issues every 1.7 cycles; raising
+    residency with 3-4 stages and maxnreg 136-168 was 4-37% slower (spills, lost prefetch). Fewer
     instructions per tile stopped buying time once the loop is bound by fixed-latency dependency waits (ncu,
     K4V2 B=32 S=16384: 57% of issue slots busy)."""
     kernel = kernel or decode_kernel(fmt, fmt_low)
