@@ -77,7 +77,7 @@ TARGET_OF_FLOOR = 0.85  # every compressed precision, at batch x seq >= TARGET_M
 TARGET_MIN_TOKENS = 8 * 4096
 TARGET_BIG_READ = 256e6  # bytes of a call from which ...
 TARGET_BIG_FRAC = 0.80  # ... every compressed precision reaches this share of --bandwidth
-FLOOR_PROBE = (1, 16)  # batch, seq of the near-empty SDPA call that pins the floor's fixed cost
+FLOOR_PROBE = (1, 16)  # batch, seq of the near-empty SDPA call reported beside the floor (launch cost alone)
 
 
 class Mismatch(RuntimeError):
@@ -228,7 +228,7 @@ def time_us(call, args, cuda: bool) -> tuple[float, list[float]]:
 
 def fit_floor(points: list[tuple[float, float]]) -> dict:
     """t = t0 + bytes / bw fitted to (bytes, us) points by least squares on relative error (every shape counts
-    alike, the near-empty call pins t0). Returns t0_us, bw (bytes/s) and the largest relative residual."""
+    alike). Returns t0_us, bw (bytes/s) and the largest relative residual."""
     import numpy as np
 
     b = np.array([p[0] for p in points], dtype=np.float64)
@@ -437,7 +437,8 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
 
 
 def floor_probe(args, device, cuda) -> dict | None:
-    """SDPA on a near-empty cache (FLOOR_PROBE) at the first head layout: the fixed cost of a call."""
+    """SDPA on a near-empty cache (FLOOR_PROBE) at the first head layout: a call's launch cost alone (reported
+    beside the floor, not fitted: see the module doc)."""
     if not cuda or args.no_graph or not args.sdpa:
         return None
     B, S = FLOOR_PROBE
@@ -491,9 +492,14 @@ def floor_of(rows: list[dict], probe: dict | None, graphs: bool) -> dict | None:
     return fit
 
 
+def compressed(precision: str) -> bool:
+    """Whether a row's precision is one the targets judge: every page precision but fp16, no SDPA baseline."""
+    return precision != "fp16" and not precision.startswith("sdpa-")
+
+
 def verdict(rows: list[dict], floor: dict | None, args) -> dict:
     """The targets (module doc) on every compressed row; each lists its failing (heads, precision, B, S)."""
-    comp = [r for r in rows if r["precision"] != "fp16" and not r["precision"].startswith("sdpa-")]
+    comp = [r for r in rows if compressed(r["precision"])]
     out: dict = {}
     if floor is not None:
         for r in rows:
@@ -548,7 +554,7 @@ def print_tables(rows: list[dict], args, floor: dict | None) -> None:
                 if r is None:
                     line.append(f"{'-':>12}")
                     continue
-                judged = prec != "fp16" and not prec.startswith("sdpa-") and b * s >= TARGET_MIN_TOKENS
+                judged = compressed(prec) and b * s >= TARGET_MIN_TOKENS
                 mark = "*" if judged and r["of_floor"] < TARGET_OF_FLOOR else " "
                 line.append(f"{r['of_floor']:>11.2f}{mark}")
             print(f"{prec:>10} " + " ".join(line))
