@@ -1,8 +1,9 @@
 """Decode attention over the paged, quantized KV cache: time, achieved bandwidth and distance to the floor per
 page precision, at the head layouts of Llama-3-8B (32 query / 8 KV heads: GQA 4) and Qwen2.5-1.5B (12 / 2: GQA 6).
 
-For every (heads, precision, batch, seq) it times `paged_decode_attention` (one new token per sequence, Triton)
-and, beside it in the same run, torch SDPA on a contiguous fp16 cache [B, Hkv, S, D] holding the same keys/values.
+For every (heads, precision, batch, seq) it times `paged_decode_attention` (one new token per sequence; the kernel
+the dispatch picks is recorded per row) and, beside it in the same run, torch SDPA on a contiguous fp16 cache
+[B, Hkv, S, D] holding the same keys/values.
 
 Bytes the kernel must read (the numerator of "GB/s"), per token and KV head:
     key data + value data                    (D*2 bytes at 16 bits, D*bits/8 packed bytes at 8/4/2 bits)
@@ -62,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.decode_attention.dispatch import pick_kernel  # noqa: E402
 from kernels.kv_write import write_kv  # noqa: E402
 from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
@@ -427,7 +429,9 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
                     run = pools = pool = None  # free this precision's pages before the next is built
                     if cuda:
                         torch.cuda.empty_cache()
-                rows.append(dict(base, precision=prec, spec=PRECISIONS.get(prec, prec), kv_bytes=kv, bytes=kv + qo,
+                kernel = pick_kernel(fmt_hi, fmt_lo, q, False, False) if impl == "triton" else impl
+                rows.append(dict(base, precision=prec, spec=PRECISIONS.get(prec, prec), kernel=kernel, kv_bytes=kv,
+                                 bytes=kv + qo,
                                  footprint_bytes=footprint, copies=n, time_us=t, graph_runs_us=tg,
                                  **{f"max_abs_err_vs_sdpa_{m}": e for m, e in errs.items()}))
             del K, V, sdpa_out
