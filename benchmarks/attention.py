@@ -429,7 +429,7 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
                     run = pools = pool = None  # free this precision's pages before the next is built
                     if cuda:
                         torch.cuda.empty_cache()
-                kernel = pick_kernel(fmt_hi, fmt_lo, q, False, False) if impl == "triton" else impl
+                kernel = pick_kernel(fmt_hi, fmt_lo, q, Hq // Hkv) if impl == "triton" else impl
                 rows.append(dict(base, precision=prec, spec=PRECISIONS.get(prec, prec), kernel=kernel, kv_bytes=kv,
                                  bytes=kv + qo,
                                  footprint_bytes=footprint, copies=n, time_us=t, graph_runs_us=tg,

@@ -8,11 +8,12 @@ sections), split along the sequence and merged by log-sum-exp.
     f16.py        the full-width kernel for 16-bit pages
     q8.py         the full-width kernel for K8V8 pages (integer or e4m3 codes)
     quartered.py  the kernel for every other precision and for high + low sections
-    k4v2_cuda.py  a hand-written CUDA kernel (k4v2_mma.cu) that serves K4V2 high sections on CUDA GPUs
+    mma_cuda.py   a hand-written CUDA kernel (decode_mma.cu) for 4/8-bit keys, 2/4-bit values, one or two
+                  sections, on CUDA GPUs; picked over quartered.py wherever it can serve the call
     merge.py      the split merge kernel
     tiles.py      Triton helpers the kernels share
 """
-from kernels.decode_attention import k4v2_cuda
+from kernels.decode_attention import mma_cuda
 from kernels.decode_attention.dispatch import paged_decode_attention, paged_decode_attention_triton
 from kernels.decode_attention.launch import (KERNELS, MAX_SPLITS, TARGET_WARP_DIMS_PER_SM, WIDE_SPLIT_TOKENS,
                                              LaunchConfig, choose_num_splits, decode_kernel, launch_config,
@@ -20,7 +21,7 @@ from kernels.decode_attention.launch import (KERNELS, MAX_SPLITS, TARGET_WARP_DI
 from kernels.decode_attention.reference import gather_section_ref, paged_decode_attention_ref
 
 __all__ = [
-    "k4v2_cuda", "KERNELS", "MAX_SPLITS", "TARGET_WARP_DIMS_PER_SM", "WIDE_SPLIT_TOKENS", "LaunchConfig", "choose_num_splits",
+    "mma_cuda", "KERNELS", "MAX_SPLITS", "TARGET_WARP_DIMS_PER_SM", "WIDE_SPLIT_TOKENS", "LaunchConfig", "choose_num_splits",
     "decode_kernel", "gather_section_ref", "launch_config", "paged_decode_attention", "paged_decode_attention_ref",
     "paged_decode_attention_triton", "tile_tokens",
 ]

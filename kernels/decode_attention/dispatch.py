@@ -1,7 +1,7 @@
 """The entry point of paged decode attention: paged_decode_attention picks the Triton kernels (CUDA tensors, or
 impl="triton") or the torch reference (reference.py); paged_decode_attention_triton validates the call, picks the
-kernel (launch.decode_kernel: f16.py, q8.py or quartered.py; k4v2_cuda.py's CUDA kernel where it can serve a K4V2
-call), its launch parameters and split count (launch.py), launches it and merges the splits (merge.py).
+kernel (launch.decode_kernel: f16.py, q8.py or quartered.py; mma_cuda.py's CUDA kernel where it can serve a call
+of the quartered kernel), its launch parameters and split count (launch.py), launches it and merges the splits (merge.py).
 
 Kernel 1 runs one program per (batch entry, KV head, split): all query heads of the GQA group share each
 key/value tile, so every page is read once. With one split it writes the output directly; otherwise it writes
@@ -16,7 +16,7 @@ import torch
 from kernels.decode_attention.tiles import LOG2E
 
 from kernels._common import check_supported, dot_in_fp32, use_triton
-from kernels.decode_attention import k4v2_cuda
+from kernels.decode_attention import mma_cuda
 from kernels.decode_attention.f16 import launch_f16
 from kernels.decode_attention.launch import choose_num_splits, decode_kernel, launch_config, tile_tokens
 from kernels.decode_attention.merge import merge_splits
@@ -31,7 +31,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
                                   num_warps=None, num_stages=None, kernel=None, config=None):
     """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: decode_kernel's pick, or
-    "k4v2_cuda" where k4v2_cuda.usable allows it ("quartered" forces the Triton kernel there).
+    "mma_cuda" where mma_cuda.usable allows it ("quartered" forces the Triton kernel there).
     config: a LaunchConfig in place of launch_config's (tests, benchmarks); block_n / num_warps / num_stages
     override either."""
     check_supported(fmt, cache_dtype, for_triton=True)
@@ -52,12 +52,12 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if B == 0:
         return out
     pc = pool.view(cache_dtype)
-    picked = pick_kernel(fmt, fmt_low if has_low else None, q, logits_out is not None, lse_out is not None)
-    why_not_cuda = k4v2_cuda.usable(fmt, has_low, q, logits_out is not None, lse_out is not None)
+    picked = pick_kernel(fmt, fmt_low if has_low else None, q, Hq // Hkv)
     kernel = kernel or picked
     if kernel not in (picked, "quartered"):
         low_note = " with a low section" if has_low else ""
-        cuda_note = f" (k4v2_cuda: {why_not_cuda})" if kernel == "k4v2_cuda" else ""
+        why_not_cuda = mma_cuda.usable(fmt, fmt_low if has_low else None, q, Hq // Hkv)
+        cuda_note = f" (mma_cuda: {why_not_cuda})" if kernel == "mma_cuda" else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}{cuda_note}")
     if kernel == "quartered" and (fmt.float8 or (has_low and fmt_low.float8)):  # it unpacks integer codes only
         low_name = f" + {fmt_low.name}" if has_low else ""
@@ -65,8 +65,9 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
                          "K8V8 e4m3 pages without a low section go to the q8 kernel")
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
-    if kernel == "k4v2_cuda":
-        return _launch_k4v2(q, pool, fmt, page_table, lengths, slots, layer, scale, num_splits, max_len, out)
+    if kernel == "mma_cuda":
+        return _launch_mma(q, pool, fmt, fmt_low if has_low else None, page_table, lengths, len_low, slots, layer,
+                           scale, num_splits, max_len, out, logits_out, lse_out)
     cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if num_splits is None:
@@ -98,29 +99,30 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     return out
 
 
-def pick_kernel(fmt: PageFormat, fmt_low: PageFormat | None, q, want_logits: bool, want_lse: bool) -> str:
+def pick_kernel(fmt: PageFormat, fmt_low: PageFormat | None, q, group: int) -> str:
     """The kernel paged_decode_attention_triton launches for a call (one of KERNELS): decode_kernel's pick, or
-    "k4v2_cuda" where that is "quartered" and the CUDA kernel can serve the call."""
+    "mma_cuda" where that is "quartered" and the CUDA kernel can serve the call (group: query heads per KV head)."""
     picked = decode_kernel(fmt, fmt_low)
-    if picked == "quartered" and k4v2_cuda.usable(fmt, fmt_low is not None, q, want_logits, want_lse) is None:
-        return "k4v2_cuda"
+    if picked == "quartered" and mma_cuda.usable(fmt, fmt_low, q, group) is None:
+        return "mma_cuda"
     return picked
 
 
-def _launch_k4v2(q, pool, fmt, page_table, lengths, slots, layer, scale, num_splits, max_len, out):
+def _launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, layer, scale, num_splits, max_len, out,
+                logits_out, lse_out):
     """The CUDA kernel's call: one-warp programs, so the split count targets warps as the quartered kernel's do."""
     B, Hq, D = q.shape
     if num_splits is None:
-        num_splits = choose_num_splits(B, page_table.shape[2], max_len, q.device, k4v2_cuda.TILE, 1, D)
+        num_splits = choose_num_splits(B, page_table.shape[2], max_len, q.device, mma_cuda.TILE, 1, D)
     if num_splits > 1:
         mid_acc = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
         mid_ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         mid_acc = mid_ml = out  # unused
-    k4v2_cuda.launch_k4v2(q, pool, fmt, page_table, lengths, slots, out, mid_acc, mid_ml, layer, scale * LOG2E,
-                          num_splits)
+    mma_cuda.launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, out, mid_acc, mid_ml, logits_out,
+                        lse_out, layer, scale * LOG2E, num_splits)
     if num_splits > 1:
-        merge_splits(mid_acc, mid_ml, out, out, num_splits, False)
+        merge_splits(mid_acc, mid_ml, out, lse_out if lse_out is not None else out, num_splits, lse_out is not None)
     return out
 
 

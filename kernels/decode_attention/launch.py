@@ -44,7 +44,7 @@ class LaunchConfig(NamedTuple):
 WIDE_SPLIT_TOKENS = 1024
 
 
-KERNELS = ("f16", "q8", "quartered", "k4v2_cuda")  # the last: k4v2_cuda.py, where it can serve the call
+KERNELS = ("f16", "q8", "quartered", "mma_cuda")  # the last: mma_cuda.py, where it can serve the call
 
 
 def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:

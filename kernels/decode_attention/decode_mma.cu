@@ -1,0 +1,572 @@
+// Decode attention over quantized pages with 4- or 8-bit keys and 2- or 4-bit values (integer codes, planar
+// packing, fp16 scale / zero per token; layout in kernels/page_layout.py and kernels/quant.py), head_dim 128, a
+// GQA group of up to 8 query heads, a high section and optionally a low section of another precision (DiffKV's
+// K8V4 + K4V2), one warp per (batch entry, KV head, split). kernels/decode_attention/mma_cuda.py compiles it
+// (NVRTC) and launches it; its reference is kernels/decode_attention/reference.py. tests/kernels/cuda_emu runs it
+// on a CPU for the tests.
+//
+// Why CUDA and not Triton: Triton puts the query group on the mma's M side (padded to 16 rows) and takes packed
+// codes to the value dot through a shared-memory transpose read byte by byte. Here tokens are the M side of q.k
+// (m16n8k16: 16 tokens x 8 query heads, no padding up to a group of 8), the logits' C fragments become p.v's B
+// operand by one movmatrix, and packed codes become A fragments in registers: a lop3 (or a prmt for 8-bit codes)
+// turns codes into fp16 1024 + c * 2^s. The codes' bias of 1024 cancels inside each mma chain, which starts from
+// -1024 * (the sum it multiplies): the tensor cores' fp32 adds truncate, so a large running bias would cost digits.
+//
+// A split covers a run of 64-token tiles of the high section followed by the low one, so both sections share the
+// split's softmax state. Value codes of both value widths reach the same accumulator rows (dim 32 p + 4 gi + byte
+// for plane p) at the same factor 4^p, so one epilogue serves both.
+//
+// Compile-time settings (defined by the launcher): KB_HI / VB_HI and KB_LO / VB_LO (key / value bits of the
+// sections; KB_LO 0: no low section), MAXPAGES (pages a tile can span: 2 when every format holds >= 64 tokens a
+// page, 3 when >= 32), STAGES (cp.async tiles in flight), MINB (programs per SM the registers must allow),
+// Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`).
+typedef unsigned int u32;
+struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
+
+#ifndef KB_HI
+#define KB_HI 4
+#endif
+#ifndef VB_HI
+#define VB_HI 2
+#endif
+#ifndef KB_LO
+#define KB_LO 0
+#endif
+#ifndef VB_LO
+#define VB_LO 2
+#endif
+#ifndef MAXPAGES
+#define MAXPAGES 2
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#ifndef MINB
+#define MINB 1
+#endif
+#ifndef Q_BF16
+#define Q_BF16 0
+#endif
+#ifndef WRITE_LOGITS
+#define WRITE_LOGITS 0
+#endif
+#define TILE 64
+#define D 128
+#define LN2 0.6931471805599453f
+
+#ifdef DIFFKV_WARP_EMU
+using namespace emu_ptx;
+#else
+#define DYNAMIC_SMEM(name) extern __shared__ __attribute__((aligned(16))) unsigned char name[]
+__device__ __forceinline__ u32 lop_or(u32 a, u32 mask, u32 c) {  // (a & mask) | c
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ float f16_lo(u32 x) {
+  float f;
+  unsigned short h = (unsigned short)(x & 0xffff);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float f16_hi(u32 x) {
+  float f;
+  unsigned short h = (unsigned short)(x >> 16);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned short f2bf16(float v) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ u32 movtrans(u32 a) {
+  u32 d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp4(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+#endif
+
+__device__ __forceinline__ float q_elem(unsigned short x) {  // one element of q (fp16 or bf16) as float
+#if Q_BF16
+  return __uint_as_float(((u32)x) << 16);
+#else
+  return f16_lo(x);
+#endif
+}
+__device__ __forceinline__ unsigned short out_elem(float v) {
+#if Q_BF16
+  return f2bf16(v);
+#else
+  return (unsigned short)(pack_f16x2(v, 0.f) & 0xffff);
+#endif
+}
+
+// Bytes of one token's keys / values in a page, and of one tile in a shared-memory stage:
+// [keys TILE x KROW][values TILE x VROW][key (scale, zero) TILE x 4][value (scale, zero) TILE x 4].
+#define KROW(KB) (16 * (KB))
+#define VROW(VB) (16 * (VB))
+#define STAGE_OF(KB, VB) (TILE * (KROW(KB) + VROW(VB) + 8))
+#if KB_LO && STAGE_OF(KB_LO, VB_LO) > STAGE_OF(KB_HI, VB_HI)
+#define STAGE_BYTES STAGE_OF(KB_LO, VB_LO)
+#else
+#define STAGE_BYTES STAGE_OF(KB_HI, VB_HI)
+#endif
+
+// Where a section's pages are: page j of the section at pt[pstep * j] (the low section runs backwards from the
+// table's column P - 1), `tokens` rows each.
+struct Section {
+  const int* pt;
+  int pstep, tokens, k_off, k_meta, v_off, v_meta;
+};
+
+// The softmax state of one split: out^T rows (dims) x columns (members 2 t4, 2 t4 + 1) per 16-dim M tile, in units
+// of the last tile's top value scale; log2-domain max m, sum l, and sum of p * value zero point z per member.
+struct State {
+  float acc[8][4];
+  float m[2], l[2], z[2];
+  float top;
+};
+
+// Address of token t's row (rowbytes each, from segment offset `off`) among the <= MAXPAGES pages of a tile.
+__device__ __forceinline__ long long row_at(int t, int first0, int b1, int b2, long long pg0, long long pg1,
+                                            long long pg2, int rowbytes, int off) {
+  long long base = pg0;
+  int first = first0;
+  if (t >= b1) base = pg1, first = b1;
+#if MAXPAGES > 2
+  if (t >= b2) base = pg2, first = b2;
+#endif
+  return base + (long long)(t - first) * rowbytes + off;
+}
+
+// Tokens [t0, t0 + TILE) of a section into a stage buffer (rows at or past hi are zero-filled). 16-byte chunks are
+// stored XOR-swizzled so that the fragment reads below hit distinct shared-memory banks: 8-bit keys by token
+// parity, 4-bit values by (token / 2) % 4, 2-bit values by (token / 4) % 2.
+template <int KB, int VB>
+__device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec, int t0,
+                                          int hi, int page_bytes, int lane) {
+  const int T = sec.tokens;
+  const int p0 = t0 / T, first0 = p0 * T, b1 = first0 + T, b2 = b1 + T;
+  const long long pg0 = (long long)sec.pt[sec.pstep * p0] * page_bytes;
+  const long long pg1 = b1 < hi ? (long long)sec.pt[sec.pstep * (p0 + 1)] * page_bytes : pg0;
+#if MAXPAGES > 2
+  const long long pg2 = b2 < hi ? (long long)sec.pt[sec.pstep * (p0 + 2)] * page_bytes : pg0;
+#else
+  const long long pg2 = pg0;
+#endif
+  const u32 sbase = smem_addr(buf);
+  constexpr int KP = KROW(KB) / 16, VP = VROW(VB) / 16;  // 16-byte chunks per token row
+#pragma unroll
+  for (int it = 0; it < TILE * KP / 32; ++it) {
+    const int i = it * 32 + lane, tok = i / KP, part = i % KP, t = t0 + tok;
+    const int slot = KB == 8 ? part ^ (tok & 1) : part;
+    const long long src = row_at(t, first0, b1, b2, pg0, pg1, pg2, KROW(KB), sec.k_off) + part * 16;
+    cp16(sbase + tok * KROW(KB) + slot * 16, pool + (t < hi ? src : 0), t < hi);
+  }
+#pragma unroll
+  for (int it = 0; it < TILE * VP / 32; ++it) {
+    const int i = it * 32 + lane, tok = i / VP, part = i % VP, t = t0 + tok;
+    const int slot = VB == 4 ? part ^ ((tok >> 1) & 3) : part ^ ((tok >> 2) & 1);
+    const long long src = row_at(t, first0, b1, b2, pg0, pg1, pg2, VROW(VB), sec.v_off) + part * 16;
+    cp16(sbase + TILE * KROW(KB) + tok * VROW(VB) + slot * 16, pool + (t < hi ? src : 0), t < hi);
+  }
+#pragma unroll
+  for (int it = 0; it < TILE / 32; ++it) {  // (scale, zero) words of keys and values
+    const int tok = it * 32 + lane, t = t0 + tok;
+    const long long r = row_at(t, first0, b1, b2, pg0, pg1, pg2, 4, 0);
+    cp4(sbase + TILE * (KROW(KB) + VROW(VB)) + tok * 4, pool + (t < hi ? r + sec.k_meta : 0), t < hi);
+    cp4(sbase + TILE * (KROW(KB) + VROW(VB) + 4) + tok * 4, pool + (t < hi ? r + sec.v_meta : 0), t < hi);
+  }
+}
+
+// Tokens [lo, hi) of one section into the split's state. qrow: member gi's query row (gi < group; zeros past it).
+// logit_row / logit_off: with WRITE_LOGITS, token t's logit goes to logit_row(member)[logit_off + t].
+template <int KB, int VB>
+__device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bool real, float qk_scale,
+                                       const unsigned char* pool, const Section& sec, int lo, int hi,
+                                       int page_bytes, unsigned char* smem, float* logits0, float* logits1,
+                                       int logit_off, int lane) {
+  const int gi = lane >> 2, t4 = lane & 3;
+  // q as the B operand of q.k (k rows: dims, n: member gi), in the log2 domain.
+  // 4-bit keys: slice s of lane t4 takes k-rows 2 t4 + e / 2 t4 + 8 + e from key byte 16 t4 + 4 (s >> 1) + (s & 1)
+  // + 2 e, its low nibble (dim = byte; b01) and high nibble (dim 64 + byte, read as 16 c: q scaled by 1/16; b23).
+  // 8-bit keys: slice i of lane t4 takes dims 32 t4 + 4 i + {0, 1} (b01) and + {2, 3} (b23).
+  u32 qb[8][2];
+  float q1 = 0.f, q0 = 0.f;  // this lane's share of sum(fp16 q') and of sum(q * qk_scale) for member gi
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int dim = KB == 8 ? 32 * t4 + 4 * s + 2 * r + e : 64 * r + 16 * t4 + 4 * (s >> 1) + (s & 1) + 2 * e;
+        const float x = real ? q_elem(qrow[dim]) * qk_scale : 0.f;
+        q0 += x;
+        v[e] = (KB == 4 && r) ? x * 0.0625f : x;
+      }
+      const u32 p = pack_f16x2(v[0], v[1]);
+      q1 += f16_lo(p) + f16_hi(p);
+      qb[s][r] = p;
+    }
+  }
+  q1 += __shfl_xor_sync(0xffffffff, q1, 1);
+  q1 += __shfl_xor_sync(0xffffffff, q1, 2);
+  q0 += __shfl_xor_sync(0xffffffff, q0, 1);
+  q0 += __shfl_xor_sync(0xffffffff, q0, 2);
+  // The C fragment's columns are members 2 t4, 2 t4 + 1: their sums sit at lanes 8 t4 and 8 t4 + 4.
+  float kb[2], kq0[2];
+  kb[0] = 1024.f * __shfl_sync(0xffffffff, q1, 8 * t4);
+  kb[1] = 1024.f * __shfl_sync(0xffffffff, q1, 8 * t4 + 4);
+  kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
+  kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
+
+  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    if (j < ntiles) load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, lo + j * TILE, hi, page_bytes, lane);
+    cp_commit();
+  }
+  for (int j = 0; j < ntiles; ++j) {
+    cp_wait<STAGES - 2>();
+    __syncwarp();
+    {
+      const int jn = j + STAGES - 1;
+      if (jn < ntiles)
+        load_tile<KB, VB>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, lo + jn * TILE, hi, page_bytes, lane);
+      cp_commit();
+    }
+    const unsigned char* buf = smem + (j % STAGES) * STAGE_BYTES;
+    const unsigned char* kbuf = buf;
+    const unsigned char* vbuf = buf + TILE * KROW(KB);
+    const u32* kmeta = (const u32*)(buf + TILE * (KROW(KB) + VROW(VB)));
+    const u32* vmeta = kmeta + TILE;
+    const int t0 = lo + j * TILE;
+
+    // logits s[blk][0..3]: C fragments (tokens gi / gi + 8 of block blk; members 2 t4, 2 t4 + 1)
+    float s[4][4];
+#pragma unroll
+    for (int blk = 0; blk < 4; ++blk) {
+      s[blk][0] = s[blk][2] = -kb[0];  // the codes' bias cancels inside the mma chain (its fp32 adds truncate)
+      s[blk][1] = s[blk][3] = -kb[1];
+      if (KB == 4) {
+        const U4 ka = *(const U4*)(kbuf + (blk * 16 + gi) * KROW(KB) + 16 * t4);
+        const U4 kc = *(const U4*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 16 * t4);
+        const u32 wa[4] = {ka.x, ka.y, ka.z, ka.w}, wc[4] = {kc.x, kc.y, kc.z, kc.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          // word i: slice 2i takes bytes 0/2 (low, high nibble), slice 2i + 1 bytes 1/3
+          u32 a_lo = lop_or(wa[i], 0x000F000F, 0x64006400), a_hi = lop_or(wa[i], 0x00F000F0, 0x64006400);
+          u32 c_lo = lop_or(wc[i], 0x000F000F, 0x64006400), c_hi = lop_or(wc[i], 0x00F000F0, 0x64006400);
+          mma(s[blk], a_lo, c_lo, a_hi, c_hi, qb[2 * i][0], qb[2 * i][1]);
+          const u32 wa8 = wa[i] >> 8, wc8 = wc[i] >> 8;
+          a_lo = lop_or(wa8, 0x000F000F, 0x64006400);
+          a_hi = lop_or(wa8, 0x00F000F0, 0x64006400);
+          c_lo = lop_or(wc8, 0x000F000F, 0x64006400);
+          c_hi = lop_or(wc8, 0x00F000F0, 0x64006400);
+          mma(s[blk], a_lo, c_lo, a_hi, c_hi, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+        }
+      } else {
+        // 8-bit keys: lane t4 holds chunks 2 t4, 2 t4 + 1 of a row (stored swapped on odd rows); a prmt puts two
+        // codes under 0x64 exponent bytes.
+        const int sw = gi & 1;
+        const unsigned char* ra = kbuf + (blk * 16 + gi) * KROW(KB);
+        const unsigned char* rc = ra + 8 * KROW(KB);
+        const U4 ka0 = *(const U4*)(ra + 16 * (2 * t4 + sw)), ka1 = *(const U4*)(ra + 16 * (2 * t4 + 1 - sw));
+        const U4 kc0 = *(const U4*)(rc + 16 * (2 * t4 + sw)), kc1 = *(const U4*)(rc + 16 * (2 * t4 + 1 - sw));
+        const u32 wa[8] = {ka0.x, ka0.y, ka0.z, ka0.w, ka1.x, ka1.y, ka1.z, ka1.w};
+        const u32 wc[8] = {kc0.x, kc0.y, kc0.z, kc0.w, kc1.x, kc1.y, kc1.z, kc1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          mma(s[blk], prmt(wa[i], 0x64646464, 0x4140), prmt(wc[i], 0x64646464, 0x4140),
+              prmt(wa[i], 0x64646464, 0x4342), prmt(wc[i], 0x64646464, 0x4342), qb[i][0], qb[i][1]);
+        }
+      }
+      const u32 ma = kmeta[blk * 16 + gi], mc = kmeta[blk * 16 + gi + 8];
+      const float sa = f16_lo(ma), za = f16_hi(ma), sc = f16_lo(mc), zc = f16_hi(mc);
+      const int ta = t0 + blk * 16 + gi, tc = ta + 8;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[blk][e] = ta < hi ? sa * s[blk][e] + za * kq0[e] : __int_as_float(0xff800000);
+        s[blk][2 + e] = tc < hi ? sc * s[blk][2 + e] + zc * kq0[e] : __int_as_float(0xff800000);
+      }
+#if WRITE_LOGITS
+      if (ta < hi) {
+        if (logits0) logits0[logit_off + ta] = s[blk][0] * LN2;
+        if (logits1) logits1[logit_off + ta] = s[blk][1] * LN2;
+      }
+      if (tc < hi) {
+        if (logits0) logits0[logit_off + tc] = s[blk][2] * LN2;
+        if (logits1) logits1[logit_off + tc] = s[blk][3] * LN2;
+      }
+#endif
+    }
+    // online softmax per member (column): the tile's max over its 64 tokens
+    float mx[2] = {st.m[0], st.m[1]};
+#pragma unroll
+    for (int blk = 0; blk < 4; ++blk) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[blk][0], s[blk][2]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[blk][1], s[blk][3]));
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffff, mx[0], o));
+      mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffff, mx[1], o));
+    }
+    // value scales of this lane's tokens and the tile's top one (p * scale / top reaches the mma in fp16)
+    float vs[4][2], vz[4][2], top = 0.f;
+#pragma unroll
+    for (int blk = 0; blk < 4; ++blk) {
+      const u32 ma = vmeta[blk * 16 + gi], mc = vmeta[blk * 16 + gi + 8];
+      vs[blk][0] = f16_lo(ma);
+      vz[blk][0] = f16_hi(ma);
+      vs[blk][1] = f16_lo(mc);
+      vz[blk][1] = f16_hi(mc);
+      top = fmaxf(top, fmaxf(vs[blk][0], vs[blk][1]));
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+    top = top > 0.f ? top : 1.f;
+    const float rtop = 1.f / top;
+    float rescale[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float alpha = ex2(st.m[e] - mx[e]);
+      rescale[e] = alpha * st.top * rtop;  // acc is kept in units of the tile's top scale
+      st.m[e] = mx[e];
+      st.l[e] *= alpha;
+      st.z[e] *= alpha;
+    }
+    st.top = top;
+    // p, and p * scale / top in fp16 as the C fragments of P^T (token gi / gi + 8, members 2 t4, 2 t4 + 1)
+    u32 pa[4], pc[4];
+    float wt[2] = {0.f, 0.f};
+#pragma unroll
+    for (int blk = 0; blk < 4; ++blk) {
+      float pw[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int me = e & 1, tk = e >> 1;  // member 2 t4 + me, token gi + 8 tk
+        const float p = ex2(s[blk][e] - st.m[me]);
+        st.l[me] += p;
+        st.z[me] += p * vz[blk][tk];
+        pw[e] = p * vs[blk][tk] * rtop;
+      }
+      pa[blk] = pack_f16x2(pw[0], pw[1]);
+      pc[blk] = pack_f16x2(pw[2], pw[3]);
+      wt[0] += f16_lo(pa[blk]) + f16_lo(pc[blk]);
+      wt[1] += f16_hi(pa[blk]) + f16_hi(pc[blk]);
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      wt[0] += __shfl_xor_sync(0xffffffff, wt[0], o);
+      wt[1] += __shfl_xor_sync(0xffffffff, wt[1], o);
+    }
+    // The tile's p.v starts from -1024 * sum(p') so the codes' bias cancels inside the mma chain.
+    float tacc[8][4];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      tacc[m][0] = tacc[m][2] = -1024.f * wt[0];
+      tacc[m][1] = tacc[m][3] = -1024.f * wt[1];
+    }
+    // Lanes gi >= 4 read the odd token of each pair first (bank-conflict-free); `swap` undoes it in the prmt.
+    const int odd = gi >> 2;
+    const u32 sel_lo = odd ? 0x1054 : 0x5410, sel_hi = odd ? 0x3276 : 0x7632;
+#pragma unroll
+    for (int blk = 0; blk < 4; ++blk) {
+      // P^T as the B operand (k: tokens 2 t4, 2 t4 + 1 / + 8, n: member gi): the C fragments transposed
+      const u32 pb0 = movtrans(pa[blk]), pb1 = movtrans(pc[blk]);
+      // V^T as the A operand: word gi (and, 4-bit, word gi + 8) of tokens 2 t4, 2 t4 + 1 (a01 / a23) and 2 t4 + 8,
+      // 2 t4 + 9 (a45 / a67), their bytes interleaved by token so every 16-bit half is one token's code of one dim.
+      const int ta = blk * 16 + 2 * t4 + odd, tb = blk * 16 + 2 * t4 + 1 - odd;  // tile rows read first / second
+      u32 y[2][2][2];  // [word: gi / gi + 8][byte pair: bytes 0,1 / 2,3][token pair: (0,1) / (8,9)]
+#pragma unroll
+      for (int w = 0; w < (VB == 4 ? 2 : 1); ++w) {
+        const int chunk = 2 * w + odd;  // word gi + 8 w sits in 16-byte chunk (gi + 8 w) / 4
+        u32 x[4];
+        if (VB == 4) {
+          x[0] = *(const u32*)(vbuf + ta * VROW(VB) + 16 * (chunk ^ ((ta >> 1) & 3)) + 4 * (gi & 3));
+          x[1] = *(const u32*)(vbuf + tb * VROW(VB) + 16 * (chunk ^ ((tb >> 1) & 3)) + 4 * (gi & 3));
+          x[2] = *(const u32*)(vbuf + (ta + 8) * VROW(VB) + 16 * (chunk ^ (((ta + 8) >> 1) & 3)) + 4 * (gi & 3));
+          x[3] = *(const u32*)(vbuf + (tb + 8) * VROW(VB) + 16 * (chunk ^ (((tb + 8) >> 1) & 3)) + 4 * (gi & 3));
+        } else {
+          x[0] = *(const u32*)(vbuf + ta * VROW(VB) + 16 * (chunk ^ ((ta >> 2) & 1)) + 4 * (gi & 3));
+          x[1] = *(const u32*)(vbuf + tb * VROW(VB) + 16 * (chunk ^ ((tb >> 2) & 1)) + 4 * (gi & 3));
+          x[2] = *(const u32*)(vbuf + (ta + 8) * VROW(VB) + 16 * (chunk ^ (((ta + 8) >> 2) & 1)) + 4 * (gi & 3));
+          x[3] = *(const u32*)(vbuf + (tb + 8) * VROW(VB) + 16 * (chunk ^ (((tb + 8) >> 2) & 1)) + 4 * (gi & 3));
+        }
+        y[w][0][0] = prmt(x[0], x[1], sel_lo);
+        y[w][1][0] = prmt(x[0], x[1], sel_hi);
+        y[w][0][1] = prmt(x[2], x[3], sel_lo);
+        y[w][1][1] = prmt(x[2], x[3], sel_hi);
+      }
+      // M tile 2 mb + ph: byte mb of the word; rows gi hold plane 2 ph, rows gi + 8 plane 2 ph + 1, as 1024 +
+      // c * 4^plane. 2-bit: planes 2 ph, 2 ph + 1 are bits 4 ph and 4 ph + 2 of the byte. 4-bit: plane 2 ph is
+      // word gi's nibble ph, plane 2 ph + 1 word gi + 8's nibble ph, shifted up by 2 bits for the factor 4.
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb) {
+        const u32 ya = (mb & 1) ? y[0][mb >> 1][0] >> 8 : y[0][mb >> 1][0];
+        const u32 yc = (mb & 1) ? y[0][mb >> 1][1] >> 8 : y[0][mb >> 1][1];
+#pragma unroll
+        for (int ph = 0; ph < 2; ++ph) {
+          if (VB == 2) {
+            const u32 m0 = 0x00030003u << (4 * ph), m1 = 0x000C000Cu << (4 * ph);
+            mma(tacc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya, m1, 0x64006400),
+                lop_or(yc, m0, 0x64006400), lop_or(yc, m1, 0x64006400), pb0, pb1);
+          } else {
+            const u32 ya8 = ((mb & 1) ? y[1][mb >> 1][0] >> 8 : y[1][mb >> 1][0]) << 2;
+            const u32 yc8 = ((mb & 1) ? y[1][mb >> 1][1] >> 8 : y[1][mb >> 1][1]) << 2;
+            const u32 m0 = 0x000F000Fu << (4 * ph), m1 = 0x003C003Cu << (4 * ph);
+            mma(tacc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya8, m1, 0x64006400),
+                lop_or(yc, m0, 0x64006400), lop_or(yc8, m1, 0x64006400), pb0, pb1);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      st.acc[m][0] = st.acc[m][0] * rescale[0] + tacc[m][0];
+      st.acc[m][1] = st.acc[m][1] * rescale[1] + tacc[m][1];
+      st.acc[m][2] = st.acc[m][2] * rescale[0] + tacc[m][2];
+      st.acc[m][3] = st.acc[m][3] * rescale[1] + tacc[m][3];
+    }
+  }
+  cp_wait<0>();
+  __syncwarp();  // the next section's prologue reuses the stage buffers
+}
+
+extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
+    const unsigned short* __restrict__ q, const unsigned char* __restrict__ pool, const int* __restrict__ page_table,
+    const int* __restrict__ len_hi, const int* __restrict__ len_lo, const int* __restrict__ slots,
+    unsigned short* __restrict__ out, float* __restrict__ mid_acc, float* __restrict__ mid_ml,
+    float* __restrict__ logits, float* __restrict__ lse, int write_lse, int stride_qb, int stride_qh, int stride_ob,
+    int stride_oh, int stride_pts, int stride_ptl, int stride_pth, int P, int stride_ls, int stride_ll,
+    int stride_lh, int stride_ms, int stride_ml, int stride_mh, int stride_gb, int stride_gh, int stride_eb,
+    int stride_eh, int layer, double qk_scale_d, int Hq, int group, int num_splits, int page_bytes, int T_hi,
+    int k_off_hi, int k_meta_hi, int v_off_hi, int v_meta_hi, int T_lo, int k_off_lo, int k_meta_lo,
+    int v_off_lo, int v_meta_lo) {
+  const float qk_scale = (float)qk_scale_d;
+  DYNAMIC_SMEM(smem);
+  const int lane = threadIdx.x, gi = lane >> 2, t4 = lane & 3;
+  const int b = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
+  const long long slot = slots[b];  // strides are int: int64 products below
+  const int n_hi = len_hi[slot * stride_ls + (long long)layer * stride_ll + (long long)h * stride_lh];
+  const int n_lo = KB_LO ? len_lo[slot * stride_ms + (long long)layer * stride_ml + (long long)h * stride_mh] : 0;
+  const int* pt_row = page_table + slot * stride_pts + (long long)layer * stride_ptl + (long long)h * stride_pth;
+  // This split's run of tiles over [high tiles; low tiles].
+  const int tiles_hi = (n_hi + TILE - 1) / TILE, tiles = tiles_hi + (n_lo + TILE - 1) / TILE;
+  const int per_split = (tiles + num_splits - 1) / num_splits;
+  const int ta = split * per_split, tb = min(ta + per_split, tiles);
+
+  const bool real = gi < group;
+  const unsigned short* qrow = q + (long long)b * stride_qb + (long long)(h * group + (real ? gi : 0)) * stride_qh;
+  float* lg0 = nullptr;
+  float* lg1 = nullptr;
+#if WRITE_LOGITS
+  if (2 * t4 < group) lg0 = logits + (long long)b * stride_gb + (long long)(h * group + 2 * t4) * stride_gh;
+  if (2 * t4 + 1 < group) lg1 = logits + (long long)b * stride_gb + (long long)(h * group + 2 * t4 + 1) * stride_gh;
+#endif
+  State st;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
+  st.m[0] = st.m[1] = -1.0e30f;
+  st.l[0] = st.l[1] = st.z[0] = st.z[1] = 0.f;
+  st.top = 1.f;
+
+  if (ta < tiles_hi) {
+    const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi};
+    attend<KB_HI, VB_HI>(st, qrow, real, qk_scale, pool, sec, ta * TILE, min(tb * TILE, n_hi), page_bytes, smem,
+                         lg0, lg1, 0, lane);
+  }
+#if KB_LO
+  if (tb > tiles_hi) {
+    const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
+    const int la = ta > tiles_hi ? ta - tiles_hi : 0;
+    attend<KB_LO, VB_LO>(st, qrow, real, qk_scale, pool, sec, la * TILE, min((tb - tiles_hi) * TILE, n_lo),
+                         page_bytes, smem, lg0, lg1, n_hi, lane);
+  }
+#endif
+
+  // members' sums over all tokens: each lane summed its own rows (tokens gi, gi + 8)
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      st.l[e] += __shfl_xor_sync(0xffffffff, st.l[e], o);
+      st.z[e] += __shfl_xor_sync(0xffffffff, st.z[e], o);
+    }
+  }
+  // acc[m][c]: dim row gi (c 0, 1) / gi + 8 (c 2, 3) of M tile m = byte 4 gi + (m >> 1), plane 2 (m & 1) (+1);
+  // member 2 t4 + (c & 1). Value = 4^-plane * top * acc + z.
+  const bool single = num_splits == 1;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int me = 2 * t4 + (c & 1);
+    if (me >= group) continue;
+    const int hq = h * group + me;
+    const float l = st.l[c & 1];
+    const float inv = single ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+    const long long mid = ((long long)(b * Hq + hq) * num_splits + split);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const int plane = 2 * (m & 1) + (c >> 1);
+      const int dim = 32 * plane + 4 * gi + (m >> 1);
+      const float v = (st.acc[m][c] * st.top * (1.f / (float)(1 << (2 * plane))) + st.z[c & 1]) * inv;
+      if (single) {
+        out[(long long)b * stride_ob + (long long)hq * stride_oh + dim] = out_elem(v);
+      } else {
+        mid_acc[mid * D + dim] = v;
+      }
+    }
+    if (gi == 0 && c < 2) {
+      if (!single) {
+        mid_ml[mid * 2] = st.m[c];
+        mid_ml[mid * 2 + 1] = l;
+      } else if (write_lse) {  // natural-log log-sum-exp; -inf without tokens
+        lse[(long long)b * stride_eb + (long long)hq * stride_eh] =
+            l > 0.f ? (st.m[c] + lg2(l)) * LN2 : __int_as_float(0xff800000);
+      }
+    }
+  }
+}

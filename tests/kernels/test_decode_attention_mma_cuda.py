@@ -1,0 +1,172 @@
+"""The hand-written CUDA decode kernel (kernels/decode_attention/mma_cuda.py, decode_mma.cu): which calls it serves,
+that the launcher passes what the kernel's signature takes, and its outputs, logits and lse against float64 loops
+over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py, every CI run), on CUDA through the
+dispatcher's default pick. Cases: K4V2, K4V4, K8V4, K8V2 pages, DiffKV's K8V4 + K4V2 sections, GQA groups 1-8,
+one and many splits, partial tiles, tiles across two and three pages, heads without tokens, sections of which one is
+empty, fp16 and bf16."""
+import math
+import re
+
+import pytest
+import torch
+
+from kernels.decode_attention import mma_cuda, paged_decode_attention_triton
+from kernels.decode_attention.merge import merge_splits
+from kernels.decode_attention.tiles import LOG2E
+
+import _cuda_emu
+from _decode_check import DEVICE, NMAX_PAD, QTOL, naive_sections
+from _paged_cache import build_cache, formats
+
+CUDA = DEVICE.startswith("cuda")
+
+
+def test_usable_names_what_it_cannot_serve():
+    q = torch.zeros(2, 8, 128, dtype=torch.float16)
+    k4v2, _ = formats("K4V2", 128, 2)
+    k8v4, k4v2_low = formats("K8V4+K4V2", 128, 2)
+    assert mma_cuda.usable(k4v2, None, q, 4) == "not a CUDA device"
+    if CUDA:
+        qc = q.to(DEVICE)
+        assert mma_cuda.usable(k4v2, None, qc, 4) is None
+        assert mma_cuda.usable(k8v4, k4v2_low, qc, 4) is None
+        assert "K8V8 high" in mma_cuda.usable(formats("K8V8", 128, 2)[0], None, qc, 4)
+        assert "K2V2 low" in mma_cuda.usable(k8v4, formats("K2V2", 128, 2)[0], qc, 4)
+        assert "head_dim 64" in mma_cuda.usable(formats("K4V2", 64, 2)[0], None, qc[..., :64], 4)
+        assert "float32" in mma_cuda.usable(k4v2, None, qc.float(), 4)
+        assert "12 query heads" in mma_cuda.usable(k4v2, None, qc, 12)
+    # pages of fewer than MIN_TOKENS tokens (a tile would span more than three pages)
+    small, _ = formats("K8V4", 128, 1)
+    assert small.tokens < mma_cuda.MIN_TOKENS
+    assert "tokens per high page" in mma_cuda._format_reason(small, "high")
+
+
+def test_forcing_it_where_it_cannot_serve_raises():
+    fmt, _ = formats("K4V2", 128, 4)
+    pool, pt, lens, _, _ = build_cache(fmt, None, torch.float32, 2, [[5, 3]], None, DEVICE, 0)
+    q = torch.randn(1, 8, 128, device=DEVICE)
+    why = mma_cuda.usable(fmt, None, q, 4)  # a float32 q (and no GPU on CPU runs)
+    assert why is not None
+    with pytest.raises(ValueError, match=re.escape(f"(mma_cuda: {why})")):
+        paged_decode_attention_triton(q, pool, fmt, torch.float32, pt, lens, torch.zeros(1, dtype=torch.int32,
+                                      device=DEVICE), 0, 0.1, kernel="mma_cuda")
+
+
+def test_launcher_passes_what_the_signature_takes():
+    """Pointers for the tensors, C ints for Python ints, a double for the Python float (torch's launcher converts
+    them so), in the kernel's order and number; the variant's shared memory within the default 48 KB."""
+    params = _cuda_emu.signature(mma_cuda.SOURCE.read_text())
+    calls = []
+    fmt, low = formats("K8V4+K4V2", 128, 2)
+    B, Hq, Hkv = 2, 12, 2
+    q = torch.zeros(B, Hq, 128, dtype=torch.float16)
+    pt = torch.zeros(3, 2, Hkv, 5, dtype=torch.int32)
+    lens = torch.zeros(3, 2, Hkv, dtype=torch.int32)
+    mid = torch.zeros(B, Hq, 4, 128)
+    mma_cuda.launch_mma(q, torch.zeros(4, fmt.page_bytes, dtype=torch.uint8), fmt, low, pt, lens, lens + 1,
+                        torch.zeros(B, dtype=torch.int32), q, mid, mid[..., :2], None, torch.zeros(B, Hq), 1, 0.5, 4,
+                        compiled=lambda dev, var: (lambda **kw: calls.append((var, kw))))
+    ((var, call),) = calls
+    assert var == mma_cuda.Variant(8, 4, 4, 2, 2 if min(fmt.tokens, low.tokens) >= 64 else 3, False, False)
+    assert call["grid"] == (B, Hkv, 4) and call["block"] == (32, 1, 1)
+    assert call["shared_mem"] == var.shared_bytes <= 48 * 1024
+    args = call["args"]
+    assert len(args) == len(params)
+    for a, (ctype, name) in zip(args, params):
+        if ctype.endswith("*"):
+            assert isinstance(a, torch.Tensor), name
+        elif ctype == "double":
+            assert isinstance(a, float), name
+        else:
+            assert ctype == "int" and isinstance(a, int) and not isinstance(a, bool), name
+    named = dict(zip([n for _, n in params], args))
+    assert named["group"] == Hq // Hkv and named["num_splits"] == 4 and named["P"] == 4 and named["write_lse"] == 1
+    assert (named["T_hi"], named["k_off_hi"], named["k_meta_hi"], named["v_off_hi"], named["v_meta_hi"]) == (
+        fmt.tokens, fmt.k_off, fmt.k_meta_off, fmt.v_off, fmt.v_meta_off)
+    assert (named["T_lo"], named["k_off_lo"], named["k_meta_lo"], named["v_off_lo"], named["v_meta_lo"]) == (
+        low.tokens, low.k_off, low.k_meta_off, low.v_off, low.v_meta_off)
+    assert named["len_lo"] is not named["len_hi"]
+
+
+def test_variants_fit_the_sm():
+    """Shared memory and the register cap (MINB) of every served precision leave programs resident."""
+    for kb in mma_cuda.KEY_BITS:
+        for vb in mma_cuda.VALUE_BITS:
+            for low in ((0, 2), (4, 2)):
+                var = mma_cuda.Variant(kb, vb, *low, 3, False, True)
+                assert var.shared_bytes <= 48 * 1024
+                assert 1 <= var.min_programs <= mma_cuda.MAX_PROGRAMS
+                assert var.min_programs * (var.shared_bytes + 1024) <= mma_cuda.SHARED_PER_SM
+                assert f"#define KB_LO {low[0]}" in var.defines()
+
+
+# (spec, Hq, Hkv, high lengths per slot and KV head, low lengths or None, splits)
+CASES = [
+    ("K4V2", 8, 2, [[1000, 777], [64, 0]], None, 1),          # GQA 4: partial last tile, a head without tokens
+    ("K4V2", 8, 2, [[1000, 777], [64, 0]], None, 5),          # splits, some of them empty
+    ("K4V2", 12, 2, [[700, 150], [1, 74]], None, None),       # GQA 6 (Qwen2.5-1.5B), the automatic split count
+    ("K4V2", 8, 1, [[75], [148]], None, 2),                   # GQA 8; tiles across page boundaries (74-token pages)
+    ("K4V2", 4, 4, [[300, 129, 63, 500]], None, 3),           # GQA 1
+    ("K8V4", 8, 2, [[300, 77], [41, 0]], None, 1),            # 40-token pages: tiles across three pages
+    ("K8V4", 12, 2, [[520, 81], [130, 1]], None, 3),
+    ("K4V4", 8, 2, [[400, 57], [58, 0]], None, 2),            # 57-token pages
+    ("K8V2", 6, 1, [[200], [1]], None, 1),
+    ("K8V4+K4V2", 8, 2, [[300, 77], [64, 0]], [[100, 5], [0, 0]], 1),
+    ("K8V4+K4V2", 6, 1, [[300], [64], [0]], [[100], [0], [70]], 4),   # a split across the section boundary
+    ("K8V4+K4V2", 8, 2, [[0, 40], [129, 3]], [[300, 0], [75, 2]], 3),  # empty high / low sections
+    ("K8V4+K4V2", 12, 2, [[700, 350]], [[260, 600]], None),
+]
+
+
+def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed):
+    isz = torch.empty((), dtype=dtype).element_size()
+    fmt, low = formats(spec, 128, isz)
+    pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, dtype, Hkv, lens, lens_lo, DEVICE, seed)
+    B = len(lens)
+    slots = torch.arange(B, dtype=torch.int32, device=DEVICE).flip(0)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, 128, generator=g).to(DEVICE, dtype)
+    scale = 1 / math.sqrt(128)
+    total = len_hi + (len_lo if len_lo is not None else 0)
+    out = torch.full_like(q, float("nan"))
+    logits = torch.full((B, Hq, int(total.max()) + NMAX_PAD), float("nan"), device=DEVICE) if outputs else None
+    lse = torch.full((B, Hq), float("nan"), device=DEVICE) if outputs else None
+    if CUDA:
+        assert paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale, num_splits=num_splits,
+                                             out=out, fmt_low=low, len_low=len_lo, logits_out=logits,
+                                             lse_out=lse) is out
+    else:
+        splits = num_splits or 3
+        mid_acc = torch.empty(B, Hq, splits, 128) if splits > 1 else out
+        mid_ml = torch.empty(B, Hq, splits, 2) if splits > 1 else out
+        mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, slots, out, mid_acc, mid_ml, logits, lse, 0,
+                            scale * LOG2E, splits, compiled=_cuda_emu.compiled)
+        if splits > 1:
+            merge_splits(mid_acc, mid_ml, out, lse if lse is not None else out, splits, lse is not None)
+    want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale)
+    return (fmt, low, q, pool, pt, len_hi, len_lo, slots, scale), (out, logits, lse), (want, want_logits, want_lse)
+
+
+@pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec,Hq,Hkv,lens,lens_lo,num_splits", CASES)
+def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
+    outputs = lens_lo is not None or num_splits == 2  # DiffKV's call: logits and lse beside the output
+    seed = sum(map(sum, lens)) + Hq
+    call, (out, logits, lse), (want, want_logits, want_lse) = _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype,
+                                                                   outputs, seed)
+    tol = QTOL[dtype]
+    torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
+    if outputs:
+        torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)  # -inf where no token
+        expect = torch.full(logits.shape, float("nan"), dtype=torch.float64)
+        for (b, hq, i), x in want_logits.items():
+            expect[b, hq, i] = x
+        # logits are fp32 from fp16 tensor-core dots: the q rounding alone moves them ~5e-4 relative
+        torch.testing.assert_close(logits.double().cpu(), expect, atol=tol, rtol=tol, equal_nan=True)
+    if CUDA:  # the Triton kernel beside it
+        fmt, low, q, pool, pt, len_hi, len_lo, slots, scale = call
+        assert mma_cuda.usable(fmt, low, q, Hq // Hkv) is None
+        tri = paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale, num_splits=num_splits,
+                                            fmt_low=low, len_low=len_lo, kernel="quartered")
+        torch.testing.assert_close(out, tri, atol=tol, rtol=tol)
