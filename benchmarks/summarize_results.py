@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DOCS = ROOT / "docs"
 
-ATTENTION = "attention_H100.json"
+ATTENTION = "attention_H200.json"
+KERNEL_AB = "decode_mma_vs_quartered_H200.json"  # the CUDA decode kernel against the quartered Triton kernel
 DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 THROUGHPUT = "throughput_smollm2_H100.json.gz"
 THROUGHPUT_REPEAT = "throughput_smollm2_reversed_H100.json.gz"  # the same command, modes in reverse order
@@ -29,6 +30,8 @@ TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
+    "attention_H100.json": "benchmarks/attention.py on an H100 with the quartered Triton kernel serving K8V4, K4V2 and "
+                           "mix (before decode_mma.cu): 0.65-0.91 of the floor for those three",
     "decode_variants_H100.json": "decode-attention kernel variants tried for kernels/decode_attention/launch.py launch_config",
     "decode_kernel_variants_H200.json": "element-wise against quartered PTX unpacking in the decode kernel",
     "decode_splits_H200.json": "decode attention time per split count (kernels/decode_attention/launch.py)",
@@ -77,6 +80,12 @@ def attention_section() -> list[str]:
            f"fraction of the floor t0 + bytes / BW, fitted to torch SDPA in the same run: t0 = {fl['t0_us']:.1f} us, "
            f"BW = {fl['bw'] / 1e12:.2f} TB/s (largest SDPA residual {100 * fl['max_rel_residual']:.0f}%). `mix` is "
            "half K8V4, half K4V2 tokens; `sdpa-gqa` is torch SDPA on a contiguous fp16 cache.", ""]
+    served = {}
+    for r in a["rows"]:
+        if r.get("kernel"):
+            served.setdefault(r["precision"], r["kernel"])
+    if served:
+        out += ["Kernel serving each precision: " + ", ".join(f"{p} `{k}`" for p, k in served.items()) + ".", ""]
     for heads, h in a["config"]["heads"].items():
         cells = {(r["precision"], r["batch"], r["seq"]): r for r in a["rows"] if r["heads"] == heads}
         out += [f"{heads} heads ({h['hq']} query / {h['hkv']} KV, GQA {h['hq'] // h['hkv']}):", "",
@@ -97,6 +106,29 @@ def attention_section() -> list[str]:
             f"call reads >= {big['min_bytes'] / 1e6:.0f} MB: {'met' if big['pass'] else 'not met'} (lowest "
             f"{100 * big['min']:.0f}%).", ""]
     return out
+
+
+def kernel_ab_section() -> list[str]:
+    d = load(KERNEL_AB)
+    if d is None:
+        return []
+    out = ["## Decode attention: the CUDA kernel against the Triton kernel", "", *provenance(d),
+           "The same calls timed with `kernel=\"mma_cuda\"` (kernels/decode_attention/decode_mma.cu) and "
+           "`kernel=\"quartered\"` (the Triton kernel it replaced) in one run, CUDA-graph microseconds per call, "
+           "head_dim 128, 16-token fp16 page size. `K8V4+K4V2` is DiffKV's call (half the tokens in each section), "
+           "also with the per-token logits and lse its significance update reads.", "",
+           "| heads | pages | batch | tokens | CUDA us | Triton us | speedup | CUDA us, +logits | Triton us, +logits "
+           "| speedup |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        cells = [r["heads"], r["spec"], r["B"], r["S"], f"{r['mma_cuda']:.1f}", f"{r['quartered']:.1f}",
+                 f"{r['quartered'] / r['mma_cuda']:.2f}x"]
+        if "mma_cuda+logits" in r:
+            cells += [f"{r['mma_cuda+logits']:.1f}", f"{r['quartered+logits']:.1f}",
+                      f"{r['quartered+logits'] / r['mma_cuda+logits']:.2f}x"]
+        else:
+            cells += ["-", "-", "-"]
+        out.append("| " + " | ".join(map(str, cells)) + " |")
+    return out + [""]
 
 
 def decode_throughput_section() -> list[str]:
@@ -319,7 +351,7 @@ def render_performance() -> str:
              "`--smoke` mode on CPU.", ""]
     for name in THROUGHPUT_AT_ACCURACY_RUNS:  # the headline: tokens/s per KV mode at its accuracy, a real model
         lines += throughput_accuracy_section(name)
-    lines += attention_section() + decode_throughput_section()
+    lines += attention_section() + kernel_ab_section() + decode_throughput_section()
     for section in (throughput_section, step_breakdown_section, memory_manager_section, serve_sweep_section,
                     tensor_parallel_section):
         lines += section()
@@ -328,7 +360,7 @@ def render_performance() -> str:
 
 def render_index() -> str:
     """benchmarks/results/README.md: every recorded file, what it measures, where, when."""
-    shown = [ATTENTION, DECODE_THROUGHPUT, *THROUGHPUT_AT_ACCURACY_RUNS, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
+    shown = [ATTENTION, KERNEL_AB, DECODE_THROUGHPUT, *THROUGHPUT_AT_ACCURACY_RUNS, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
              SERVE_SWEEP, TENSOR_PARALLEL]
     lines = ["# Recorded results", "",
              "The runs behind [docs/PERFORMANCE.md](../../docs/PERFORMANCE.md), which shows them with their commands "

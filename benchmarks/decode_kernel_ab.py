@@ -1,0 +1,102 @@
+"""The CUDA decode kernel (kernels/decode_attention/decode_mma.cu) against the quartered Triton kernel on the same
+calls, side by side in one run: CUDA-graph time per call for each precision they both serve, at the Llama-3-8B
+(32 / 8 heads) and Qwen2.5-1.5B (12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's
+K8V4 + K4V2 call (half the tokens in each section) is timed without and with the per-token logits / lse outputs
+its significance update reads. Page contents are random bytes (the kernels' time does not depend on them;
+benchmarks/attention.py and the tests check values).
+
+Usage: python benchmarks/decode_kernel_ab.py [--specs K8V4 K4V2 ...] [--shapes 8x4096 32x16384 ...] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._results import write_result  # noqa: E402
+from kernels.decode_attention import paged_decode_attention_triton  # noqa: E402
+from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
+
+HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
+KERNELS = ("mma_cuda", "quartered")
+
+
+def build(spec: str, B: int, S: int, hkv: int, device):
+    """A pool of random pages, a page table (low pages from the table's end, backwards) and section lengths."""
+    pb = page_bytes_for(16, 128, 2)
+    fm = [PageFormat.make(int(k), int(v), 128, pb, 2) for k, v in (s[1:].split("V") for s in spec.split("+"))]
+    hi, lo = fm[0], (fm[1] if len(fm) > 1 else None)
+    sh, sl = (S // 2, S - S // 2) if lo else (S, 0)
+    nh, nl = -(-sh // hi.tokens), (-(-sl // lo.tokens) if lo else 0)
+    P = nh + nl + 1
+    npg = B * hkv * (nh + nl)
+    pool = torch.randint(0, 256, (npg, pb), dtype=torch.uint8, device=device)
+    pt = torch.randperm(npg, device=device, dtype=torch.int32).view(B, 1, hkv, P - 1)
+    pt = torch.cat([pt, torch.zeros(B, 1, hkv, 1, dtype=torch.int32, device=device)], 3).contiguous()
+    if lo:
+        pt[..., P - 1 - nl:P - 1] = pt[..., nh:nh + nl].flip(-1).clone()
+    lh = torch.full((B, 1, hkv), sh, dtype=torch.int32, device=device)
+    ll = torch.full((B, 1, hkv), sl, dtype=torch.int32, device=device) if lo else None
+    return pool, pt, hi, lo, lh, ll
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--specs", nargs="+", default=["K8V4", "K4V2", "K4V4", "K8V4+K4V2"])
+    ap.add_argument("--shapes", nargs="+", default=["8x4096", "32x4096", "128x4096", "8x16384", "32x16384"],
+                    help="BATCHxSEQ")
+    ap.add_argument("--rep", type=float, default=20, help="do_bench_cudagraph rep (ms)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_kernel_ab.py times CUDA kernels: it needs a CUDA GPU")
+    from triton.testing import do_bench_cudagraph
+    from tqdm import tqdm
+
+    dev = torch.device("cuda")
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
+    jobs = [(n, spec, B, S) for n in HEADS for spec in args.specs for B, S in shapes]
+    rows = []
+    for name, spec, B, S in tqdm(jobs, desc="calls"):
+        hq, hkv = HEADS[name]
+        pool, pt, hi, lo, lh, ll = build(spec, B, S, hkv, dev)
+        slots = torch.arange(B, dtype=torch.int32, device=dev)
+        q = torch.randn(B, hq, 128, device=dev, dtype=torch.float16)
+        out = torch.empty_like(q)
+        row = dict(heads=name, spec=spec, B=B, S=S)
+        for k in KERNELS:
+            for with_logits in ((False, True) if lo else (False,)):
+                logits = torch.empty(B, hq, S, device=dev) if with_logits else None
+                lse = torch.empty(B, hq, device=dev) if with_logits else None
+
+                def call():
+                    paged_decode_attention_triton(q, pool, hi, torch.float16, pt, lh, slots, 0, 0.088, max_len=S,
+                                                  out=out, fmt_low=lo, len_low=ll, logits_out=logits, lse_out=lse,
+                                                  kernel=k)
+
+                call()
+                torch.cuda.synchronize()
+                row[k + ("+logits" if with_logits else "")] = round(do_bench_cudagraph(call, rep=args.rep) * 1e3, 2)
+        rows.append(row)
+        del pool
+    print(f"\n{'heads':<14}{'spec':<11}{'B':>5}{'S':>7}{'cuda us':>10}{'triton us':>11}{'speedup':>9}"
+          f"{'+logits':>10}{'+logits':>10}{'speedup':>9}")
+    for r in rows:
+        line = (f"{r['heads']:<14}{r['spec']:<11}{r['B']:>5}{r['S']:>7}{r['mma_cuda']:>10.1f}{r['quartered']:>11.1f}"
+                f"{r['quartered'] / r['mma_cuda']:>8.2f}x")
+        if "mma_cuda+logits" in r:
+            line += (f"{r['mma_cuda+logits']:>10.1f}{r['quartered+logits']:>10.1f}"
+                     f"{r['quartered+logits'] / r['mma_cuda+logits']:>8.2f}x")
+        print(line)
+    result = dict(benchmark="decode_kernel_ab", device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command="python benchmarks/decode_kernel_ab.py" + (f" --out {args.out}" if args.out else ""),
+                  timing="do_bench_cudagraph median (us) per call", rows=rows)
+    write_result(result, "decode_mma_vs_quartered", result["device"], args.out, False)
+
+
+if __name__ == "__main__":
+    main()
