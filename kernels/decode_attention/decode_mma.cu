@@ -1,4 +1,4 @@
-// Decode attention over quantized pages with 4- or 8-bit keys and 2- or 4-bit values (integer codes, planar
+// Decode attention over quantized pages with 4- or 8-bit keys and 2-, 4- or 8-bit values (integer codes, planar
 // packing, fp16 scale / zero per token; layout in kernels/page_layout.py and kernels/quant.py), head_dim 128, a
 // GQA group of up to 8 query heads, a high section and optionally a low section of another precision (DiffKV's
 // K8V4 + K4V2), one warp per (batch entry, KV head, split). kernels/decode_attention/mma_cuda.py compiles it
@@ -13,12 +13,12 @@
 // -1024 * (the sum it multiplies): the tensor cores' fp32 adds truncate, so a large running bias would cost digits.
 //
 // A split covers a run of 64-token tiles of the high section followed by the low one, so both sections share the
-// split's softmax state. Value codes of both value widths reach the same accumulator rows (dim 32 p + 4 gi + byte
-// for plane p) at the same factor 4^p, so one epilogue serves both.
+// split's softmax state. Value codes of every width reach the same accumulator rows (dim 32 p + 4 gi + byte for
+// plane p), 2- and 4-bit codes at the same factor 4^p (so those two widths can share a split), 8-bit codes at 1.
 //
 // Compile-time settings (defined by the launcher): KB_HI / VB_HI and KB_LO / VB_LO (key / value bits of the
-// sections; KB_LO 0: no low section), MAXPAGES (pages a tile can span: 2 when every format holds >= 64 tokens a
-// page, 3 when >= 32), STAGES (cp.async tiles in flight), MINB (programs per SM the registers must allow),
+// sections; KB_LO 0: no low section), MAXPAGES (pages a 64-token tile can span: 2 when every format holds >= 64
+// tokens a page, 3 when >= 32, 4 when >= 21), STAGES (cp.async tiles in flight), MINB (programs per SM the registers must allow),
 // Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`).
 typedef unsigned int u32;
 struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
@@ -168,53 +168,58 @@ struct State {
   float top;
 };
 
-// Address of token t's row (rowbytes each, from segment offset `off`) among the <= MAXPAGES pages of a tile.
-__device__ __forceinline__ long long row_at(int t, int first0, int b1, int b2, long long pg0, long long pg1,
-                                            long long pg2, int rowbytes, int off) {
-  long long base = pg0;
-  int first = first0;
-  if (t >= b1) base = pg1, first = b1;
-#if MAXPAGES > 2
-  if (t >= b2) base = pg2, first = b2;
-#endif
+// The <= MAXPAGES pages a tile of a section touches: page k starts at section token first[k], at pool byte base[k]
+// (pages past the section's end repeat the first, never read).
+struct TilePages {
+  long long base[MAXPAGES];
+  int first[MAXPAGES];
+};
+
+// Address of token t's row (rowbytes each, from segment offset `off`).
+__device__ __forceinline__ long long row_at(const TilePages& tp, int t, int rowbytes, int off) {
+  long long base = tp.base[0];
+  int first = tp.first[0];
+#pragma unroll
+  for (int k = 1; k < MAXPAGES; ++k)
+    if (t >= tp.first[k]) base = tp.base[k], first = tp.first[k];
   return base + (long long)(t - first) * rowbytes + off;
 }
 
 // Tokens [t0, t0 + TILE) of a section into a stage buffer (rows at or past hi are zero-filled). 16-byte chunks are
 // stored XOR-swizzled so that the fragment reads below hit distinct shared-memory banks: 8-bit keys by token
-// parity, 4-bit values by (token / 2) % 4, 2-bit values by (token / 4) % 2.
+// parity, 8-bit values by 2 ((token / 2) % 4), 4-bit values by (token / 2) % 4, 2-bit values by (token / 4) % 2.
 template <int KB, int VB>
 __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec, int t0,
                                           int hi, int page_bytes, int lane) {
-  const int T = sec.tokens;
-  const int p0 = t0 / T, first0 = p0 * T, b1 = first0 + T, b2 = b1 + T;
-  const long long pg0 = (long long)sec.pt[sec.pstep * p0] * page_bytes;
-  const long long pg1 = b1 < hi ? (long long)sec.pt[sec.pstep * (p0 + 1)] * page_bytes : pg0;
-#if MAXPAGES > 2
-  const long long pg2 = b2 < hi ? (long long)sec.pt[sec.pstep * (p0 + 2)] * page_bytes : pg0;
-#else
-  const long long pg2 = pg0;
-#endif
+  const int T = sec.tokens, p0 = t0 / T;
+  TilePages tp;
+#pragma unroll
+  for (int k = 0; k < MAXPAGES; ++k) {
+    tp.first[k] = k ? tp.first[k - 1] + T : p0 * T;
+    tp.base[k] = k == 0 || tp.first[k] < hi ? (long long)sec.pt[sec.pstep * (p0 + k)] * page_bytes : tp.base[0];
+  }
   const u32 sbase = smem_addr(buf);
   constexpr int KP = KROW(KB) / 16, VP = VROW(VB) / 16;  // 16-byte chunks per token row
 #pragma unroll
   for (int it = 0; it < TILE * KP / 32; ++it) {
     const int i = it * 32 + lane, tok = i / KP, part = i % KP, t = t0 + tok;
     const int slot = KB == 8 ? part ^ (tok & 1) : part;
-    const long long src = row_at(t, first0, b1, b2, pg0, pg1, pg2, KROW(KB), sec.k_off) + part * 16;
+    const long long src = row_at(tp, t, KROW(KB), sec.k_off) + part * 16;
     cp16(sbase + tok * KROW(KB) + slot * 16, pool + (t < hi ? src : 0), t < hi);
   }
 #pragma unroll
   for (int it = 0; it < TILE * VP / 32; ++it) {
     const int i = it * 32 + lane, tok = i / VP, part = i % VP, t = t0 + tok;
-    const int slot = VB == 4 ? part ^ ((tok >> 1) & 3) : part ^ ((tok >> 2) & 1);
-    const long long src = row_at(t, first0, b1, b2, pg0, pg1, pg2, VROW(VB), sec.v_off) + part * 16;
+    const int slot = VB == 8   ? part ^ (2 * ((tok >> 1) & 3))
+                     : VB == 4 ? part ^ ((tok >> 1) & 3)
+                               : part ^ ((tok >> 2) & 1);
+    const long long src = row_at(tp, t, VROW(VB), sec.v_off) + part * 16;
     cp16(sbase + TILE * KROW(KB) + tok * VROW(VB) + slot * 16, pool + (t < hi ? src : 0), t < hi);
   }
 #pragma unroll
   for (int it = 0; it < TILE / 32; ++it) {  // (scale, zero) words of keys and values
     const int tok = it * 32 + lane, t = t0 + tok;
-    const long long r = row_at(t, first0, b1, b2, pg0, pg1, pg2, 4, 0);
+    const long long r = row_at(tp, t, 4, 0);
     cp4(sbase + TILE * (KROW(KB) + VROW(VB)) + tok * 4, pool + (t < hi ? r + sec.k_meta : 0), t < hi);
     cp4(sbase + TILE * (KROW(KB) + VROW(VB) + 4) + tok * 4, pool + (t < hi ? r + sec.v_meta : 0), t < hi);
   }
@@ -410,7 +415,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       tacc[m][0] = tacc[m][2] = -1024.f * wt[0];
       tacc[m][1] = tacc[m][3] = -1024.f * wt[1];
     }
-    // Lanes gi >= 4 read the odd token of each pair first (bank-conflict-free); `swap` undoes it in the prmt.
+    // Lanes gi >= 4 read the odd token of each pair first (bank-conflict-free); the prmt selectors undo it.
     const int odd = gi >> 2;
     const u32 sel_lo = odd ? 0x1054 : 0x5410, sel_hi = odd ? 0x3276 : 0x7632;
 #pragma unroll
@@ -420,46 +425,70 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       // V^T as the A operand: word gi (and, 4-bit, word gi + 8) of tokens 2 t4, 2 t4 + 1 (a01 / a23) and 2 t4 + 8,
       // 2 t4 + 9 (a45 / a67), their bytes interleaved by token so every 16-bit half is one token's code of one dim.
       const int ta = blk * 16 + 2 * t4 + odd, tb = blk * 16 + 2 * t4 + 1 - odd;  // tile rows read first / second
-      u32 y[2][2][2];  // [word: gi / gi + 8][byte pair: bytes 0,1 / 2,3][token pair: (0,1) / (8,9)]
+      if (VB == 8) {
+        // 8-bit: word 8 w + gi of a row is plane w (dims 32 w + 4 gi + byte); a prmt takes byte mb of two tokens
+        // and a lop3 puts them under 0x64 exponent bytes.
+        u32 x[4][4];  // [plane][token: first, second of the pair, + 8]
+        const int swa = 2 * ((ta >> 1) & 3), swb = 2 * ((tb >> 1) & 3);  // tokens + 8 share them
 #pragma unroll
-      for (int w = 0; w < (VB == 4 ? 2 : 1); ++w) {
-        const int chunk = 2 * w + odd;  // word gi + 8 w sits in 16-byte chunk (gi + 8 w) / 4
-        u32 x[4];
-        if (VB == 4) {
-          x[0] = *(const u32*)(vbuf + ta * VROW(VB) + 16 * (chunk ^ ((ta >> 1) & 3)) + 4 * (gi & 3));
-          x[1] = *(const u32*)(vbuf + tb * VROW(VB) + 16 * (chunk ^ ((tb >> 1) & 3)) + 4 * (gi & 3));
-          x[2] = *(const u32*)(vbuf + (ta + 8) * VROW(VB) + 16 * (chunk ^ (((ta + 8) >> 1) & 3)) + 4 * (gi & 3));
-          x[3] = *(const u32*)(vbuf + (tb + 8) * VROW(VB) + 16 * (chunk ^ (((tb + 8) >> 1) & 3)) + 4 * (gi & 3));
-        } else {
-          x[0] = *(const u32*)(vbuf + ta * VROW(VB) + 16 * (chunk ^ ((ta >> 2) & 1)) + 4 * (gi & 3));
-          x[1] = *(const u32*)(vbuf + tb * VROW(VB) + 16 * (chunk ^ ((tb >> 2) & 1)) + 4 * (gi & 3));
-          x[2] = *(const u32*)(vbuf + (ta + 8) * VROW(VB) + 16 * (chunk ^ (((ta + 8) >> 2) & 1)) + 4 * (gi & 3));
-          x[3] = *(const u32*)(vbuf + (tb + 8) * VROW(VB) + 16 * (chunk ^ (((tb + 8) >> 2) & 1)) + 4 * (gi & 3));
+        for (int w = 0; w < 4; ++w) {
+          const unsigned char* va = vbuf + ta * VROW(VB) + 16 * ((2 * w + odd) ^ swa) + 4 * (gi & 3);
+          const unsigned char* vb = vbuf + tb * VROW(VB) + 16 * ((2 * w + odd) ^ swb) + 4 * (gi & 3);
+          x[w][0] = *(const u32*)va;
+          x[w][1] = *(const u32*)vb;
+          x[w][2] = *(const u32*)(va + 8 * VROW(VB));
+          x[w][3] = *(const u32*)(vb + 8 * VROW(VB));
         }
-        y[w][0][0] = prmt(x[0], x[1], sel_lo);
-        y[w][1][0] = prmt(x[0], x[1], sel_hi);
-        y[w][0][1] = prmt(x[2], x[3], sel_lo);
-        y[w][1][1] = prmt(x[2], x[3], sel_hi);
-      }
-      // M tile 2 mb + ph: byte mb of the word; rows gi hold plane 2 ph, rows gi + 8 plane 2 ph + 1, as 1024 +
-      // c * 4^plane. 2-bit: planes 2 ph, 2 ph + 1 are bits 4 ph and 4 ph + 2 of the byte. 4-bit: plane 2 ph is
-      // word gi's nibble ph, plane 2 ph + 1 word gi + 8's nibble ph, shifted up by 2 bits for the factor 4.
 #pragma unroll
-      for (int mb = 0; mb < 4; ++mb) {
-        const u32 ya = (mb & 1) ? y[0][mb >> 1][0] >> 8 : y[0][mb >> 1][0];
-        const u32 yc = (mb & 1) ? y[0][mb >> 1][1] >> 8 : y[0][mb >> 1][1];
+        for (int mb = 0; mb < 4; ++mb) {
+          const u32 sel = odd ? (4 + mb) | (mb << 8) : mb | ((4 + mb) << 8);  // half 0: token 2 t4
 #pragma unroll
-        for (int ph = 0; ph < 2; ++ph) {
-          if (VB == 2) {
-            const u32 m0 = 0x00030003u << (4 * ph), m1 = 0x000C000Cu << (4 * ph);
-            mma(tacc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya, m1, 0x64006400),
-                lop_or(yc, m0, 0x64006400), lop_or(yc, m1, 0x64006400), pb0, pb1);
-          } else {
-            const u32 ya8 = ((mb & 1) ? y[1][mb >> 1][0] >> 8 : y[1][mb >> 1][0]) << 2;
-            const u32 yc8 = ((mb & 1) ? y[1][mb >> 1][1] >> 8 : y[1][mb >> 1][1]) << 2;
-            const u32 m0 = 0x000F000Fu << (4 * ph), m1 = 0x003C003Cu << (4 * ph);
-            mma(tacc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya8, m1, 0x64006400),
-                lop_or(yc, m0, 0x64006400), lop_or(yc8, m1, 0x64006400), pb0, pb1);
+          for (int ph = 0; ph < 2; ++ph) {
+            mma(tacc[2 * mb + ph], lop_or(prmt(x[2 * ph][0], x[2 * ph][1], sel), 0x00FF00FF, 0x64006400),
+                lop_or(prmt(x[2 * ph + 1][0], x[2 * ph + 1][1], sel), 0x00FF00FF, 0x64006400),
+                lop_or(prmt(x[2 * ph][2], x[2 * ph][3], sel), 0x00FF00FF, 0x64006400),
+                lop_or(prmt(x[2 * ph + 1][2], x[2 * ph + 1][3], sel), 0x00FF00FF, 0x64006400), pb0, pb1);
+          }
+        }
+      } else {
+        u32 y[2][2][2];  // [word: gi / gi + 8][byte pair: bytes 0,1 / 2,3][token pair: (0,1) / (8,9)]
+#pragma unroll
+        for (int w = 0; w < (VB == 4 ? 2 : 1); ++w) {
+          const int chunk = 2 * w + odd;  // word gi + 8 w sits in 16-byte chunk (gi + 8 w) / 4
+          u32 x[4];
+          // tokens ta + 8 / tb + 8 share the swizzle of ta / tb
+          const int swa = VB == 4 ? (ta >> 1) & 3 : (ta >> 2) & 1, swb = VB == 4 ? (tb >> 1) & 3 : (tb >> 2) & 1;
+          const unsigned char* va = vbuf + ta * VROW(VB) + 16 * (chunk ^ swa) + 4 * (gi & 3);
+          const unsigned char* vb = vbuf + tb * VROW(VB) + 16 * (chunk ^ swb) + 4 * (gi & 3);
+          x[0] = *(const u32*)va;
+          x[1] = *(const u32*)vb;
+          x[2] = *(const u32*)(va + 8 * VROW(VB));
+          x[3] = *(const u32*)(vb + 8 * VROW(VB));
+          y[w][0][0] = prmt(x[0], x[1], sel_lo);
+          y[w][1][0] = prmt(x[0], x[1], sel_hi);
+          y[w][0][1] = prmt(x[2], x[3], sel_lo);
+          y[w][1][1] = prmt(x[2], x[3], sel_hi);
+        }
+        // M tile 2 mb + ph: byte mb of the word; rows gi hold plane 2 ph, rows gi + 8 plane 2 ph + 1, as 1024 +
+        // c * 4^plane. 2-bit: planes 2 ph, 2 ph + 1 are bits 4 ph and 4 ph + 2 of the byte. 4-bit: plane 2 ph is
+        // word gi's nibble ph, plane 2 ph + 1 word gi + 8's nibble ph, shifted up by 2 bits for the factor 4.
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb) {
+          const u32 ya = (mb & 1) ? y[0][mb >> 1][0] >> 8 : y[0][mb >> 1][0];
+          const u32 yc = (mb & 1) ? y[0][mb >> 1][1] >> 8 : y[0][mb >> 1][1];
+#pragma unroll
+          for (int ph = 0; ph < 2; ++ph) {
+            if (VB == 2) {
+              const u32 m0 = 0x00030003u << (4 * ph), m1 = 0x000C000Cu << (4 * ph);
+              mma(tacc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya, m1, 0x64006400),
+                  lop_or(yc, m0, 0x64006400), lop_or(yc, m1, 0x64006400), pb0, pb1);
+            } else {
+              const u32 ya8 = ((mb & 1) ? y[1][mb >> 1][0] >> 8 : y[1][mb >> 1][0]) << 2;
+              const u32 yc8 = ((mb & 1) ? y[1][mb >> 1][1] >> 8 : y[1][mb >> 1][1]) << 2;
+              const u32 m0 = 0x000F000Fu << (4 * ph), m1 = 0x003C003Cu << (4 * ph);
+              mma(tacc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya8, m1, 0x64006400),
+                  lop_or(yc, m0, 0x64006400), lop_or(yc8, m1, 0x64006400), pb0, pb1);
+            }
           }
         }
       }
@@ -552,7 +581,8 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
     for (int m = 0; m < 8; ++m) {
       const int plane = 2 * (m & 1) + (c >> 1);
       const int dim = 32 * plane + 4 * gi + (m >> 1);
-      const float v = (st.acc[m][c] * st.top * (1.f / (float)(1 << (2 * plane))) + st.z[c & 1]) * inv;
+      const float f = VB_HI == 8 ? 1.f : 1.f / (float)(1 << (2 * plane));  // codes' factor 4^plane (2/4-bit)
+      const float v = (st.acc[m][c] * st.top * f + st.z[c & 1]) * inv;
       if (single) {
         out[(long long)b * stride_ob + (long long)hq * stride_oh + dim] = out_elem(v);
       } else {

@@ -1,7 +1,8 @@
 """The entry point of paged decode attention: paged_decode_attention picks the Triton kernels (CUDA tensors, or
 impl="triton") or the torch reference (reference.py); paged_decode_attention_triton validates the call, picks the
 kernel (launch.decode_kernel: f16.py, q8.py or quartered.py; mma_cuda.py's CUDA kernel where it can serve a call
-of the quartered kernel), its launch parameters and split count (launch.py), launches it and merges the splits (merge.py).
+of the quartered kernel), its launch parameters and split count (launch.py), launches it and merges the splits
+(merge.py).
 
 Kernel 1 runs one program per (batch entry, KV head, split): all query heads of the GQA group share each
 key/value tile, so every page is read once. With one split it writes the output directly; otherwise it writes
@@ -31,7 +32,8 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
                                   num_warps=None, num_stages=None, kernel=None, config=None):
     """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: decode_kernel's pick, or
-    "mma_cuda" where mma_cuda.usable allows it ("quartered" forces the Triton kernel there).
+    "mma_cuda" where that is "quartered" and mma_cuda.usable allows it ("quartered" forces the Triton kernel
+    there); "mma_cuda" may be forced wherever mma_cuda.usable allows it (K8V8 pages too).
     config: a LaunchConfig in place of launch_config's (tests, benchmarks); block_n / num_warps / num_stages
     override either."""
     check_supported(fmt, cache_dtype, for_triton=True)
@@ -54,9 +56,9 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     pc = pool.view(cache_dtype)
     picked = pick_kernel(fmt, fmt_low if has_low else None, q, Hq // Hkv)
     kernel = kernel or picked
-    if kernel not in (picked, "quartered"):
+    why_not_cuda = mma_cuda.usable(fmt, fmt_low if has_low else None, q, Hq // Hkv) if kernel == "mma_cuda" else None
+    if kernel not in (picked, "quartered") and not (kernel == "mma_cuda" and why_not_cuda is None):
         low_note = " with a low section" if has_low else ""
-        why_not_cuda = mma_cuda.usable(fmt, fmt_low if has_low else None, q, Hq // Hkv)
         cuda_note = f" (mma_cuda: {why_not_cuda})" if kernel == "mma_cuda" else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}{cuda_note}")
     if kernel == "quartered" and (fmt.float8 or (has_low and fmt_low.float8)):  # it unpacks integer codes only

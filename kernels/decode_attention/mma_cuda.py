@@ -1,11 +1,13 @@
-"""The hand-written CUDA decode kernel (decode_mma.cu) for quantized pages with 4- or 8-bit keys and 2- or 4-bit
-values (K4V2, K4V4, K8V4, K8V2), with or without a low section of another such precision (DiffKV's K8V4 + K4V2),
-with or without the per-token logits / lse outputs DiffKV's significance update reads: when it serves a call
-(usable), how it is compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched
-(launch_mma).
+"""The hand-written CUDA decode kernel (decode_mma.cu) for quantized pages with 4- or 8-bit keys and 2-, 4- or
+8-bit integer values (K4V2, K4V4, K8V4, K8V8, ...), with or without a low section of another such precision
+(DiffKV's K8V4 + K4V2), with or without the per-token logits / lse outputs DiffKV's significance update reads:
+when it serves a call (usable), how it is compiled (NVRTC through torch.cuda._compile_kernel, once per device and
+variant) and launched (launch_mma).
 
-It reads what the quartered Triton kernel reads and computes the same function (reference: reference.py); on CUDA
-GPUs the dispatcher picks it over the quartered kernel wherever it can serve the call (dispatch.pick_kernel).
+It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
+the quartered Triton kernel wherever it can serve the call (dispatch.pick_kernel; 1.02-1.32x faster on an H200,
+benchmarks/results/decode_mma_vs_triton_H200.json); K8V8 pages stay with the q8 kernel unless a caller forces
+kernel="mma_cuda" (not yet timed against it).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from kernels.page_layout import PageFormat
 
 SOURCE = Path(__file__).with_name("decode_mma.cu")
 TILE = 64  # tokens per tile (decode_mma.cu)
-MIN_TOKENS = 32  # tokens a page must hold: a tile then spans at most three pages (MAXPAGES)
-KEY_BITS, VALUE_BITS = (4, 8), (2, 4)
+MAX_PAGES = 4  # pages one tile may span (decode_mma.cu's MAXPAGES): pages must hold MIN_TOKENS or more
+MIN_TOKENS = -(-(TILE - 1) // (MAX_PAGES - 1))  # 21: then TILE tokens touch at most MAX_PAGES pages
+KEY_BITS, VALUE_BITS = (4, 8), (2, 4, 8)
 MAX_GROUP = 8  # query heads per KV head: the mma's N
 STAGES = 2  # cp.async tiles in flight
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
@@ -80,6 +83,8 @@ def usable(fmt: PageFormat, fmt_low: PageFormat | None, q: torch.Tensor, group: 
         why = _format_reason(f, which) if f is not None else None
         if why:
             return why
+    if fmt_low is not None and (fmt.value_bits == 8) != (fmt_low.value_bits == 8):
+        return f"{fmt.value_bits}- and {fmt_low.value_bits}-bit values in one call (8-bit values only with 8-bit)"
     if fmt.head_dim != HEAD_DIM:
         return f"head_dim {fmt.head_dim} (serves {HEAD_DIM})"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -91,8 +96,9 @@ def usable(fmt: PageFormat, fmt_low: PageFormat | None, q: torch.Tensor, group: 
 
 def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: bool) -> Variant:
     tokens = min(fmt.tokens, fmt_low.tokens if fmt_low else fmt.tokens)
+    pages = 1 + -(-(TILE - 1) // tokens)  # most pages TILE consecutive tokens can touch
     return Variant(fmt.key_bits, fmt.value_bits, fmt_low.key_bits if fmt_low else 0,
-                   fmt_low.value_bits if fmt_low else 2, 2 if tokens >= TILE else 3, bf16, logits)
+                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits)
 
 
 @functools.cache

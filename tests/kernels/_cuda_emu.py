@@ -61,8 +61,10 @@ def _library(var: mma_cuda.Variant):
         cpp = CACHE / f"{KERNEL}_{key}.cpp"
         cpp.write_text(wrapper)
         tmp = so.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([compiler(), "-O1", "-std=c++17", "-shared", "-fPIC", "-DDIFFKV_WARP_EMU", "-include",
-                        str(HEADER), str(cpp), "-o", str(tmp)], check=True, capture_output=True, text=True)
+        r = subprocess.run([compiler(), "-O1", "-std=c++17", "-shared", "-fPIC", "-DDIFFKV_WARP_EMU", "-include",
+                            str(HEADER), str(cpp), "-o", str(tmp)], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"g++ could not build the emulated kernel ({cpp}):\n{r.stderr[-4000:]}")
         tmp.rename(so)  # atomic: parallel test workers never load a half-written library
     fn = getattr(ctypes.CDLL(str(so)), f"emu_{KERNEL}")
     fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_long] + [_ctype(t) for t, _ in params]

@@ -1,9 +1,9 @@
 """The hand-written CUDA decode kernel (kernels/decode_attention/mma_cuda.py, decode_mma.cu): which calls it serves,
 that the launcher passes what the kernel's signature takes, and its outputs, logits and lse against float64 loops
 over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py, every CI run), on CUDA through the
-dispatcher's default pick. Cases: K4V2, K4V4, K8V4, K8V2 pages, DiffKV's K8V4 + K4V2 sections, GQA groups 1-8,
-one and many splits, partial tiles, tiles across two and three pages, heads without tokens, sections of which one is
-empty, fp16 and bf16."""
+dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8 pages, DiffKV's K8V4 + K4V2 sections,
+GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages, heads without tokens,
+sections of which one is empty, fp16 and bf16."""
 import math
 import re
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels.decode_attention import mma_cuda, paged_decode_attention_triton
+from kernels.decode_attention.dispatch import pick_kernel
 from kernels.decode_attention.merge import merge_splits
 from kernels.decode_attention.tiles import LOG2E
 
@@ -30,7 +31,9 @@ def test_usable_names_what_it_cannot_serve():
         qc = q.to(DEVICE)
         assert mma_cuda.usable(k4v2, None, qc, 4) is None
         assert mma_cuda.usable(k8v4, k4v2_low, qc, 4) is None
-        assert "K8V8 high" in mma_cuda.usable(formats("K8V8", 128, 2)[0], None, qc, 4)
+        assert mma_cuda.usable(formats("K8V8", 128, 2)[0], None, qc, 4) is None
+        assert "K8V8-e4m3 high" in mma_cuda.usable(formats("K8V8-e4m3", 128, 2)[0], None, qc, 4)
+        assert "8-bit values only" in mma_cuda.usable(*formats("K8V8+K4V2", 128, 2), qc, 4)
         assert "K2V2 low" in mma_cuda.usable(k8v4, formats("K2V2", 128, 2)[0], qc, 4)
         assert "head_dim 64" in mma_cuda.usable(formats("K4V2", 64, 2)[0], None, qc[..., :64], 4)
         assert "float32" in mma_cuda.usable(k4v2, None, qc.float(), 4)
@@ -93,7 +96,7 @@ def test_variants_fit_the_sm():
     for kb in mma_cuda.KEY_BITS:
         for vb in mma_cuda.VALUE_BITS:
             for low in ((0, 2), (4, 2)):
-                var = mma_cuda.Variant(kb, vb, *low, 3, False, True)
+                var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, True)
                 assert var.shared_bytes <= 48 * 1024
                 assert 1 <= var.min_programs <= mma_cuda.MAX_PROGRAMS
                 assert var.min_programs * (var.shared_bytes + 1024) <= mma_cuda.SHARED_PER_SM
@@ -111,6 +114,10 @@ CASES = [
     ("K8V4", 12, 2, [[520, 81], [130, 1]], None, 3),
     ("K4V4", 8, 2, [[400, 57], [58, 0]], None, 2),            # 57-token pages
     ("K8V2", 6, 1, [[200], [1]], None, 1),
+    ("K8V8", 8, 2, [[300, 77], [33, 0]], None, 1),            # 8-bit values; 30-token pages: tiles across four pages
+    ("K8V8", 12, 2, [[520, 81], [130, 1]], None, 3),
+    ("K4V8", 4, 1, [[150], [64]], None, 2),
+    ("K8V8+K4V8", 8, 1, [[100], [70]], [[90], [0]], 2),
     ("K8V4+K4V2", 8, 2, [[300, 77], [64, 0]], [[100, 5], [0, 0]], 1),
     ("K8V4+K4V2", 6, 1, [[300], [64], [0]], [[100], [0], [70]], 4),   # a split across the section boundary
     ("K8V4+K4V2", 8, 2, [[0, 40], [129, 3]], [[300, 0], [75, 2]], 3),  # empty high / low sections
@@ -134,7 +141,7 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed):
     if CUDA:
         assert paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale, num_splits=num_splits,
                                              out=out, fmt_low=low, len_low=len_lo, logits_out=logits,
-                                             lse_out=lse) is out
+                                             lse_out=lse, kernel="mma_cuda") is out
     else:
         splits = num_splits or 3
         mid_acc = torch.empty(B, Hq, splits, 128) if splits > 1 else out
@@ -167,6 +174,8 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
     if CUDA:  # the Triton kernel beside it
         fmt, low, q, pool, pt, len_hi, len_lo, slots, scale = call
         assert mma_cuda.usable(fmt, low, q, Hq // Hkv) is None
+        want_pick = "q8" if spec == "K8V8" else "mma_cuda"  # K8V8 stays with q8 until timed against it
+        assert pick_kernel(fmt, low, q, Hq // Hkv) == want_pick
         tri = paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale, num_splits=num_splits,
                                             fmt_low=low, len_low=len_lo, kernel="quartered")
         torch.testing.assert_close(out, tri, atol=tol, rtol=tol)
