@@ -1,5 +1,5 @@
 """The CUDA decode kernel (kernels/decode_attention/decode_mma.cu) against the Triton kernel the dispatcher would
-pick without it (quartered; q8 for K8V8 pages) on the same calls, side by side in one run: CUDA-graph time per call
+pick without it (quartered; q8 for K8V8 pages, integer or e4m3) on the same calls, side by side in one run: CUDA-graph time per call
 for each precision they both serve, at the Llama-3-8B
 (32 / 8 heads) and Qwen2.5-1.5B (12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's
 K8V4 + K4V2 call (half the tokens in each section) is timed without and with the per-token logits / lse outputs
@@ -28,7 +28,11 @@ HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
 def build(spec: str, B: int, S: int, hkv: int, device):
     """A pool of random pages, a page table (low pages from the table's end, backwards) and section lengths."""
     pb = page_bytes_for(16, 128, 2)
-    fm = [PageFormat.make(int(k), int(v), 128, pb, 2) for k, v in (s[1:].split("V") for s in spec.split("+"))]
+    fm = []
+    for name in spec.split("+"):  # "K8V4", "K8V8-e4m3" (kv_mode fp8's pages)
+        bits, _, code = name.partition("-")
+        k, v = bits[1:].split("V")
+        fm.append(PageFormat.make(int(k), int(v), 128, pb, 2, float8=code == "e4m3"))
     hi, lo = fm[0], (fm[1] if len(fm) > 1 else None)
     sh, sl = (S // 2, S - S // 2) if lo else (S, 0)
     nh, nl = -(-sh // hi.tokens), (-(-sl // lo.tokens) if lo else 0)
@@ -46,7 +50,7 @@ def build(spec: str, B: int, S: int, hkv: int, device):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--specs", nargs="+", default=["K8V4", "K4V2", "K4V4", "K8V8", "K8V4+K4V2"])
+    ap.add_argument("--specs", nargs="+", default=["K8V4", "K4V2", "K4V4", "K8V8", "K8V8-e4m3", "K8V4+K4V2"])
     ap.add_argument("--shapes", nargs="+", default=["8x4096", "32x4096", "128x4096", "8x16384", "32x16384"],
                     help="BATCHxSEQ")
     ap.add_argument("--rep", type=float, default=20, help="do_bench_cudagraph rep (ms)")

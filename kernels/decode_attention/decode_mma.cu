@@ -19,7 +19,8 @@
 // Compile-time settings (defined by the launcher): KB_HI / VB_HI and KB_LO / VB_LO (key / value bits of the
 // sections; KB_LO 0: no low section), MAXPAGES (pages a 64-token tile can span: 2 when every format holds >= 64
 // tokens a page, 3 when >= 32, 4 when >= 21), STAGES (cp.async tiles in flight), MINB (programs per SM the registers must allow),
-// Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`).
+// Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`), F8_HI (the high
+// section's 8-bit sides hold e4m3 codes, zero point 0: converted to fp16 by cvt, no bias; sm_89+).
 typedef unsigned int u32;
 struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 
@@ -34,6 +35,9 @@ struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 #endif
 #ifndef VB_LO
 #define VB_LO 2
+#endif
+#ifndef F8_HI
+#define F8_HI 0
 #endif
 #ifndef MAXPAGES
 #define MAXPAGES 2
@@ -89,6 +93,16 @@ __device__ __forceinline__ unsigned short f2bf16(float v) {
   unsigned short h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
   return h;
+}
+__device__ __forceinline__ u32 e4m3x2_f16x2(u32 x) {  // the low 16 bits: two e4m3 codes -> two fp16 (exact)
+  u32 d;
+  unsigned short h = (unsigned short)(x & 0xffff);
+#if F8_HI
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(h));
+#else
+  d = h;  // never reached: only F8 variants convert e4m3 codes (cvt needs sm_89)
+#endif
+  return d;
 }
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -227,7 +241,8 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
 
 // Tokens [lo, hi) of one section into the split's state. qrow: member gi's query row (gi < group; zeros past it).
 // logit_row / logit_off: with WRITE_LOGITS, token t's logit goes to logit_row(member)[logit_off + t].
-template <int KB, int VB>
+// F8: the section's 8-bit sides are e4m3 codes.
+template <int KB, int VB, bool F8>
 __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bool real, float qk_scale,
                                        const unsigned char* pool, const Section& sec, int lo, int hi,
                                        int page_bytes, unsigned char* smem, float* logits0, float* logits1,
@@ -293,8 +308,9 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     float s[4][4];
 #pragma unroll
     for (int blk = 0; blk < 4; ++blk) {
-      s[blk][0] = s[blk][2] = -kb[0];  // the codes' bias cancels inside the mma chain (its fp32 adds truncate)
-      s[blk][1] = s[blk][3] = -kb[1];
+      // the integer codes' bias cancels inside the mma chain (its fp32 adds truncate); e4m3 codes have none
+      s[blk][0] = s[blk][2] = (F8 && KB == 8) ? 0.f : -kb[0];
+      s[blk][1] = s[blk][3] = (F8 && KB == 8) ? 0.f : -kb[1];
       if (KB == 4) {
         const U4 ka = *(const U4*)(kbuf + (blk * 16 + gi) * KROW(KB) + 16 * t4);
         const U4 kc = *(const U4*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 16 * t4);
@@ -324,8 +340,13 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
         const u32 wc[8] = {kc0.x, kc0.y, kc0.z, kc0.w, kc1.x, kc1.y, kc1.z, kc1.w};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          mma(s[blk], prmt(wa[i], 0x64646464, 0x4140), prmt(wc[i], 0x64646464, 0x4140),
-              prmt(wa[i], 0x64646464, 0x4342), prmt(wc[i], 0x64646464, 0x4342), qb[i][0], qb[i][1]);
+          if (F8) {
+            mma(s[blk], e4m3x2_f16x2(wa[i]), e4m3x2_f16x2(wc[i]), e4m3x2_f16x2(wa[i] >> 16),
+                e4m3x2_f16x2(wc[i] >> 16), qb[i][0], qb[i][1]);
+          } else {
+            mma(s[blk], prmt(wa[i], 0x64646464, 0x4140), prmt(wc[i], 0x64646464, 0x4140),
+                prmt(wa[i], 0x64646464, 0x4342), prmt(wc[i], 0x64646464, 0x4342), qb[i][0], qb[i][1]);
+          }
         }
       }
       const u32 ma = kmeta[blk * 16 + gi], mc = kmeta[blk * 16 + gi + 8];
@@ -412,8 +433,8 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     float tacc[8][4];
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
-      tacc[m][0] = tacc[m][2] = -1024.f * wt[0];
-      tacc[m][1] = tacc[m][3] = -1024.f * wt[1];
+      tacc[m][0] = tacc[m][2] = (F8 && VB == 8) ? 0.f : -1024.f * wt[0];
+      tacc[m][1] = tacc[m][3] = (F8 && VB == 8) ? 0.f : -1024.f * wt[1];
     }
     // Lanes gi >= 4 read the odd token of each pair first (bank-conflict-free); the prmt selectors undo it.
     const int odd = gi >> 2;
@@ -442,12 +463,20 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
 #pragma unroll
         for (int mb = 0; mb < 4; ++mb) {
           const u32 sel = odd ? (4 + mb) | (mb << 8) : mb | ((4 + mb) << 8);  // half 0: token 2 t4
+          const u32 sel8 = odd ? (4 + mb) | (mb << 4) : mb | ((4 + mb) << 4);  // e4m3: the two codes side by side
 #pragma unroll
           for (int ph = 0; ph < 2; ++ph) {
-            mma(tacc[2 * mb + ph], lop_or(prmt(x[2 * ph][0], x[2 * ph][1], sel), 0x00FF00FF, 0x64006400),
-                lop_or(prmt(x[2 * ph + 1][0], x[2 * ph + 1][1], sel), 0x00FF00FF, 0x64006400),
-                lop_or(prmt(x[2 * ph][2], x[2 * ph][3], sel), 0x00FF00FF, 0x64006400),
-                lop_or(prmt(x[2 * ph + 1][2], x[2 * ph + 1][3], sel), 0x00FF00FF, 0x64006400), pb0, pb1);
+            if (F8) {
+              mma(tacc[2 * mb + ph], e4m3x2_f16x2(prmt(x[2 * ph][0], x[2 * ph][1], sel8)),
+                  e4m3x2_f16x2(prmt(x[2 * ph + 1][0], x[2 * ph + 1][1], sel8)),
+                  e4m3x2_f16x2(prmt(x[2 * ph][2], x[2 * ph][3], sel8)),
+                  e4m3x2_f16x2(prmt(x[2 * ph + 1][2], x[2 * ph + 1][3], sel8)), pb0, pb1);
+            } else {
+              mma(tacc[2 * mb + ph], lop_or(prmt(x[2 * ph][0], x[2 * ph][1], sel), 0x00FF00FF, 0x64006400),
+                  lop_or(prmt(x[2 * ph + 1][0], x[2 * ph + 1][1], sel), 0x00FF00FF, 0x64006400),
+                  lop_or(prmt(x[2 * ph][2], x[2 * ph][3], sel), 0x00FF00FF, 0x64006400),
+                  lop_or(prmt(x[2 * ph + 1][2], x[2 * ph + 1][3], sel), 0x00FF00FF, 0x64006400), pb0, pb1);
+            }
           }
         }
       } else {
@@ -545,14 +574,14 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
 
   if (ta < tiles_hi) {
     const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi};
-    attend<KB_HI, VB_HI>(st, qrow, real, qk_scale, pool, sec, ta * TILE, min(tb * TILE, n_hi), page_bytes, smem,
+    attend<KB_HI, VB_HI, F8_HI>(st, qrow, real, qk_scale, pool, sec, ta * TILE, min(tb * TILE, n_hi), page_bytes, smem,
                          lg0, lg1, 0, lane);
   }
 #if KB_LO
   if (tb > tiles_hi) {
     const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
     const int la = ta > tiles_hi ? ta - tiles_hi : 0;
-    attend<KB_LO, VB_LO>(st, qrow, real, qk_scale, pool, sec, la * TILE, min((tb - tiles_hi) * TILE, n_lo),
+    attend<KB_LO, VB_LO, false>(st, qrow, real, qk_scale, pool, sec, la * TILE, min((tb - tiles_hi) * TILE, n_lo),
                          page_bytes, smem, lg0, lg1, n_hi, lane);
   }
 #endif

@@ -1,13 +1,14 @@
 """The hand-written CUDA decode kernel (decode_mma.cu) for quantized pages with 4- or 8-bit keys and 2-, 4- or
-8-bit integer values (K4V2, K4V4, K8V4, K8V8, ...), with or without a low section of another such precision
+8-bit values (K4V2, K4V4, K8V4, K8V8, ...; integer codes, or e4m3 codes in the 8-bit sides of a high section:
+kv_mode fp8), with or without a low section of another such precision
 (DiffKV's K8V4 + K4V2), with or without the per-token logits / lse outputs DiffKV's significance update reads:
 when it serves a call (usable), how it is compiled (NVRTC through torch.cuda._compile_kernel, once per device and
 variant) and launched (launch_mma).
 
 It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
 the quartered Triton kernel wherever it can serve the call (dispatch.pick_kernel; 1.02-1.32x faster on an H200,
-benchmarks/results/decode_mma_vs_triton_H200.json); K8V8 pages stay with the q8 kernel unless a caller forces
-kernel="mma_cuda" (not yet timed against it).
+benchmarks/results/decode_mma_vs_triton_H200.json); K8V8 pages (integer or e4m3) stay with the q8 kernel unless a
+caller forces kernel="mma_cuda" (not yet timed against it).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Variant(NamedTuple):
     maxpages: int
     bf16: bool
     logits: bool
+    f8: bool = False  # the high section's 8-bit sides are e4m3 codes (PageFormat.float8)
 
     @property
     def stage_bytes(self) -> int:
@@ -61,13 +63,15 @@ class Variant(NamedTuple):
 
     def defines(self) -> str:
         d = dict(KB_HI=self.kb_hi, VB_HI=self.vb_hi, KB_LO=self.kb_lo, VB_LO=self.vb_lo, MAXPAGES=self.maxpages,
-                 STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits))
+                 STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
+                 F8_HI=int(self.f8))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
 def _format_reason(fmt: PageFormat, which: str) -> str | None:
-    if fmt.float8 or fmt.key_bits not in KEY_BITS or fmt.value_bits not in VALUE_BITS:
-        return f"{fmt.name} {which} pages (serves keys of {KEY_BITS} bits, values of {VALUE_BITS}, integer codes)"
+    if fmt.key_bits not in KEY_BITS or fmt.value_bits not in VALUE_BITS or (fmt.float8 and which == "low"):
+        return (f"{fmt.name} {which} pages (serves keys of {KEY_BITS} bits, values of {VALUE_BITS}, integer codes; "
+                "e4m3 codes in a high section)")
     if fmt.tokens < MIN_TOKENS:
         return f"{fmt.tokens} tokens per {which} page (needs {MIN_TOKENS} or more)"
     return None
@@ -83,6 +87,8 @@ def usable(fmt: PageFormat, fmt_low: PageFormat | None, q: torch.Tensor, group: 
         why = _format_reason(f, which) if f is not None else None
         if why:
             return why
+    if fmt.float8 and torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "e4m3 pages need sm_89 or newer (cvt.f16x2.e4m3x2)"
     if fmt_low is not None and (fmt.value_bits == 8) != (fmt_low.value_bits == 8):
         return f"{fmt.value_bits}- and {fmt_low.value_bits}-bit values in one call (8-bit values only with 8-bit)"
     if fmt.head_dim != HEAD_DIM:
@@ -98,7 +104,7 @@ def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: boo
     tokens = min(fmt.tokens, fmt_low.tokens if fmt_low else fmt.tokens)
     pages = 1 + -(-(TILE - 1) // tokens)  # most pages TILE consecutive tokens can touch
     return Variant(fmt.key_bits, fmt.value_bits, fmt_low.key_bits if fmt_low else 0,
-                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits)
+                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits, fmt.float8)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import os
 import torch
 
 from kernels.decode_attention import launch_config, mma_cuda, paged_decode_attention, paged_decode_attention_triton
-from kernels.quant import dequantize_ref
+from kernels.quant import dequantize_fp8_ref, dequantize_ref
 
 from _paged_cache import build_cache, formats
 
@@ -21,17 +21,22 @@ NMAX_PAD = 5  # logits_out columns past the longest head (must stay untouched)
 
 
 def _token_kv(pool, fmt, cache_dtype, p, r):
-    """Keys, values float64 [D] of one page row, decoded by plain slicing + dequantize_ref."""
+    """Keys, values float64 [D] of one page row, decoded by plain slicing + dequantize_ref (dequantize_fp8_ref for e4m3 sides)."""
     D = fmt.head_dim
     out = []
-    for bits, off, moff in ((fmt.key_bits, fmt.k_off, fmt.k_meta_off), (fmt.value_bits, fmt.v_off, fmt.v_meta_off)):
+    sides = (("k", fmt.key_bits, fmt.k_off, fmt.k_meta_off), ("v", fmt.value_bits, fmt.v_off, fmt.v_meta_off))
+    for which, bits, off, moff in sides:
         if bits == 16:
             w = D * fmt.full_itemsize
             out.append(pool[p, off + r * w: off + (r + 1) * w].view(cache_dtype).double())
+            continue
+        w = D * bits // 8
+        meta = pool[p, moff + 4 * r: moff + 4 * r + 4].view(torch.float16)
+        codes = pool[p, off + r * w: off + (r + 1) * w]
+        if fmt.side_float8(which):  # e4m3 codes x scale
+            out.append(dequantize_fp8_ref(codes, meta[0]).double())
         else:
-            w = D * bits // 8
-            meta = pool[p, moff + 4 * r: moff + 4 * r + 4].view(torch.float16)
-            out.append(dequantize_ref(pool[p, off + r * w: off + (r + 1) * w], meta[0], meta[1], bits, D).double())
+            out.append(dequantize_ref(codes, meta[0], meta[1], bits, D).double())
     return out
 
 

@@ -1,7 +1,7 @@
 """The hand-written CUDA decode kernel (kernels/decode_attention/mma_cuda.py, decode_mma.cu): which calls it serves,
 that the launcher passes what the kernel's signature takes, and its outputs, logits and lse against float64 loops
 over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py, every CI run), on CUDA through the
-dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8 pages, DiffKV's K8V4 + K4V2 sections,
+dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8, e4m3 K8V8 / K8V4 pages, DiffKV's K8V4 + K4V2 sections,
 GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages, heads without tokens,
 sections of which one is empty, fp16 and bf16."""
 import math
@@ -32,7 +32,8 @@ def test_usable_names_what_it_cannot_serve():
         assert mma_cuda.usable(k4v2, None, qc, 4) is None
         assert mma_cuda.usable(k8v4, k4v2_low, qc, 4) is None
         assert mma_cuda.usable(formats("K8V8", 128, 2)[0], None, qc, 4) is None
-        assert "K8V8-e4m3 high" in mma_cuda.usable(formats("K8V8-e4m3", 128, 2)[0], None, qc, 4)
+        assert mma_cuda.usable(formats("K8V8-e4m3", 128, 2)[0], None, qc, 4) is None
+        assert "K8V8-e4m3 low" in mma_cuda.usable(k8v4, formats("K8V8-e4m3", 128, 2)[0], qc, 4)
         assert "8-bit values only" in mma_cuda.usable(*formats("K8V8+K4V2", 128, 2), qc, 4)
         assert "K2V2 low" in mma_cuda.usable(k8v4, formats("K2V2", 128, 2)[0], qc, 4)
         assert "head_dim 64" in mma_cuda.usable(formats("K4V2", 64, 2)[0], None, qc[..., :64], 4)
@@ -118,6 +119,9 @@ CASES = [
     ("K8V8", 12, 2, [[520, 81], [130, 1]], None, 3),
     ("K4V8", 4, 1, [[150], [64]], None, 2),
     ("K8V8+K4V8", 8, 1, [[100], [70]], [[90], [0]], 2),
+    ("K8V8-e4m3", 8, 2, [[300, 77], [33, 0]], None, 1),       # kv_mode fp8: e4m3 codes, no zero point
+    ("K8V8-e4m3", 12, 2, [[520, 81], [130, 1]], None, 3),
+    ("K8V4-e4m3", 6, 1, [[200], [65]], None, 2),              # e4m3 keys, 4-bit integer values
     ("K8V4+K4V2", 8, 2, [[300, 77], [64, 0]], [[100, 5], [0, 0]], 1),
     ("K8V4+K4V2", 6, 1, [[300], [64], [0]], [[100], [0], [70]], 4),   # a split across the section boundary
     ("K8V4+K4V2", 8, 2, [[0, 40], [129, 3]], [[300, 0], [75, 2]], 3),  # empty high / low sections
@@ -174,7 +178,7 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
     if CUDA:  # the Triton kernel beside it
         fmt, low, q, pool, pt, len_hi, len_lo, slots, scale = call
         assert mma_cuda.usable(fmt, low, q, Hq // Hkv) is None
-        want_pick = "q8" if spec == "K8V8" else "mma_cuda"  # K8V8 stays with q8 until timed against it
+        want_pick = "q8" if spec.startswith("K8V8") and low is None else "mma_cuda"  # K8V8: q8 until timed
         assert pick_kernel(fmt, low, q, Hq // Hkv) == want_pick
         tri = paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale, num_splits=num_splits,
                                             fmt_low=low, len_low=len_lo, kernel="quartered")

@@ -208,6 +208,15 @@ static inline unsigned short f2bf16(float v) {  // round to nearest even, as cvt
   u += 0x7fff + ((u >> 16) & 1);
   return (unsigned short)(u >> 16);
 }
+static inline float e4m3_to_float(unsigned c) {  // OCP e4m3 (fn): bias 7, no infinities, 0x7f / 0xff NaN
+  const int sign = c >> 7, e = (c >> 3) & 15, m = c & 7;
+  float v = e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  if (e == 15 && m == 7) v = NAN;
+  return sign ? -v : v;
+}
+static inline u32 e4m3x2_f16x2(u32 x) {  // cvt.rn.f16x2.e4m3x2: byte 0 -> low half, byte 1 -> high half
+  return pack_f16x2(e4m3_to_float(x & 0xff), e4m3_to_float((x >> 8) & 0xff));
+}
 static inline float ex2(float x) { return std::exp2(x); }
 static inline float lg2(float x) { return std::log2(x); }
 static inline u32 movtrans(u32 a) {
