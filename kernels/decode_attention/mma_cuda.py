@@ -13,12 +13,15 @@ caller forces kernel="mma_cuda" (not yet timed against it).
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from kernels.page_layout import PageFormat
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_mma.cu")
 TILE = 64  # tokens per tile (decode_mma.cu)
@@ -97,6 +100,21 @@ def usable(fmt: PageFormat, fmt_low: PageFormat | None, q: torch.Tensor, group: 
         return f"q dtype {q.dtype}"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head (serves up to {MAX_GROUP})"
+    return _toolchain_reason(q.device)
+
+
+@functools.cache
+def _toolchain_reason(device: torch.device) -> str | None:
+    """None if this torch can compile and load the kernel here (torch.cuda._compile_kernel, NVRTC), else why
+    not; checked once per device by compiling one variant, so that a missing toolchain sends every call to the
+    Triton kernels instead of failing at the first decode step."""
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    try:
+        _compiled(device, Variant(4, 2, 0, 2, 2, False, False))
+    except Exception as e:  # noqa: BLE001 - any failure to build means: use the Triton kernels
+        log.warning("the CUDA decode kernel cannot be compiled here (%s); the Triton kernels serve every call", e)
+        return f"compile failed: {e}"[:300]
     return None
 
 

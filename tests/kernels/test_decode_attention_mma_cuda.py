@@ -45,6 +45,21 @@ def test_usable_names_what_it_cannot_serve():
     assert "tokens per high page" in mma_cuda._format_reason(small, "high")
 
 
+def test_a_missing_toolchain_sends_calls_to_triton(monkeypatch):
+    """Without torch.cuda._compile_kernel, or when NVRTC cannot build the kernel, usable names why (so the
+    dispatcher keeps the Triton kernels) instead of the first decode step failing."""
+    check = mma_cuda._toolchain_reason.__wrapped__  # uncached
+    monkeypatch.delattr(torch.cuda, "_compile_kernel", raising=False)
+    assert "_compile_kernel" in check(torch.device("cpu"))
+
+    def broken(device, var):
+        raise RuntimeError("nvrtc: libnvrtc.so not found")
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a: None, raising=False)
+    monkeypatch.setattr(mma_cuda, "_compiled", broken)
+    assert "libnvrtc.so not found" in check(torch.device("cpu"))
+
+
 def test_forcing_it_where_it_cannot_serve_raises():
     fmt, _ = formats("K4V2", 128, 4)
     pool, pt, lens, _, _ = build_cache(fmt, None, torch.float32, 2, [[5, 3]], None, DEVICE, 0)
