@@ -1,10 +1,11 @@
 """The CUDA decode kernel (kernels/decode_attention/decode_mma.cu) against the Triton kernel the dispatcher would
-pick without it (quartered; q8 for K8V8 pages, integer or e4m3) on the same calls, side by side in one run: CUDA-graph time per call
-for each precision they both serve, at the Llama-3-8B
-(32 / 8 heads) and Qwen2.5-1.5B (12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's
-K8V4 + K4V2 call (half the tokens in each section) is timed without and with the per-token logits / lse outputs
-its significance update reads. Page contents are random bytes (the kernels' time does not depend on them;
-benchmarks/attention.py and the tests check values).
+pick without it (quartered; q8 for K8V8 pages, integer or e4m3) on the same calls, side by side in one run:
+CUDA-graph time per call for each precision they both serve, at the Llama-3-8B (32 / 8 heads) and Qwen2.5-1.5B
+(12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's K8V4 + K4V2 call (half the tokens
+in each section) is timed without and with the per-token logits / lse outputs its significance update reads, the
+CUDA kernel's logits both stored from its fragments and staged through shared memory (mma_cuda.LOGITS_STAGED).
+Page contents are random bytes (the kernels' time does not depend on them; benchmarks/attention.py and the tests
+check values).
 
 Usage: python benchmarks/decode_kernel_ab.py [--specs K8V4 K4V2 ...] [--shapes 8x4096 32x16384 ...] [--out PATH]
 """
@@ -19,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import write_result  # noqa: E402
-from kernels.decode_attention import decode_kernel, paged_decode_attention_triton  # noqa: E402
+from kernels.decode_attention import decode_kernel, mma_cuda, paged_decode_attention_triton  # noqa: E402
 from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
 HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
@@ -62,6 +63,7 @@ def main() -> None:
     from tqdm import tqdm
 
     dev = torch.device("cuda")
+    staged_default = mma_cuda.LOGITS_STAGED
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
     jobs = [(n, spec, B, S) for n in HEADS for spec in args.specs for B, S in shapes]
     rows = []
@@ -73,30 +75,35 @@ def main() -> None:
         out = torch.empty_like(q)
         baseline = decode_kernel(hi, lo)  # the Triton kernel serving these pages
         row = dict(heads=name, spec=spec, B=B, S=S, baseline=baseline)
-        for k in ("mma_cuda", baseline):
-            for with_logits in ((False, True) if lo else (False,)):
-                logits = torch.empty(B, hq, S, device=dev) if with_logits else None
-                lse = torch.empty(B, hq, device=dev) if with_logits else None
+        timed = [("mma_cuda", False, False), (baseline, False, False)]
+        if lo:  # DiffKV's call: also with the logits / lse outputs, the CUDA kernel's two ways of storing them
+            timed += [("mma_cuda", True, False), ("mma_cuda", True, True), (baseline, True, False)]
+        for k, with_logits, staged in timed:
+            logits = torch.empty(B, hq, S, device=dev) if with_logits else None
+            lse = torch.empty(B, hq, device=dev) if with_logits else None
+            mma_cuda.LOGITS_STAGED = staged
 
-                def call():
-                    paged_decode_attention_triton(q, pool, hi, torch.float16, pt, lh, slots, 0, 0.088, max_len=S,
-                                                  out=out, fmt_low=lo, len_low=ll, logits_out=logits, lse_out=lse,
-                                                  kernel=k)
+            def call():
+                paged_decode_attention_triton(q, pool, hi, torch.float16, pt, lh, slots, 0, 0.088, max_len=S,
+                                              out=out, fmt_low=lo, len_low=ll, logits_out=logits, lse_out=lse,
+                                              kernel=k)
 
-                call()
-                torch.cuda.synchronize()
-                row[k + ("+logits" if with_logits else "")] = round(do_bench_cudagraph(call, rep=args.rep) * 1e3, 2)
+            call()
+            torch.cuda.synchronize()
+            key = k + ("+logits" if with_logits else "") + ("_staged" if staged else "")
+            row[key] = round(do_bench_cudagraph(call, rep=args.rep) * 1e3, 2)
+        mma_cuda.LOGITS_STAGED = staged_default
         rows.append(row)
         del pool
     print(f"\n{'heads':<14}{'spec':<11}{'B':>5}{'S':>7}{'cuda us':>10}{'triton us':>11}{'(kernel)':>11}{'speedup':>9}"
-          f"{'+logits':>10}{'+logits':>10}{'speedup':>9}")
+          f"{'+logits':>10}{'+logits':>10}{'speedup':>9}{'staged':>10}")
     for r in rows:
         base = r["baseline"]
         line = (f"{r['heads']:<14}{r['spec']:<11}{r['B']:>5}{r['S']:>7}{r['mma_cuda']:>10.1f}{r[base]:>11.1f}"
                 f"{base:>11}{r[base] / r['mma_cuda']:>8.2f}x")
         if "mma_cuda+logits" in r:
             line += (f"{r['mma_cuda+logits']:>10.1f}{r[base + '+logits']:>10.1f}"
-                     f"{r[base + '+logits'] / r['mma_cuda+logits']:>8.2f}x")
+                     f"{r[base + '+logits'] / r['mma_cuda+logits']:>8.2f}x{r['mma_cuda+logits_staged']:>10.1f}")
         print(line)
     result = dict(benchmark="decode_kernel_ab", device=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python benchmarks/decode_kernel_ab.py" + (f" --out {args.out}" if args.out else ""),

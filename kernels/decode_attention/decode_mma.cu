@@ -18,9 +18,11 @@
 //
 // Compile-time settings (defined by the launcher): KB_HI / VB_HI and KB_LO / VB_LO (key / value bits of the
 // sections; KB_LO 0: no low section), MAXPAGES (pages a 64-token tile can span: 2 when every format holds >= 64
-// tokens a page, 3 when >= 32, 4 when >= 21), STAGES (cp.async tiles in flight), MINB (programs per SM the registers must allow),
-// Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`), F8_HI (the high
-// section's 8-bit sides hold e4m3 codes, zero point 0: converted to fp16 by cvt, no bias; sm_89+).
+// tokens a page, 3 when >= 32, 4 when >= 21), STAGES (cp.async tiles in flight), MINB (programs per SM the
+// registers must allow), Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`:
+// 1 stored from the fragments, 2 staged through shared memory and stored a member row at a time, 128 contiguous
+// bytes a store), F8_HI (the high section's 8-bit sides hold e4m3 codes, zero point 0: converted to fp16 by cvt,
+// no bias; sm_89+).
 typedef unsigned int u32;
 struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 
@@ -56,6 +58,7 @@ struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 #endif
 #define TILE 64
 #define D 128
+#define LOGIT_ROW 68  // floats per member row of the staged logits (WRITE_LOGITS 2): 4 banks apart, conflict-free
 #define LN2 0.6931471805599453f
 
 #ifdef DIFFKV_WARP_EMU
@@ -240,14 +243,19 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
 }
 
 // Tokens [lo, hi) of one section into the split's state. qrow: member gi's query row (gi < group; zeros past it).
-// logit_row / logit_off: with WRITE_LOGITS, token t's logit goes to logit_row(member)[logit_off + t].
+// lg / lg_stride / logit_off: with WRITE_LOGITS, token t's logit for group member me goes to
+// lg[me * lg_stride + logit_off + t].
 // F8: the section's 8-bit sides are e4m3 codes.
 template <int KB, int VB, bool F8>
 __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bool real, float qk_scale,
                                        const unsigned char* pool, const Section& sec, int lo, int hi,
-                                       int page_bytes, unsigned char* smem, float* logits0, float* logits1,
-                                       int logit_off, int lane) {
+                                       int page_bytes, unsigned char* smem, float* lg, long long lg_stride,
+                                       int group, int logit_off, int lane) {
   const int gi = lane >> 2, t4 = lane & 3;
+#if WRITE_LOGITS == 1
+  float* const logits0 = 2 * t4 < group ? lg + 2 * t4 * lg_stride : nullptr;  // this lane's C-fragment columns
+  float* const logits1 = 2 * t4 + 1 < group ? lg + (2 * t4 + 1) * lg_stride : nullptr;
+#endif
   // q as the B operand of q.k (k rows: dims, n: member gi), in the log2 domain.
   // 4-bit keys: slice s of lane t4 takes k-rows 2 t4 + e / 2 t4 + 8 + e from key byte 16 t4 + 4 (s >> 1) + (s & 1)
   // + 2 e, its low nibble (dim = byte; b01) and high nibble (dim 64 + byte, read as 16 c: q scaled by 1/16; b23).
@@ -357,7 +365,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
         s[blk][e] = ta < hi ? sa * s[blk][e] + za * kq0[e] : __int_as_float(0xff800000);
         s[blk][2 + e] = tc < hi ? sc * s[blk][2 + e] + zc * kq0[e] : __int_as_float(0xff800000);
       }
-#if WRITE_LOGITS
+#if WRITE_LOGITS == 1
       if (ta < hi) {
         if (logits0) logits0[logit_off + ta] = s[blk][0] * LN2;
         if (logits1) logits1[logit_off + ta] = s[blk][1] * LN2;
@@ -368,6 +376,26 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       }
 #endif
     }
+#if WRITE_LOGITS == 2
+    {  // the tile's logits into [member][token] rows of shared memory, then a member row per store
+      float* const rows = (float*)(smem + STAGES * STAGE_BYTES);
+#pragma unroll
+      for (int blk = 0; blk < 4; ++blk) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          rows[(2 * t4 + (e & 1)) * LOGIT_ROW + blk * 16 + gi + 8 * (e >> 1)] = s[blk][e] * LN2;
+      }
+      __syncwarp();
+      for (int me = 0; me < group; ++me) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int tok = 32 * half + lane;
+          if (t0 + tok < hi) lg[me * lg_stride + logit_off + t0 + tok] = rows[me * LOGIT_ROW + tok];
+        }
+      }
+      // the next tile writes the rows after the __syncwarp at its start
+    }
+#endif
     // online softmax per member (column): the tile's max over its 64 tokens
     float mx[2] = {st.m[0], st.m[1]};
 #pragma unroll
@@ -559,12 +587,7 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
 
   const bool real = gi < group;
   const unsigned short* qrow = q + (long long)b * stride_qb + (long long)(h * group + (real ? gi : 0)) * stride_qh;
-  float* lg0 = nullptr;
-  float* lg1 = nullptr;
-#if WRITE_LOGITS
-  if (2 * t4 < group) lg0 = logits + (long long)b * stride_gb + (long long)(h * group + 2 * t4) * stride_gh;
-  if (2 * t4 + 1 < group) lg1 = logits + (long long)b * stride_gb + (long long)(h * group + 2 * t4 + 1) * stride_gh;
-#endif
+  float* const lg = logits + (long long)b * stride_gb + (long long)h * group * stride_gh;  // member 0's row
   State st;
 #pragma unroll
   for (int m = 0; m < 8; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
@@ -575,14 +598,14 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   if (ta < tiles_hi) {
     const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi};
     attend<KB_HI, VB_HI, F8_HI>(st, qrow, real, qk_scale, pool, sec, ta * TILE, min(tb * TILE, n_hi), page_bytes, smem,
-                         lg0, lg1, 0, lane);
+                         lg, stride_gh, group, 0, lane);
   }
 #if KB_LO
   if (tb > tiles_hi) {
     const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
     const int la = ta > tiles_hi ? ta - tiles_hi : 0;
     attend<KB_LO, VB_LO, false>(st, qrow, real, qk_scale, pool, sec, la * TILE, min((tb - tiles_hi) * TILE, n_lo),
-                         page_bytes, smem, lg0, lg1, n_hi, lane);
+                         page_bytes, smem, lg, stride_gh, group, n_hi, lane);
   }
 #endif
 

@@ -33,6 +33,11 @@ STAGES = 2  # cp.async tiles in flight
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
 SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
 HEAD_DIM = 128
+LOGIT_ROW_BYTES = 68 * 4  # one member row of the staged logits (decode_mma.cu LOGIT_ROW)
+# How the per-token logits are stored: False = straight from the mma fragments (timed: benchmarks/
+# decode_kernel_ab.py), True = staged through shared memory and stored a member row at a time (decode_kernel_ab.py
+# times both; the faster one is the default).
+LOGITS_STAGED = False
 
 
 class Variant(NamedTuple):
@@ -44,7 +49,7 @@ class Variant(NamedTuple):
     vb_lo: int
     maxpages: int
     bf16: bool
-    logits: bool
+    logits: int  # 0: none, 1: stored from the fragments, 2: staged through shared memory (LOGITS_STAGED)
     f8: bool = False  # the high section's 8-bit sides are e4m3 codes (PageFormat.float8)
 
     @property
@@ -56,7 +61,7 @@ class Variant(NamedTuple):
 
     @property
     def shared_bytes(self) -> int:
-        return STAGES * self.stage_bytes
+        return STAGES * self.stage_bytes + (MAX_GROUP * LOGIT_ROW_BYTES if self.logits == 2 else 0)
 
     @property
     def min_programs(self) -> int:
@@ -111,7 +116,7 @@ def _toolchain_reason(device: torch.device) -> str | None:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
     try:
-        _compiled(device, Variant(4, 2, 0, 2, 2, False, False))
+        _compiled(device, Variant(4, 2, 0, 2, 2, False, 0))
     except Exception as e:  # noqa: BLE001 - any failure to build means: use the Triton kernels
         log.warning("the CUDA decode kernel cannot be compiled here (%s); the Triton kernels serve every call", e)
         return f"compile failed: {e}"[:300]
@@ -121,8 +126,9 @@ def _toolchain_reason(device: torch.device) -> str | None:
 def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: bool) -> Variant:
     tokens = min(fmt.tokens, fmt_low.tokens if fmt_low else fmt.tokens)
     pages = 1 + -(-(TILE - 1) // tokens)  # most pages TILE consecutive tokens can touch
+    mode = (2 if LOGITS_STAGED else 1) if logits else 0
     return Variant(fmt.key_bits, fmt.value_bits, fmt_low.key_bits if fmt_low else 0,
-                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits, fmt.float8)
+                   fmt_low.value_bits if fmt_low else 2, pages, bf16, mode, fmt.float8)
 
 
 @functools.cache

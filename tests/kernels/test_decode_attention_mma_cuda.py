@@ -86,7 +86,7 @@ def test_launcher_passes_what_the_signature_takes():
                         torch.zeros(B, dtype=torch.int32), q, mid, mid[..., :2], None, torch.zeros(B, Hq), 1, 0.5, 4,
                         compiled=lambda dev, var: (lambda **kw: calls.append((var, kw))))
     ((var, call),) = calls
-    assert var == mma_cuda.Variant(8, 4, 4, 2, 2 if min(fmt.tokens, low.tokens) >= 64 else 3, False, False)
+    assert var == mma_cuda.Variant(8, 4, 4, 2, 2 if min(fmt.tokens, low.tokens) >= 64 else 3, False, 0)
     assert call["grid"] == (B, Hkv, 4) and call["block"] == (32, 1, 1)
     assert call["shared_mem"] == var.shared_bytes <= 48 * 1024
     args = call["args"]
@@ -112,7 +112,7 @@ def test_variants_fit_the_sm():
     for kb in mma_cuda.KEY_BITS:
         for vb in mma_cuda.VALUE_BITS:
             for low in ((0, 2), (4, 2)):
-                var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, True)
+                var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, 2)
                 assert var.shared_bytes <= 48 * 1024
                 assert 1 <= var.min_programs <= mma_cuda.MAX_PROGRAMS
                 assert var.min_programs * (var.shared_bytes + 1024) <= mma_cuda.SHARED_PER_SM
@@ -176,8 +176,10 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed):
 @pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("spec,Hq,Hkv,lens,lens_lo,num_splits", CASES)
-def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
+def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits, monkeypatch):
     outputs = lens_lo is not None or num_splits == 2  # DiffKV's call: logits and lse beside the output
+    # bf16 cases store the logits staged through shared memory, fp16 cases straight from the fragments
+    monkeypatch.setattr(mma_cuda, "LOGITS_STAGED", dtype == torch.bfloat16)
     seed = sum(map(sum, lens)) + Hq
     call, (out, logits, lse), (want, want_logits, want_lse) = _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype,
                                                                    outputs, seed)
