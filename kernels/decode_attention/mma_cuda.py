@@ -1,9 +1,8 @@
 """The hand-written CUDA decode kernel (decode_mma.cu) for quantized pages with 4- or 8-bit keys and 2-, 4- or
 8-bit values (K4V2, K4V4, K8V4, K8V8, ...; integer codes, or e4m3 codes in the 8-bit sides of a high section:
-kv_mode fp8), with or without a low section of another such precision
-(DiffKV's K8V4 + K4V2), with or without the per-token logits / lse outputs DiffKV's significance update reads:
-when it serves a call (usable), how it is compiled (NVRTC through torch.cuda._compile_kernel, once per device and
-variant) and launched (launch_mma).
+kv_mode fp8), with or without a low section of another such precision (DiffKV's K8V4 + K4V2), with or without the
+per-token logits / lse outputs DiffKV's significance update reads: when it serves a call (usable), how it is
+compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched (launch_mma).
 
 It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
 the quartered Triton kernel wherever it can serve the call (dispatch.pick_kernel; 1.02-1.32x faster on an H200,
@@ -34,9 +33,8 @@ MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at 
 SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
 HEAD_DIM = 128
 LOGIT_ROW_BYTES = 68 * 4  # one member row of the staged logits (decode_mma.cu LOGIT_ROW)
-# How the per-token logits are stored: False = straight from the mma fragments (timed: benchmarks/
-# decode_kernel_ab.py), True = staged through shared memory and stored a member row at a time (decode_kernel_ab.py
-# times both; the faster one is the default).
+# How the per-token logits are stored: False = straight from the mma fragments (the timed default), True = staged
+# through shared memory and stored a member row at a time (benchmarks/decode_kernel_ab.py times both).
 LOGITS_STAGED = False
 
 
