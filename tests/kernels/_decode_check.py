@@ -21,7 +21,8 @@ NMAX_PAD = 5  # logits_out columns past the longest head (must stay untouched)
 
 
 def _token_kv(pool, fmt, cache_dtype, p, r):
-    """Keys, values float64 [D] of one page row, decoded by plain slicing + dequantize_ref (dequantize_fp8_ref for e4m3 sides)."""
+    """Keys, values float64 [D] of one page row, decoded by plain slicing + dequantize_ref (dequantize_fp8_ref for
+    e4m3 sides)."""
     D = fmt.head_dim
     out = []
     sides = (("k", fmt.key_bits, fmt.k_off, fmt.k_meta_off), ("v", fmt.value_bits, fmt.v_off, fmt.v_meta_off))
