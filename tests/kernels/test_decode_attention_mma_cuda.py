@@ -1,9 +1,9 @@
 """The hand-written CUDA decode kernel (kernels/decode_attention/mma_cuda.py, decode_mma.cu): which calls it serves,
 that the launcher passes what the kernel's signature takes, and its outputs, logits and lse against float64 loops
 over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py, every CI run), on CUDA through the
-dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8, e4m3 K8V8 / K8V4 pages, DiffKV's K8V4 + K4V2 sections,
-GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages, heads without tokens,
-sections of which one is empty, fp16 and bf16."""
+dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8, e4m3 K8V8 / K8V4 pages, DiffKV's
+K8V4 + K4V2 sections, GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages,
+heads without tokens, sections of which one is empty, fp16 and bf16, logits stored both ways."""
 import math
 import re
 
