@@ -112,25 +112,32 @@ def kernel_ab_section() -> list[str]:
     d = load(KERNEL_AB)
     if d is None:
         return []
+    shapes = list(dict.fromkeys((r["B"], r["S"]) for r in d["rows"]))
     out = ["## Decode attention: the CUDA kernel against the Triton kernel", "", *provenance(d),
            "The same calls timed with `kernel=\"mma_cuda\"` (kernels/decode_attention/decode_mma.cu) and with the "
            "Triton kernel the dispatcher picks otherwise (`quartered`, or `q8` for K8V8 pages) in one run, "
-           "CUDA-graph microseconds per call, "
-           "head_dim 128, 16-token fp16 page size. `K8V4+K4V2` is DiffKV's call (half the tokens in each section), "
-           "also with the per-token logits and lse its significance update reads.", "",
-           "| heads | pages | batch | tokens | CUDA us | Triton us | speedup | CUDA us, +logits | Triton us, +logits "
-           "| speedup |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in d["rows"]:
-        base = r.get("baseline", "quartered")  # the Triton kernel the dispatcher would pick otherwise
-        cells = [r["heads"], r["spec"], r["B"], r["S"], f"{r['mma_cuda']:.1f}", f"{r[base]:.1f} ({base})",
-                 f"{r[base] / r['mma_cuda']:.2f}x"]
-        if "mma_cuda+logits" in r:
-            staged = r.get("mma_cuda+logits_staged")  # the logits staged through shared memory (newer runs)
-            cells += [f"{r['mma_cuda+logits']:.1f}" + (f" ({staged:.1f} staged)" if staged else ""),
-                      f"{r[base + '+logits']:.1f}", f"{r[base + '+logits'] / r['mma_cuda+logits']:.2f}x"]
-        else:
-            cells += ["-", "-", "-"]
-        out.append("| " + " | ".join(map(str, cells)) + " |")
+           "CUDA-graph microseconds per call (CUDA / Triton, and the speedup), head_dim 128, 16-token fp16 page "
+           "size. `K8V4+K4V2` is DiffKV's call (half the tokens in each section); `+logits` adds the per-token "
+           "logits and lse its significance update reads (in parentheses: the logits staged through shared memory, "
+           "where timed).", "",
+           "| heads | pages | " + " | ".join(f"B{b} S{s}" for b, s in shapes) + " |",
+           "|---|---|" + "---:|" * len(shapes)]
+    cells = {(r["heads"], r["spec"], r["B"], r["S"]): r for r in d["rows"]}
+    for heads, spec in dict.fromkeys((r["heads"], r["spec"]) for r in d["rows"]):
+        for suffix in ("", "+logits"):
+            if suffix and "+" not in spec:
+                continue
+            row = []
+            for b, s in shapes:
+                r = cells.get((heads, spec, b, s))
+                if r is None:
+                    row.append("-")
+                    continue
+                base = r.get("baseline", "quartered")  # the Triton kernel the dispatcher would pick otherwise
+                cuda, tri = r["mma_cuda" + suffix], r[base + suffix]
+                staged = r.get("mma_cuda+logits_staged") if suffix else None
+                row.append(f"{cuda:.1f}" + (f" ({staged:.1f})" if staged else "") + f" / {tri:.1f} ({tri / cuda:.2f}x)")
+            out.append(f"| {heads} | {spec}{suffix} | " + " | ".join(row) + " |")
     return out + [""]
 
 
