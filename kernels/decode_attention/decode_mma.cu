@@ -243,19 +243,15 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
 }
 
 // Tokens [lo, hi) of one section into the split's state. qrow: member gi's query row (gi < group; zeros past it).
-// lg / lg_stride / logit_off: with WRITE_LOGITS, token t's logit for group member me goes to
-// lg[me * lg_stride + logit_off + t].
+// With WRITE_LOGITS, token t's logit for group member me goes to lg[me * lg_stride + logit_off + t]; logits0 /
+// logits1 are the rows of this lane's C-fragment columns (members 2 t4, 2 t4 + 1; null past the group).
 // F8: the section's 8-bit sides are e4m3 codes.
 template <int KB, int VB, bool F8>
 __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bool real, float qk_scale,
                                        const unsigned char* pool, const Section& sec, int lo, int hi,
-                                       int page_bytes, unsigned char* smem, float* lg, long long lg_stride,
-                                       int group, int logit_off, int lane) {
+                                       int page_bytes, unsigned char* smem, float* logits0, float* logits1,
+                                       float* lg, long long lg_stride, int group, int logit_off, int lane) {
   const int gi = lane >> 2, t4 = lane & 3;
-#if WRITE_LOGITS == 1
-  float* const logits0 = 2 * t4 < group ? lg + 2 * t4 * lg_stride : nullptr;  // this lane's C-fragment columns
-  float* const logits1 = 2 * t4 + 1 < group ? lg + (2 * t4 + 1) * lg_stride : nullptr;
-#endif
   // q as the B operand of q.k (k rows: dims, n: member gi), in the log2 domain.
   // 4-bit keys: slice s of lane t4 takes k-rows 2 t4 + e / 2 t4 + 8 + e from key byte 16 t4 + 4 (s >> 1) + (s & 1)
   // + 2 e, its low nibble (dim = byte; b01) and high nibble (dim 64 + byte, read as 16 c: q scaled by 1/16; b23).
@@ -588,6 +584,12 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   const bool real = gi < group;
   const unsigned short* qrow = q + (long long)b * stride_qb + (long long)(h * group + (real ? gi : 0)) * stride_qh;
   float* const lg = logits + (long long)b * stride_gb + (long long)h * group * stride_gh;  // member 0's row
+  float* lg0 = nullptr;
+  float* lg1 = nullptr;
+#if WRITE_LOGITS == 1
+  if (2 * t4 < group) lg0 = lg + 2 * t4 * (long long)stride_gh;
+  if (2 * t4 + 1 < group) lg1 = lg + (2 * t4 + 1) * (long long)stride_gh;
+#endif
   State st;
 #pragma unroll
   for (int m = 0; m < 8; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
@@ -598,14 +600,14 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   if (ta < tiles_hi) {
     const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi};
     attend<KB_HI, VB_HI, F8_HI>(st, qrow, real, qk_scale, pool, sec, ta * TILE, min(tb * TILE, n_hi), page_bytes, smem,
-                         lg, stride_gh, group, 0, lane);
+                         lg0, lg1, lg, stride_gh, group, 0, lane);
   }
 #if KB_LO
   if (tb > tiles_hi) {
     const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
     const int la = ta > tiles_hi ? ta - tiles_hi : 0;
     attend<KB_LO, VB_LO, false>(st, qrow, real, qk_scale, pool, sec, la * TILE, min((tb - tiles_hi) * TILE, n_lo),
-                         page_bytes, smem, lg, stride_gh, group, n_hi, lane);
+                         page_bytes, smem, lg0, lg1, lg, stride_gh, group, n_hi, lane);
   }
 #endif
 
