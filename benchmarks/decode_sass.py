@@ -10,11 +10,18 @@ GPU time; times still need the GPU (benchmarks/attention.py).
 
     python benchmarks/decode_sass.py                         # 8B shape: every precision, default configs
     python benchmarks/decode_sass.py --precisions K4V2 --min-rows 16 8
+
+With NVRTC at hand (the nvidia-cuda-nvrtc-cu12 wheel, or NVRTC_LIBRARY=/path/libnvrtc.so.12), the CUDA decode
+kernel (kernels/decode_attention/decode_mma.cu) is compiled for sm_90 too and counted the same way, one row per
+precision it serves (mix: DiffKV's call, with the logits; its main loop is the high section's, `loop_low` the
+low section's).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
+import glob
 import json
 import os
 import re
@@ -35,6 +42,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 import kernels.decode_attention as da  # noqa: E402
 import kernels.decode_attention.dispatch as dispatch  # noqa: E402
+from kernels.decode_attention import mma_cuda  # noqa: E402
 from attention import PRECISIONS, build_paged, make_kv, parse_spec  # noqa: E402
 from kernels.page_layout import page_bytes_for  # noqa: E402
 
@@ -122,6 +130,74 @@ def analyze(prec: str, args, min_rows: int | None) -> dict:
                 moves=sum(ops.get(m, 0) for m in MOVES), opcodes=dict(ops.most_common()))
 
 
+def nvrtc():
+    """libnvrtc (NVRTC_LIBRARY, the nvidia-cuda-nvrtc wheel, or the system's), or None."""
+    paths = [os.environ.get("NVRTC_LIBRARY", "")]
+    for site in sys.path:
+        paths += sorted(glob.glob(os.path.join(site, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
+    paths += ["libnvrtc.so.12", "libnvrtc.so"]
+    for p in paths:
+        if p and "builtins" not in p:
+            try:
+                return ctypes.CDLL(p)
+            except OSError:
+                continue
+    return None
+
+
+def nvrtc_version(lib) -> str | None:
+    if lib is None:
+        return None
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def cuda_cubin(lib, source: str) -> bytes:
+    """decode_mma.cu (with a variant's #defines) compiled by NVRTC into an sm_90 cubin."""
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"decode_mma.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    opts = [b"-arch=sm_90", b"-std=c++17"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    if rc:
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC could not compile decode_mma.cu:\n{log.value.decode()}")
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    cubin = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetCUBIN(prog, cubin)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return cubin.raw
+
+
+def loops(ins: list[tuple[int, str]]) -> list[list[str]]:
+    """Every loop's instructions (from a backward branch's target to the branch), longest first."""
+    out = []
+    for addr, txt in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", txt)
+        if m and int(m.group(1), 16) < addr:
+            out.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
+    return sorted(out, key=len, reverse=True)
+
+
+def analyze_cuda(lib, prec: str, args) -> dict:
+    """The CUDA kernel's variant for this precision (mix: with logits, as DiffKV calls it)."""
+    fh, fl = parse_spec(PRECISIONS.get(prec, prec), args.head_dim, page_bytes_for(16, args.head_dim, 2), 2)
+    var = mma_cuda.variant(fh, fl, False, fl is not None)
+    ins, regs = sass_of(cuda_cubin(lib, var.defines() + mma_cuda.SOURCE.read_text()))
+    found = loops(ins)
+    main, low = found[0], (found[1] if fl is not None and len(found) > 1 else [])
+    ops = collections.Counter(opcode(t) for t in main)
+    return dict(precision=prec, kernel="decode_mma", min_rows=None, block_n=mma_cuda.TILE, num_warps=1,
+                num_stages=mma_cuda.STAGES, registers=regs, shared_bytes=var.shared_bytes, sass_total=len(ins),
+                loop=len(main), loop_per_token=len(main) / mma_cuda.TILE, loop_low=len(low) or None,
+                hmma=ops.get("HMMA.16816.F32", 0), moves=sum(ops.get(m, 0) for m in MOVES),
+                opcodes=dict(ops.most_common()))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), help=f"of {list(PRECISIONS)} or a spec")
@@ -138,17 +214,27 @@ def main(argv=None) -> None:
     if args.smoke:
         args.precisions, args.hq, args.hkv, args.head_dim, args.seq, args.batch = ["K4V2"], 8, 2, 64, 64, 4
     rows = [analyze(p, args, r) for p in args.precisions for r in args.min_rows]
+    lib = nvrtc() if args.head_dim == mma_cuda.HEAD_DIM else None
+    if lib is None:
+        print("CUDA kernel: no NVRTC here (or head_dim != 128): its rows are left out")
+    else:
+        for p in args.precisions:
+            fh, fl = parse_spec(PRECISIONS.get(p, p), args.head_dim, page_bytes_for(16, args.head_dim, 2), 2)
+            served = [mma_cuda._format_reason(f, w) for f, w in ((fh, "high"), (fl, "low")) if f is not None]
+            if not any(served):
+                rows.append(analyze_cuda(lib, p, args))
     print(f"sm_90 SASS, Hq {args.hq} Hkv {args.hkv} D {args.head_dim}, batch {args.batch}, max_len {args.max_len}")
     print(f"{'precision':>10} {'kernel':>22} {'rows':>4} {'regs':>4} {'smem':>6} {'loop':>5} {'/token':>6} "
           f"{'HMMA':>4} {'moves':>5}  top opcodes of the loop")
     for r in rows:
         top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:6])
-        print(f"{r['precision']:>10} {r['kernel']:>22} {r['min_rows']:>4} {r['registers']:>4} {r['shared_bytes']:>6} "
+        print(f"{r['precision']:>10} {r['kernel']:>22} {str(r['min_rows'] or '-'):>4} {r['registers']:>4} "
+              f"{r['shared_bytes']:>6} "
               f"{r['loop']:>5} {r['loop_per_token']:>6.1f} {r['hmma']:>4} {r['moves']:>5}  {top}")
     if args.out:
         command = " ".join(["python", "benchmarks/decode_sass.py", *(argv if argv is not None else sys.argv[1:])])
         Path(args.out).write_text(json.dumps(dict(command=command, target="sm_90", triton=triton.__version__,
-                                                  rows=rows), indent=1))
+                                                  nvrtc=nvrtc_version(lib), rows=rows), indent=1))
         print(f"wrote {args.out}")
 
 

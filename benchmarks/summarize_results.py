@@ -38,7 +38,8 @@ MEASURED_ALTERNATIVES = {
     "decode_splits_gqa6_H100.json": "decode attention time per split count at Qwen2.5-1.5B's heads (GQA 6): the "
                                     "automatic split count within 8% of the best at every shape",
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
-    "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90",
+    "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90 (the Triton "
+                             "kernels and the CUDA kernel, decode_mma)",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",
     "prefix_routing_cpu.json": "prefix-cache hit rate and TTFT, KV-headroom vs prefix-aware router "
                                "(loadtest/prefix_routing.py, docs/DESIGN.md)",
