@@ -14,8 +14,6 @@ import math
 
 import torch
 
-from kernels.decode_attention.tiles import LOG2E
-
 from kernels._common import check_supported, dot_in_fp32, use_triton
 from kernels.decode_attention import mma_cuda
 from kernels.decode_attention.f16 import launch_f16
@@ -24,6 +22,7 @@ from kernels.decode_attention.merge import merge_splits
 from kernels.decode_attention.q8 import launch_q8
 from kernels.decode_attention.quartered import launch_quartered
 from kernels.decode_attention.reference import check_low_section, paged_decode_attention_ref
+from kernels.decode_attention.tiles import LOG2E
 from kernels.page_layout import PageFormat
 
 
