@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from attention import parse_spec, section_lengths  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
 from kernels.decode_attention import decode_kernel, mma_cuda, paged_decode_attention_triton  # noqa: E402
-from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
+from kernels.page_layout import page_bytes_for  # noqa: E402
 
 HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
 
@@ -29,13 +31,8 @@ HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
 def build(spec: str, B: int, S: int, hkv: int, device):
     """A pool of random pages, a page table (low pages from the table's end, backwards) and section lengths."""
     pb = page_bytes_for(16, 128, 2)
-    fm = []
-    for name in spec.split("+"):  # "K8V4", "K8V8-e4m3" (kv_mode fp8's pages)
-        bits, _, code = name.partition("-")
-        k, v = bits[1:].split("V")
-        fm.append(PageFormat.make(int(k), int(v), 128, pb, 2, float8=code == "e4m3"))
-    hi, lo = fm[0], (fm[1] if len(fm) > 1 else None)
-    sh, sl = (S // 2, S - S // 2) if lo else (S, 0)
+    hi, lo = parse_spec(spec, 128, pb, 2)
+    sh, sl = section_lengths(S, lo is not None)
     nh, nl = -(-sh // hi.tokens), (-(-sl // lo.tokens) if lo else 0)
     P = nh + nl + 1
     npg = B * hkv * (nh + nl)

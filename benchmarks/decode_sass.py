@@ -89,15 +89,21 @@ def sass_of(cubin: bytes) -> tuple[list[tuple[int, str]], int]:
     return ins, int(regs.group(1)) if regs else -1
 
 
-def main_loop(ins: list[tuple[int, str]]) -> list[str]:
-    """Instructions of the longest loop: from a backward branch's target to the branch."""
-    best: list[str] = []
+def loops(ins: list[tuple[int, str]]) -> list[list[str]]:
+    """Every loop's instructions (from a backward branch's target to the branch), longest first (a stable sort:
+    among loops of one length, the first in the code comes first)."""
+    out = []
     for addr, txt in ins:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", txt)
         if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            best = body if len(body) > len(best) else best
-    return best
+            out.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
+    return sorted(out, key=len, reverse=True)
+
+
+def main_loop(ins: list[tuple[int, str]]) -> list[str]:
+    """Instructions of the longest loop."""
+    found = loops(ins)
+    return found[0] if found else []
 
 
 def opcode(txt: str) -> str:
@@ -173,16 +179,6 @@ def cuda_cubin(lib, source: str) -> bytes:
     return cubin.raw
 
 
-def loops(ins: list[tuple[int, str]]) -> list[list[str]]:
-    """Every loop's instructions (from a backward branch's target to the branch), longest first."""
-    out = []
-    for addr, txt in ins:
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", txt)
-        if m and int(m.group(1), 16) < addr:
-            out.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
-    return sorted(out, key=len, reverse=True)
-
-
 def analyze_cuda(lib, prec: str, args) -> dict:
     """The CUDA kernel's variant for this precision (mix: with logits, as DiffKV calls it)."""
     fh, fl = parse_spec(PRECISIONS.get(prec, prec), args.head_dim, page_bytes_for(16, args.head_dim, 2), 2)
@@ -220,8 +216,8 @@ def main(argv=None) -> None:
     else:
         for p in args.precisions:
             fh, fl = parse_spec(PRECISIONS.get(p, p), args.head_dim, page_bytes_for(16, args.head_dim, 2), 2)
-            served = [mma_cuda._format_reason(f, w) for f, w in ((fh, "high"), (fl, "low")) if f is not None]
-            if not any(served):
+            reasons = [mma_cuda._format_reason(f, w) for f, w in ((fh, "high"), (fl, "low")) if f is not None]
+            if not any(reasons):  # the CUDA kernel serves these pages
                 rows.append(analyze_cuda(lib, p, args))
     print(f"sm_90 SASS, Hq {args.hq} Hkv {args.hkv} D {args.head_dim}, batch {args.batch}, max_len {args.max_len}")
     print(f"{'precision':>10} {'kernel':>22} {'rows':>4} {'regs':>4} {'smem':>6} {'loop':>5} {'/token':>6} "

@@ -55,8 +55,9 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     pc = pool.view(cache_dtype)
     picked = pick_kernel(fmt, fmt_low if has_low else None, q, Hq // Hkv)
     kernel = kernel or picked
-    why_not_cuda = mma_cuda.usable(fmt, fmt_low if has_low else None, q, Hq // Hkv) if kernel == "mma_cuda" else None
-    if kernel not in (picked, "quartered") and not (kernel == "mma_cuda" and why_not_cuda is None):
+    forced_cuda = kernel == "mma_cuda" and picked != "mma_cuda"  # usable, already asked by pick_kernel otherwise
+    why_not_cuda = mma_cuda.usable(fmt, fmt_low if has_low else None, q, Hq // Hkv) if forced_cuda else None
+    if kernel not in (picked, "quartered") and not (forced_cuda and why_not_cuda is None):
         low_note = " with a low section" if has_low else ""
         cuda_note = f" (mma_cuda: {why_not_cuda})" if kernel == "mma_cuda" else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}{cuda_note}")
@@ -74,11 +75,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, max_len, q.device, block_n or cfg.block_n, warps, D)
     block_n = block_n or tile_tokens(cfg, max_len, num_splits)
-    if num_splits > 1:
-        mid_acc = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-        mid_ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        mid_acc = mid_ml = out  # unused
+    mid_acc, mid_ml = _split_partials(out, num_splits)
     low = fmt_low if has_low else fmt
     lenlo = len_low if has_low else lengths
     logits = logits_out if logits_out is not None else out  # unused when absent
@@ -100,6 +97,16 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     return out
 
 
+def _split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every split's partial (acc [B, Hq, num_splits, D], log2 max and sum [B, Hq, num_splits, 2]) for the merge;
+    with one split the kernels write `out` directly and these are unused (out stands in)."""
+    if num_splits == 1:
+        return out, out
+    B, Hq, D = out.shape
+    return (torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=out.device),
+            torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=out.device))
+
+
 def pick_kernel(fmt: PageFormat, fmt_low: PageFormat | None, q, group: int) -> str:
     """The kernel paged_decode_attention_triton launches for a call (one of KERNELS): decode_kernel's pick, or
     "mma_cuda" where that is "quartered" and the CUDA kernel can serve the call (group: query heads per KV head)."""
@@ -112,14 +119,10 @@ def pick_kernel(fmt: PageFormat, fmt_low: PageFormat | None, q, group: int) -> s
 def _launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, layer, scale, num_splits, max_len, out,
                 logits_out, lse_out):
     """The CUDA kernel's call: one-warp programs, so the split count targets warps as the quartered kernel's do."""
-    B, Hq, D = q.shape
+    B, _, D = q.shape
     if num_splits is None:
         num_splits = choose_num_splits(B, page_table.shape[2], max_len, q.device, mma_cuda.TILE, 1, D)
-    if num_splits > 1:
-        mid_acc = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-        mid_ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        mid_acc = mid_ml = out  # unused
+    mid_acc, mid_ml = _split_partials(out, num_splits)
     mma_cuda.launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, out, mid_acc, mid_ml, logits_out,
                         lse_out, layer, scale * LOG2E, num_splits)
     if num_splits > 1:

@@ -87,13 +87,14 @@ def usable(fmt: PageFormat, fmt_low: PageFormat | None, q: torch.Tensor, group: 
     """None if the CUDA kernel can serve this call, else why not (tests and benchmarks print it)."""
     if not q.is_cuda or torch.version.hip:
         return "not a CUDA device"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability < (8, 0):
         return "needs sm_80 or newer (cp.async, m16n8k16 mma, movmatrix)"
     for f, which in ((fmt, "high"), (fmt_low, "low")):
         why = _format_reason(f, which) if f is not None else None
         if why:
             return why
-    if fmt.float8 and torch.cuda.get_device_capability(q.device) < (8, 9):
+    if fmt.float8 and capability < (8, 9):
         return "e4m3 pages need sm_89 or newer (cvt.f16x2.e4m3x2)"
     if fmt_low is not None and (fmt.value_bits == 8) != (fmt_low.value_bits == 8):
         return f"{fmt.value_bits}- and {fmt_low.value_bits}-bit values in one call (8-bit values only with 8-bit)"
