@@ -236,6 +236,12 @@ def fit_floor(points: list[tuple[float, float]]) -> dict:
     b = np.array([p[0] for p in points], dtype=np.float64)
     t = np.array([p[1] for p in points], dtype=np.float64)
     (t0, slope), *_ = np.linalg.lstsq(np.stack([1 / t, b / t], 1), np.ones_like(t), rcond=None)
+    # A floor has no negative fixed cost and no negative time per byte. Noisy timings (a busy CPU, a handful of
+    # tiny shapes) can fit either; then the best fit with that term held at zero is the floor.
+    if t0 < 0:
+        t0, slope = 0.0, float(np.sum(b / t) / np.sum((b / t) ** 2))
+    elif slope <= 0:
+        t0, slope = float(np.sum(1 / t) / np.sum((1 / t) ** 2)), 0.0
     resid = np.abs(t0 + slope * b - t) / t
     return {"t0_us": float(t0), "bw": float(1e6 / slope) if slope > 0 else float("inf"),
             "max_rel_residual": float(resid.max()), "points": len(points)}

@@ -51,6 +51,15 @@ def test_floor_fit_recovers_a_line():
     assert fit["max_rel_residual"] < 1e-9
     noisy = [(b, t * (1.05 if i == 2 else 1.0)) for i, (b, t) in enumerate(pts)]
     assert 0.02 < fit_floor(noisy)["max_rel_residual"] < 0.06
+    # Times that extrapolate to a negative fixed cost (CPU noise on tiny shapes) fit a floor with t0 = 0, not below.
+    steep = [(b, -2.0 + b / 1e9 * 1e6) for b in (1e5 * 40, 3e7, 1.3e8)]
+    fit = fit_floor(steep)
+    assert fit["t0_us"] == 0.0 and fit["bw"] > 0
+    assert all(fit["t0_us"] + b / fit["bw"] * 1e6 > 0 for b, _ in steep)
+    # Times that fall as bytes grow fit a constant floor (no bandwidth term), still positive.
+    flat = [(1e5, 9.0), (1e6, 8.0), (1e7, 7.0)]
+    fit = fit_floor(flat)
+    assert fit["bw"] == float("inf") and 7.0 < fit["t0_us"] < 9.0
 
 
 def test_head_layouts_match_the_model_presets():
