@@ -186,25 +186,60 @@ struct State {
 };
 
 // The <= MAXPAGES pages a tile of a section touches: page k starts at section token first[k], at pool byte base[k]
-// (pages past the section's end repeat the first, never read).
+// (pages past the section's end repeat the first page's base, so every address stays inside a page; never read).
 struct TilePages {
   long long base[MAXPAGES];
   int first[MAXPAGES];
 };
 
-// Address of token t's row (rowbytes each, from segment offset `off`).
-__device__ __forceinline__ long long row_at(const TilePages& tp, int t, int rowbytes, int off) {
-  long long base = tp.base[0];
-  int first = tp.first[0];
-#pragma unroll
-  for (int k = 1; k < MAXPAGES; ++k)
-    if (t >= tp.first[k]) base = tp.base[k], first = tp.first[k];
-  return base + (long long)(t - first) * rowbytes + off;
+// The 16-byte chunk slot of chunk `part` of row `tok` in shared memory. Chunks are stored XOR-swizzled so that the
+// fragment reads in attend hit distinct banks: SWZ 1 (8-bit keys) by token parity, 2 (8-bit values) by
+// 2 ((token / 2) % 4), 3 (4-bit values) by (token / 2) % 4, 4 (2-bit values) by (token / 4) % 2; 0 not at all.
+template <int SWZ>
+__device__ __forceinline__ int swizzled(int part, int tok) {
+  return SWZ == 1 ? part ^ (tok & 1)
+       : SWZ == 2 ? part ^ (2 * ((tok >> 1) & 3))
+       : SWZ == 3 ? part ^ ((tok >> 1) & 3)
+       : SWZ == 4 ? part ^ ((tok >> 2) & 1)
+                  : part;
 }
 
-// Tokens [t0, t0 + TILE) of a section into a stage buffer (rows at or past hi are zero-filled). 16-byte chunks are
-// stored XOR-swizzled so that the fragment reads below hit distinct shared-memory banks: 8-bit keys by token
-// parity, 8-bit values by 2 ((token / 2) % 4), 4-bit values by (token / 2) % 4, 2-bit values by (token / 4) % 2.
+// One operand of tokens [t0, t0 + TILE) -- keys, values, or one (scale, zero) word -- ROWB bytes a token at segment
+// offset `off` of its page, into shared memory at dst in CH-byte copies (rows at or past hi zero-filled). Lane l
+// copies chunk l % P of tokens l / P + STEP it: its chunk is fixed and its tokens advance by STEP, so the lane
+// works out each page's address and the iteration its tokens enter that page once, and a copy only picks its page.
+template <int ROWB, int CH, int SWZ>
+__device__ __forceinline__ void copy_rows(u32 dst, const unsigned char* pool, const TilePages& tp, int t0, int hi,
+                                          int off, int lane) {
+  constexpr int P = ROWB / CH, STEP = 32 / P;  // P in 1, 2, 4, 8
+  constexpr int LOG2_STEP = STEP == 32 ? 5 : STEP == 16 ? 4 : STEP == 8 ? 3 : 2;
+  const int tok0 = lane / P, part = lane % P, t = t0 + tok0;
+  long long addr[MAXPAGES];
+  int enter[MAXPAGES];  // the first iteration whose token lies in page k (ceil division: >> floors negatives)
+#pragma unroll
+  for (int k = 0; k < MAXPAGES; ++k) {
+    addr[k] = tp.base[k] + (long long)(t - tp.first[k]) * ROWB + off + part * CH;
+    enter[k] = (tp.first[k] - t + STEP - 1) >> LOG2_STEP;
+  }
+  const int n_ok = (hi - t + STEP - 1) >> LOG2_STEP;  // iterations whose token is < hi
+#pragma unroll
+  for (int it = 0; it < TILE / STEP; ++it) {
+    long long a = addr[0];
+#pragma unroll
+    for (int k = 1; k < MAXPAGES; ++k)
+      if (it >= enter[k]) a = addr[k];
+    const int tok = tok0 + it * STEP;
+    const u32 d = dst + tok * ROWB + swizzled<SWZ>(part, tok) * CH;
+    const unsigned char* src = pool + a + (long long)it * STEP * ROWB;
+    if (CH == 16)
+      cp16(d, src, it < n_ok);
+    else
+      cp4(d, src, it < n_ok);
+  }
+}
+
+// Tokens [t0, t0 + TILE) of a section into a stage buffer: [keys TILE x KROW][values TILE x VROW][key (scale,
+// zero) TILE x 4][value (scale, zero) TILE x 4].
 template <int KB, int VB>
 __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec, int t0,
                                           int hi, int page_bytes, int lane) {
@@ -216,30 +251,11 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
     tp.base[k] = k == 0 || tp.first[k] < hi ? (long long)sec.pt[sec.pstep * (p0 + k)] * page_bytes : tp.base[0];
   }
   const u32 sbase = smem_addr(buf);
-  constexpr int KP = KROW(KB) / 16, VP = VROW(VB) / 16;  // 16-byte chunks per token row
-#pragma unroll
-  for (int it = 0; it < TILE * KP / 32; ++it) {
-    const int i = it * 32 + lane, tok = i / KP, part = i % KP, t = t0 + tok;
-    const int slot = KB == 8 ? part ^ (tok & 1) : part;
-    const long long src = row_at(tp, t, KROW(KB), sec.k_off) + part * 16;
-    cp16(sbase + tok * KROW(KB) + slot * 16, pool + (t < hi ? src : 0), t < hi);
-  }
-#pragma unroll
-  for (int it = 0; it < TILE * VP / 32; ++it) {
-    const int i = it * 32 + lane, tok = i / VP, part = i % VP, t = t0 + tok;
-    const int slot = VB == 8   ? part ^ (2 * ((tok >> 1) & 3))
-                     : VB == 4 ? part ^ ((tok >> 1) & 3)
-                               : part ^ ((tok >> 2) & 1);
-    const long long src = row_at(tp, t, VROW(VB), sec.v_off) + part * 16;
-    cp16(sbase + TILE * KROW(KB) + tok * VROW(VB) + slot * 16, pool + (t < hi ? src : 0), t < hi);
-  }
-#pragma unroll
-  for (int it = 0; it < TILE / 32; ++it) {  // (scale, zero) words of keys and values
-    const int tok = it * 32 + lane, t = t0 + tok;
-    const long long r = row_at(tp, t, 4, 0);
-    cp4(sbase + TILE * (KROW(KB) + VROW(VB)) + tok * 4, pool + (t < hi ? r + sec.k_meta : 0), t < hi);
-    cp4(sbase + TILE * (KROW(KB) + VROW(VB) + 4) + tok * 4, pool + (t < hi ? r + sec.v_meta : 0), t < hi);
-  }
+  constexpr int KSWZ = KB == 8 ? 1 : 0, VSWZ = VB == 8 ? 2 : VB == 4 ? 3 : 4;
+  copy_rows<KROW(KB), 16, KSWZ>(sbase, pool, tp, t0, hi, sec.k_off, lane);
+  copy_rows<VROW(VB), 16, VSWZ>(sbase + TILE * KROW(KB), pool, tp, t0, hi, sec.v_off, lane);
+  copy_rows<4, 4, 0>(sbase + TILE * (KROW(KB) + VROW(VB)), pool, tp, t0, hi, sec.k_meta, lane);
+  copy_rows<4, 4, 0>(sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi, sec.v_meta, lane);
 }
 
 // Tokens [lo, hi) of one section into the split's state. qrow: member gi's query row (gi < group; zeros past it).
