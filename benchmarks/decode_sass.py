@@ -4,7 +4,8 @@ Triton's wheel bundles ptxas and cuobjdump, so the kernels can be compiled for t
 calls kernels/decode_attention/dispatch.py's launcher on small CPU tensors with Triton's launch intercepted, compiles
 each kernel it would have launched the way Triton's runtime does (same argument specialization), and counts
 the instructions of the kernel's main loop (its longest backward branch): per tile and per token
-(x warps / tile), by opcode. Register moves (IMAD.MOV / MOV), tensor-core mmas (HMMA) and shared-memory loads
+(x warps / tile), by opcode, and the instructions laid out before that loop (a program's setup: what a short
+split pays besides its tiles). Register moves (IMAD.MOV / MOV), tensor-core mmas (HMMA) and shared-memory loads
 are what the ncu profiles of the decode kernels pointed at. Use it to compare kernel variants before spending
 GPU time; times still need the GPU (benchmarks/attention.py).
 
@@ -89,21 +90,32 @@ def sass_of(cubin: bytes) -> tuple[list[tuple[int, str]], int]:
     return ins, int(regs.group(1)) if regs else -1
 
 
-def loops(ins: list[tuple[int, str]]) -> list[list[str]]:
-    """Every loop's instructions (from a backward branch's target to the branch), longest first (a stable sort:
+def loop_spans(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """Every loop's (first, last) address (a backward branch's target, the branch), longest first (a stable sort:
     among loops of one length, the first in the code comes first)."""
     out = []
     for addr, txt in ins:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", txt)
         if m and int(m.group(1), 16) < addr:
-            out.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
-    return sorted(out, key=len, reverse=True)
+            out.append((int(m.group(1), 16), addr))
+    return sorted(out, key=lambda span: len([a for a, _ in ins if span[0] <= a <= span[1]]), reverse=True)
+
+
+def loops(ins: list[tuple[int, str]]) -> list[list[str]]:
+    """Every loop's instructions, longest first (loop_spans' order)."""
+    return [[t for a, t in ins if lo <= a <= hi] for lo, hi in loop_spans(ins)]
 
 
 def main_loop(ins: list[tuple[int, str]]) -> list[str]:
     """Instructions of the longest loop."""
     found = loops(ins)
     return found[0] if found else []
+
+
+def before_main_loop(ins: list[tuple[int, str]]) -> int:
+    """Instructions laid out before the main loop: a program's setup (query preparation, the first tiles' copies)."""
+    spans = loop_spans(ins)
+    return sum(1 for a, _ in ins if a < spans[0][0]) if spans else len(ins)
 
 
 def opcode(txt: str) -> str:
@@ -132,7 +144,7 @@ def analyze(prec: str, args, min_rows: int | None) -> dict:
     per_token = len(loop) * warps / block_n
     return dict(precision=prec, kernel=name, min_rows=cfg.min_rows, block_n=block_n, num_warps=warps,
                 num_stages=cfg.num_stages, registers=regs, shared_bytes=ck.metadata.shared,
-                sass_total=len(ins), loop=len(loop), loop_per_token=per_token, hmma=ops.get("HMMA.16816.F32", 0),
+                sass_total=len(ins), before_loop=before_main_loop(ins), loop=len(loop), loop_per_token=per_token, hmma=ops.get("HMMA.16816.F32", 0),
                 moves=sum(ops.get(m, 0) for m in MOVES), opcodes=dict(ops.most_common()))
 
 
@@ -189,6 +201,7 @@ def analyze_cuda(lib, prec: str, args) -> dict:
     ops = collections.Counter(opcode(t) for t in main)
     return dict(precision=prec, kernel="decode_mma", min_rows=None, block_n=mma_cuda.TILE, num_warps=1,
                 num_stages=mma_cuda.STAGES, registers=regs, shared_bytes=var.shared_bytes, sass_total=len(ins),
+                before_loop=before_main_loop(ins),
                 loop=len(main), loop_per_token=len(main) / mma_cuda.TILE, loop_low=len(low) or None,
                 hmma=ops.get("HMMA.16816.F32", 0), moves=sum(ops.get(m, 0) for m in MOVES),
                 opcodes=dict(ops.most_common()))
@@ -225,7 +238,7 @@ def main(argv=None) -> None:
     for r in rows:
         top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:6])
         print(f"{r['precision']:>10} {r['kernel']:>22} {str(r['min_rows'] or '-'):>4} {r['registers']:>4} "
-              f"{r['shared_bytes']:>6} "
+              f"{r['shared_bytes']:>6} {r['before_loop']:>5} "
               f"{r['loop']:>5} {r['loop_per_token']:>6.1f} {r['hmma']:>4} {r['moves']:>5}  {top}")
     if args.out:
         command = " ".join(["python", "benchmarks/decode_sass.py", *(argv if argv is not None else sys.argv[1:])])

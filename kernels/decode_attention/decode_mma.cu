@@ -139,7 +139,7 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
 __device__ __forceinline__ void cp4(u32 dst, const void* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 #endif
@@ -258,9 +258,9 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
   copy_rows<4, 4, 0>(sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi, sec.v_meta, lane);
 }
 
-// Tokens [lo, hi) of one section into the split's state. qrow: member gi's query row (gi < group; zeros past it).
-// With WRITE_LOGITS, token t's logit for group member me goes to lg[me * lg_stride + logit_off + t]; logits0 /
-// logits1 are the rows of this lane's C-fragment columns (members 2 t4, 2 t4 + 1; null past the group).
+// Tokens [lo, hi) of one section (lo < hi) into the split's state. qrow: member gi's query row (gi < group; zeros
+// past it). With WRITE_LOGITS, token t's logit for group member me goes to lg[me * lg_stride + logit_off + t];
+// logits0 / logits1 are the rows of this lane's C-fragment columns (members 2 t4, 2 t4 + 1; null past the group).
 // F8: the section's 8-bit sides are e4m3 codes.
 template <int KB, int VB, bool F8>
 __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bool real, float qk_scale,
@@ -268,6 +268,23 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
                                        int page_bytes, unsigned char* smem, float* logits0, float* logits1,
                                        float* lg, long long lg_stride, int group, int logit_off, int lane) {
   const int gi = lane >> 2, t4 = lane & 3;
+  // The first tiles' copies go out before the query's loads and preparation, which they overlap (lo < hi: the
+  // first tile is unconditional, so that the compiler does not hoist the query's work above its branch).
+  const int ntiles = (hi - lo + TILE - 1) / TILE;
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    if (j == 0 || j < ntiles) load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, lo + j * TILE, hi, page_bytes, lane);
+    cp_commit();
+  }
+  // This lane's 32 query elements in four 16-byte loads (the launcher aligns q rows to 16 bytes): local element
+  // 8 j + i of load j is dim 32 t4 + 8 j + i (8-bit keys) or 64 (j / 2) + 16 t4 + 8 (j % 2) + i (4-bit keys).
+  u32 qw[16];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int dim0 = KB == 8 ? 32 * t4 + 8 * j : 64 * (j >> 1) + 16 * t4 + 8 * (j & 1);
+    const U4 v = *(const U4*)(qrow + dim0);
+    qw[4 * j] = v.x, qw[4 * j + 1] = v.y, qw[4 * j + 2] = v.z, qw[4 * j + 3] = v.w;
+  }
   // q as the B operand of q.k (k rows: dims, n: member gi), in the log2 domain.
   // 4-bit keys: slice s of lane t4 takes k-rows 2 t4 + e / 2 t4 + 8 + e from key byte 16 t4 + 4 (s >> 1) + (s & 1)
   // + 2 e, its low nibble (dim = byte; b01) and high nibble (dim 64 + byte, read as 16 c: q scaled by 1/16; b23).
@@ -281,8 +298,9 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       float v[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int dim = KB == 8 ? 32 * t4 + 4 * s + 2 * r + e : 64 * r + 16 * t4 + 4 * (s >> 1) + (s & 1) + 2 * e;
-        const float x = real ? q_elem(qrow[dim]) * qk_scale : 0.f;
+        const int local = KB == 8 ? 4 * s + 2 * r + e : 16 * r + 4 * (s >> 1) + (s & 1) + 2 * e;
+        const unsigned short qe = (unsigned short)(qw[local >> 1] >> (16 * (local & 1)));
+        const float x = real ? q_elem(qe) * qk_scale : 0.f;
         q0 += x;
         v[e] = (KB == 4 && r) ? x * 0.0625f : x;
       }
@@ -302,12 +320,6 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
   kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
 
-  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
-#pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j) {
-    if (j < ntiles) load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, lo + j * TILE, hi, page_bytes, lane);
-    cp_commit();
-  }
   for (int j = 0; j < ntiles; ++j) {
     cp_wait<STAGES - 2>();
     __syncwarp();

@@ -150,6 +150,8 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
     group = Hq // Hkv
     if group > MAX_GROUP:
         raise ValueError(f"launch_mma: {group} query heads per KV head (at most {MAX_GROUP})")
+    if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
+        q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
     var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
     kernel = (compiled or _compiled)(q.device, var)
     lo = fmt_low or fmt

@@ -203,3 +203,34 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits, 
                                                 num_splits=num_splits, fmt_low=low, len_low=len_lo,
                                                 kernel=triton_kernel)
             torch.testing.assert_close(out, tri, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(CUDA or _cuda_emu.compiler() is None, reason="the CPU emulation (needs g++); CUDA runs above")
+def test_a_query_view_off_16_byte_rows_gives_the_same_output():
+    """The kernel reads q rows in 16-byte loads: the launcher copies a q whose rows are not 16-byte aligned (a view
+    into a wider buffer) and the output is the one of the same q, contiguous."""
+    fmt, low = formats("K8V4+K4V2", 128, 2)
+    pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, torch.float16, 2, [[130, 70]], [[65, 3]], DEVICE, 11)
+    wide = torch.randn(1, 8, 131, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    view = wide[:, :, 3:]  # rows 262 bytes apart, starting 6 bytes in
+    assert view.data_ptr() % 16 and view.stride(1) % 8
+    passed = []
+
+    def recording(device, var):  # the emulated kernel, noting the q it is given
+        kernel = _cuda_emu.compiled(device, var)
+
+        def launch(grid, block, shared_mem, args):
+            passed.append(args[0])
+            return kernel(grid=grid, block=block, shared_mem=shared_mem, args=args)
+        return launch
+
+    outs = []
+    for q in (view, view.contiguous()):
+        out = torch.full((1, 8, 128), float("nan"), dtype=torch.float16)
+        mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, torch.zeros(1, dtype=torch.int32), out, out, out,
+                            None, None, 0, 128 ** -0.5 * LOG2E, 1, compiled=recording)
+        outs.append(out)
+    for q in passed:
+        assert q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
