@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import datetime
 import glob
 import json
 import os
@@ -243,7 +244,8 @@ def main(argv=None) -> None:
     if args.out:
         command = " ".join(["python", "benchmarks/decode_sass.py", *(argv if argv is not None else sys.argv[1:])])
         Path(args.out).write_text(json.dumps(dict(command=command, target="sm_90", triton=triton.__version__,
-                                                  nvrtc=nvrtc_version(lib), rows=rows), indent=1))
+                                                  nvrtc=nvrtc_version(lib), rows=rows,
+                                                  date=datetime.date.today().isoformat()), indent=1))
         print(f"wrote {args.out}")
 
 

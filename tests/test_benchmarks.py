@@ -62,7 +62,7 @@ def test_decode_sass_smoke(tmp_path):
     assert row["kernel"] == "_decode_split_kernel" and row["registers"] > 0 and row["shared_bytes"] > 0
     # 128-token tile, head_dim 64, group 4 in 8 rows: 16 mmas each for q.k and p.v per quarter pair
     assert row["hmma"] > 0 and 0 < row["loop"] < row["sass_total"] and row["loop_per_token"] > 0
-    assert 0 < row["before_loop"] < row["sass_total"] - row["loop"]
+    assert 0 < row["before_loop"] < row["sass_total"] - row["loop"] and "date" in json.loads(out.read_text())
     assert sum(row["opcodes"].values()) == row["loop"]
 
 
