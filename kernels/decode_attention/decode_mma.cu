@@ -204,37 +204,47 @@ __device__ __forceinline__ int swizzled(int part, int tok) {
                   : part;
 }
 
-// One operand of tokens [t0, t0 + TILE) -- keys, values, or one (scale, zero) word -- ROWB bytes a token at segment
-// offset `off` of its page, into shared memory at dst in CH-byte copies (rows at or past hi zero-filled). Lane l
-// copies chunk l % P of tokens l / P + STEP it: its chunk is fixed and its tokens advance by STEP, so the lane
-// works out each page's address and the iteration its tokens enter that page once, and a copy only picks its page.
-template <int ROWB, int CH, int SWZ>
+// One operand of tokens [t0, t0 + TILE) -- keys or values, ROWB (32, 64 or 128) bytes a token at segment offset
+// `off` of its page -- into shared memory at dst in 16-byte copies (rows at or past hi zero-filled). Each 8-lane
+// phase of a copy instruction fills C = 128 / ROWB consecutive rows (128 contiguous bytes, conflict-free in shared
+// memory); the four phases take the four quarters of the tile. A lane's copies stay within 16 consecutive tokens,
+// which (pages hold >= 21) touch at most two pages: it works out both addresses and the iteration its tokens enter
+// the second page once per tile, and a copy only picks one of the two.
+template <int ROWB, int SWZ>
 __device__ __forceinline__ void copy_rows(u32 dst, const unsigned char* pool, const TilePages& tp, int t0, int hi,
                                           int off, int lane) {
-  constexpr int P = ROWB / CH, STEP = 32 / P;  // P in 1, 2, 4, 8
-  constexpr int LOG2_STEP = STEP == 32 ? 5 : STEP == 16 ? 4 : STEP == 8 ? 3 : 2;
-  const int tok0 = lane / P, part = lane % P, t = t0 + tok0;
-  long long addr[MAXPAGES];
-  int enter[MAXPAGES];  // the first iteration whose token lies in page k (ceil division: >> floors negatives)
+  constexpr int P = ROWB / 16, C = 128 / ROWB, QUARTER = TILE / 4;  // chunks a row, rows a phase
+  const int w = lane & 7, part = w % P, tok0 = (lane >> 3) * QUARTER + w / P, t = t0 + tok0;
+  long long base_a = tp.base[0], base_b = tp.base[MAXPAGES > 1 ? 1 : 0];
+  int first_a = tp.first[0];
 #pragma unroll
-  for (int k = 0; k < MAXPAGES; ++k) {
-    addr[k] = tp.base[k] + (long long)(t - tp.first[k]) * ROWB + off + part * CH;
-    enter[k] = (tp.first[k] - t + STEP - 1) >> LOG2_STEP;
+  for (int k = 1; k < MAXPAGES; ++k)
+    if (t >= tp.first[k]) base_a = tp.base[k], first_a = tp.first[k], base_b = tp.base[k + 1 < MAXPAGES ? k + 1 : k];
+  const int first_b = first_a + (tp.first[MAXPAGES > 1 ? 1 : 0] - tp.first[0]);  // + tokens per page
+  const long long addr_a = base_a + (long long)(t - first_a) * ROWB + off + part * 16;
+  const long long addr_b = base_b + (long long)(t - first_b) * ROWB + off + part * 16;
+#pragma unroll
+  for (int it = 0; it < QUARTER / C; ++it) {
+    const int tok = tok0 + C * it;  // the swizzle below depends on it only
+    const long long a = t + C * it >= first_b ? addr_b : addr_a;
+    const u32 d = dst + tok * ROWB + swizzled<SWZ>(part, tok) * 16;
+    cp16(d, pool + a + (long long)C * it * ROWB, t + C * it < hi);
   }
-  const int n_ok = (hi - t + STEP - 1) >> LOG2_STEP;  // iterations whose token is < hi
+}
+
+// One 4-byte (scale, zero) word a token, at segment offset `off` of its page, of tokens [t0, t0 + TILE) into
+// shared memory at dst (zero past hi): lane l copies tokens l and l + 32.
+__device__ __forceinline__ void copy_words(u32 dst, const unsigned char* pool, const TilePages& tp, int t0, int hi,
+                                           int off, int lane) {
 #pragma unroll
-  for (int it = 0; it < TILE / STEP; ++it) {
-    long long a = addr[0];
+  for (int it = 0; it < TILE / 32; ++it) {
+    const int tok = it * 32 + lane, t = t0 + tok;
+    long long base = tp.base[0];
+    int first = tp.first[0];
 #pragma unroll
     for (int k = 1; k < MAXPAGES; ++k)
-      if (it >= enter[k]) a = addr[k];
-    const int tok = tok0 + it * STEP;
-    const u32 d = dst + tok * ROWB + swizzled<SWZ>(part, tok) * CH;
-    const unsigned char* src = pool + a + (long long)it * STEP * ROWB;
-    if (CH == 16)
-      cp16(d, src, it < n_ok);
-    else
-      cp4(d, src, it < n_ok);
+      if (t >= tp.first[k]) base = tp.base[k], first = tp.first[k];
+    cp4(dst + tok * 4, pool + base + (long long)(t - first) * 4 + off, t < hi);
   }
 }
 
@@ -252,10 +262,10 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
   }
   const u32 sbase = smem_addr(buf);
   constexpr int KSWZ = KB == 8 ? 1 : 0, VSWZ = VB == 8 ? 2 : VB == 4 ? 3 : 4;
-  copy_rows<KROW(KB), 16, KSWZ>(sbase, pool, tp, t0, hi, sec.k_off, lane);
-  copy_rows<VROW(VB), 16, VSWZ>(sbase + TILE * KROW(KB), pool, tp, t0, hi, sec.v_off, lane);
-  copy_rows<4, 4, 0>(sbase + TILE * (KROW(KB) + VROW(VB)), pool, tp, t0, hi, sec.k_meta, lane);
-  copy_rows<4, 4, 0>(sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi, sec.v_meta, lane);
+  copy_rows<KROW(KB), KSWZ>(sbase, pool, tp, t0, hi, sec.k_off, lane);
+  copy_rows<VROW(VB), VSWZ>(sbase + TILE * KROW(KB), pool, tp, t0, hi, sec.v_off, lane);
+  copy_words(sbase + TILE * (KROW(KB) + VROW(VB)), pool, tp, t0, hi, sec.k_meta, lane);
+  copy_words(sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi, sec.v_meta, lane);
 }
 
 // Tokens [lo, hi) of one section (lo < hi) into the split's state. qrow: member gi's query row (gi < group; zeros
