@@ -86,7 +86,9 @@ def attention_section() -> list[str]:
         if r.get("kernel"):
             served.setdefault(r["precision"], r["kernel"])
     if served:
-        out += ["Kernel serving each precision: " + ", ".join(f"{p} `{k}`" for p, k in served.items()) + ".", ""]
+        out += ["Kernel serving each precision: " + ", ".join(f"{p} `{k}`" for p, k in served.items()) + "."
+                + (" `mma_cuda` as it was on the run's date (its tile copies were reworked since: see the CUDA "
+                   "kernel section below)." if "mma_cuda" in served.values() else ""), ""]
     for heads, h in a["config"]["heads"].items():
         cells = {(r["precision"], r["batch"], r["seq"]): r for r in a["rows"] if r["heads"] == heads}
         out += [f"{heads} heads ({h['hq']} query / {h['hkv']} KV, GQA {h['hq'] // h['hkv']}):", "",
@@ -120,7 +122,9 @@ def kernel_ab_section() -> list[str]:
            "CUDA-graph microseconds per call (CUDA / Triton, and the speedup), head_dim 128, 16-token fp16 page "
            "size. `K8V4+K4V2` is DiffKV's call (half the tokens in each section); `+logits` adds the per-token "
            "logits and lse its significance update reads (in parentheses: the logits staged through shared memory, "
-           "where timed).", "",
+           "where timed). decode_mma.cu's tile copies and query loads were reworked after this run (fewer "
+           "instructions per tile: `decode_sass_sm90.json`); `bash scripts/device/decode_kernel_check.sh` times the "
+           "current kernel.", "",
            "| heads | pages | " + " | ".join(f"B{b} S{s}" for b, s in shapes) + " |",
            "|---|---|" + "---:|" * len(shapes)]
     cells = {(r["heads"], r["spec"], r["B"], r["S"]): r for r in d["rows"]}
