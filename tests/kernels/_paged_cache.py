@@ -12,8 +12,9 @@ BLOCK = 16  # page size: a K16V16 page of BLOCK tokens
 
 def formats(spec: str, D: int, isz: int) -> tuple[PageFormat, PageFormat | None]:
     """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low); 'K8V8-e4m3': e4m3 codes (kv_mode fp8);
-    all of one page size."""
-    pb = page_bytes_for(BLOCK, D, isz)
+    all of one page size: BLOCK 16-bit tokens' worth, or N's with an '@N' suffix ('K4V4@6': 21-token pages)."""
+    spec, _, block = spec.partition("@")
+    pb = page_bytes_for(int(block) if block else BLOCK, D, isz)
     fmts = []
     for name in spec.split("+"):
         name, _, code = name.partition("-")

@@ -2,8 +2,9 @@
 that the launcher passes what the kernel's signature takes, and its outputs, logits and lse against float64 loops
 over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py, every CI run), on CUDA through the
 dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8, e4m3 K8V8 / K8V4 pages, DiffKV's
-K8V4 + K4V2 sections, GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages,
-heads without tokens, sections of which one is empty, fp16 and bf16, logits stored both ways."""
+K8V4 + K4V2 sections, GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages
+(down to 21-token pages), heads without tokens, sections of which one is empty, fp16 and bf16, logits stored both
+ways."""
 import math
 import re
 
@@ -141,6 +142,9 @@ CASES = [
     ("K8V4+K4V2", 6, 1, [[300], [64], [0]], [[100], [0], [70]], 4),   # a split across the section boundary
     ("K8V4+K4V2", 8, 2, [[0, 40], [129, 3]], [[300, 0], [75, 2]], 3),  # empty high / low sections
     ("K8V4+K4V2", 12, 2, [[700, 350]], [[260, 600]], None),
+    ("K4V4@6", 8, 2, [[300, 85], [21, 0]], None, 2),          # 21-token pages (the fewest served): four a tile
+    ("K8V8@12", 12, 2, [[250, 43]], None, 1),                 # 22-token pages
+    ("K8V4+K4V2@9", 6, 1, [[200], [64]], [[130], [45]], 3),   # 22- and 41-token pages
 ]
 
 
