@@ -7,8 +7,14 @@
 #   step_breakdown  benchmarks/step_breakdown.py at the Llama-3-8B shape: int4 and diffkv beside fp16, end to end
 # The engine (step_breakdown, the dispatcher tests' conftest) needs pydantic: carry .carry/w holding its cp312
 # wheels (pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions; see the device README).
-#   run: bash scripts/device/decode_kernel_check.sh        (carry: .carry/w)
+#   run: bash scripts/device/decode_kernel_check.sh [STAGE ...]   (carry: .carry/w; no STAGE: all four, ~570 s;
+#        e.g. `tests kernel_ab` alone fits ~250 s)
 set -uo pipefail
+STAGES=" ${*:-tests kernel_ab attention step_breakdown} "
+for s in $STAGES; do
+  case $s in tests|kernel_ab|attention|step_breakdown) ;; *) echo "unknown stage: $s" >&2; exit 2 ;; esac
+done
+
 export PYTHONUNBUFFERED=1
 if [ -d .carry/w ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/w/*.whl >/dev/null 2>&1
@@ -22,6 +28,7 @@ echo "GPU: $gpu"
 stage() {  # stage NAME SECONDS COMMAND...: run it under a timeout, print its status and the end of its log
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
+  [[ $STAGES == *" $name "* ]] || return 0
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - t0)) s"
   tail -n "${TAIL:-12}" "$OUT/$name.log"
