@@ -4,11 +4,14 @@ A page belongs to one (sequence, layer, KV head) and one precision (key bits, va
 segments, each 16-byte aligned:
 
     keys      [T, D] elements of the cache dtype (16-bit precision), packed ints (8/4/2-bit) or e4m3 codes
-    key_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits; the zero point is 0 for e4m3 codes)
     values    [T, D] like keys
+    key_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits; the zero point is 0 for e4m3 codes)
     val_meta  [T, 2] fp16 scale, zero point   (absent at 16 bits)
     score     [T]    float32 token significance
     position  [T]    int32 token position in its sequence
+
+Values follow the keys directly: at head_dim 128 a key row is a multiple of 32 bytes, so the value rows start on a
+32-byte sector like the key rows, and a kernel's 128-byte copy of consecutive rows touches four sectors, not five.
 
 "16 bits" means the unquantized cache dtype (fp16/bf16 on GPU, fp32 allowed on CPU), so its element
 size is `full_itemsize`. Every page has the same byte size; tokens per page T follow from the precision.
@@ -87,9 +90,9 @@ class PageFormat:
         kd, km = _segment_bytes(tokens, head_dim, key_bits, full_itemsize)
         vd, vm = _segment_bytes(tokens, head_dim, value_bits, full_itemsize)
         k_off = 0
-        k_meta_off = k_off + kd
-        v_off = k_meta_off + km
-        v_meta_off = v_off + vd
+        v_off = k_off + kd
+        k_meta_off = v_off + vd
+        v_meta_off = k_meta_off + km
         score_off = v_meta_off + vm
         pos_off = score_off + _align(tokens * 4)
         return PageFormat(key_bits, value_bits, head_dim, page_bytes, full_itemsize, tokens,
