@@ -22,7 +22,8 @@
 // registers must allow), Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`:
 // 1 stored from the fragments, 2 staged through shared memory and stored a member row at a time, 128 contiguous
 // bytes a store), F8_HI (the high section's 8-bit sides hold e4m3 codes, zero point 0: converted to fp16 by cvt,
-// no bias; sm_89+).
+// no bias; sm_89+), FUSED_MERGE (with several splits, the last split of a (batch entry, KV head) to finish merges
+// every split's partials into the output and lse: flash-decoding's second kernel folded into this one).
 typedef unsigned int u32;
 struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 
@@ -55,6 +56,9 @@ struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 #endif
 #ifndef WRITE_LOGITS
 #define WRITE_LOGITS 0
+#endif
+#ifndef FUSED_MERGE
+#define FUSED_MERGE 0
 #endif
 #define TILE 64
 #define D 128
@@ -596,6 +600,50 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   __syncwarp();  // the next section's prologue reuses the stage buffers
 }
 
+#if FUSED_MERGE
+// Counts this split of (b, h) in; the last of its num_splits to arrive merges every split's partials (log2-domain
+// max m, sum l, unnormalized acc) into out and lse, as merge.py's kernel would, and sets the counter back to zero
+// for the next call. Each lane fences its own partials before lane 0 counts, and the merging program fences before
+// it reads the others' (through L2: ld.global.cg), so every split it counted is visible to it.
+__device__ __forceinline__ void merge_splits_last(int* counters, const float* mid_acc, const float* mid_ml,
+                                                  unsigned short* out, float* lse, int write_lse, int b, int h,
+                                                  int Hq, int group, int num_splits, int stride_ob, int stride_oh,
+                                                  int stride_eb, int stride_eh, int lane) {
+  __threadfence();
+  __syncwarp();
+  int* const counter = counters + (long long)b * (Hq / group) + h;
+  float last = 0.f;
+  if (lane == 0) last = atomicAdd(counter, 1) == num_splits - 1 ? 1.f : 0.f;
+  last = __shfl_sync(0xffffffff, last, 0);
+  if (last == 0.f) return;
+  __threadfence();
+  for (int me = 0; me < group; ++me) {
+    const int hq = h * group + me;
+    const long long base = (long long)(b * Hq + hq) * num_splits;
+    float mmax = -1.0e30f;
+    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, __ldcg(mid_ml + (base + s) * 2));
+    float total = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < num_splits; ++s) {  // empty splits: l = 0, acc = 0; any weight is harmless
+      const float w = ex2(__ldcg(mid_ml + (base + s) * 2) - mmax);
+      total += w * __ldcg(mid_ml + (base + s) * 2 + 1);
+      const float4 a = __ldcg((const float4*)(mid_acc + (base + s) * D) + lane);  // dims 4 lane .. 4 lane + 3
+      o[0] += w * a.x;
+      o[1] += w * a.y;
+      o[2] += w * a.z;
+      o[3] += w * a.w;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    unsigned short* const orow = out + (long long)b * stride_ob + (long long)hq * stride_oh + 4 * lane;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) orow[i] = out_elem(o[i] * inv);
+    if (write_lse && lane == 0)  // natural-log log-sum-exp; -inf without tokens
+      lse[(long long)b * stride_eb + (long long)hq * stride_eh] =
+          total > 0.f ? (mmax + lg2(total)) * LN2 : __int_as_float(0xff800000);
+  }
+  if (lane == 0) *counter = 0;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
     const unsigned short* __restrict__ q, const unsigned char* __restrict__ pool, const int* __restrict__ page_table,
     const int* __restrict__ len_hi, const int* __restrict__ len_lo, const int* __restrict__ slots,
@@ -605,7 +653,7 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
     int stride_lh, int stride_ms, int stride_ml, int stride_mh, int stride_gb, int stride_gh, int stride_eb,
     int stride_eh, int layer, double qk_scale_d, int Hq, int group, int num_splits, int page_bytes, int T_hi,
     int k_off_hi, int k_meta_hi, int v_off_hi, int v_meta_hi, int T_lo, int k_off_lo, int k_meta_lo,
-    int v_off_lo, int v_meta_lo) {
+    int v_off_lo, int v_meta_lo, int* __restrict__ counters) {
   const float qk_scale = (float)qk_scale_d;
   DYNAMIC_SMEM(smem);
   const int lane = threadIdx.x, gi = lane >> 2, t4 = lane & 3;
@@ -691,4 +739,8 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
       }
     }
   }
+#if FUSED_MERGE
+  if (!single) merge_splits_last(counters, mid_acc, mid_ml, out, lse, write_lse, b, h, Hq, group, num_splits,
+                                 stride_ob, stride_oh, stride_eb, stride_eh, lane);
+#endif
 }

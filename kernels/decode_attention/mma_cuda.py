@@ -36,6 +36,9 @@ LOGIT_ROW_BYTES = 68 * 4  # one member row of the staged logits (decode_mma.cu L
 # How the per-token logits are stored: False = straight from the mma fragments (the timed default), True = staged
 # through shared memory and stored a member row at a time (benchmarks/decode_kernel_ab.py times both).
 LOGITS_STAGED = False
+# With several splits: merge them in the kernel (the last split of a (sequence, KV head) to finish does it) instead
+# of merge.py's second kernel. Off until benchmarks/decode_kernel_ab.py has timed both.
+FUSED_MERGE = False
 
 
 class Variant(NamedTuple):
@@ -49,6 +52,7 @@ class Variant(NamedTuple):
     bf16: bool
     logits: int  # 0: none, 1: stored from the fragments, 2: staged through shared memory (LOGITS_STAGED)
     f8: bool = False  # the high section's 8-bit sides are e4m3 codes (PageFormat.float8)
+    fused_merge: bool = False  # the last split merges the partials (needs split_counters)
 
     @property
     def stage_bytes(self) -> int:
@@ -70,7 +74,7 @@ class Variant(NamedTuple):
     def defines(self) -> str:
         d = dict(KB_HI=self.kb_hi, VB_HI=self.vb_hi, KB_LO=self.kb_lo, VB_LO=self.vb_lo, MAXPAGES=self.maxpages,
                  STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
-                 F8_HI=int(self.f8))
+                 F8_HI=int(self.f8), FUSED_MERGE=int(self.fused_merge))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -130,6 +134,23 @@ def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: boo
                    fmt_low.value_bits if fmt_low else 2, pages, bf16, mode, fmt.float8)
 
 
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """n or more int32 counters, zero, for the fused merge to count splits in (every call leaves them zero again);
+    one buffer per device, for calls issued one after another on a stream. Grown outside CUDA-graph capture only
+    (None while capturing with too small a buffer: the caller merges with merge.py then); a grown-out buffer is
+    kept alive, since graphs captured earlier still point at it."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if bufs and bufs[-1].numel() >= n:
+        return bufs[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 1024), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
 @functools.cache
 def _compiled(device: torch.device, var: Variant):
     with torch.cuda.device(device):
@@ -139,12 +160,14 @@ def _compiled(device: torch.device, var: Variant):
 
 def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table, len_hi, len_lo, slots, out,
                mid_acc, mid_ml, logits, lse, layer: int, qk_scale: float, num_splits: int,
-               compiled=None) -> None:
+               compiled=None, counters: torch.Tensor | None = None) -> None:
     """One warp per (batch entry, KV head, split) over the split's tiles of the high then the low section. With
     num_splits > 1 it writes mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] (log2-domain max,
     sum) for merge.merge_splits, else the normalized output into out (and lse, when given). qk_scale is in the
     log2 domain. logits (optional, f32 [B, Hq, >= max_len]) receives each token's natural-domain logit (high
-    token j at j, low token j at len_hi + j). compiled: a stand-in for _compiled (the CPU emulation in tests)."""
+    token j at j, low token j at len_hi + j). counters (split_counters, B * Hkv or more; with num_splits > 1): the
+    kernel merges the splits itself into out and lse, mid_acc / mid_ml as its scratch. compiled: a stand-in for
+    _compiled (the CPU emulation in tests)."""
     B, Hq, _ = q.shape
     Hkv = page_table.shape[2]
     group = Hq // Hkv
@@ -153,6 +176,11 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
     if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
         q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
     var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
+    fused = counters is not None and num_splits > 1
+    if fused:
+        if counters.numel() < B * Hkv or counters.dtype != torch.int32:
+            raise ValueError(f"launch_mma: counters must be int32 with >= {B * Hkv} elements")
+        var = var._replace(fused_merge=True)
     kernel = (compiled or _compiled)(q.device, var)
     lo = fmt_low or fmt
     len_lo = len_lo if fmt_low is not None else len_hi
@@ -166,4 +194,4 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
         logits_t.stride(0), logits_t.stride(1), lse_t.stride(0), lse_t.stride(1),
         layer, float(qk_scale), Hq, group, num_splits, fmt.page_bytes,
         fmt.tokens, fmt.k_off, fmt.k_meta_off, fmt.v_off, fmt.v_meta_off,
-        lo.tokens, lo.k_off, lo.k_meta_off, lo.v_off, lo.v_meta_off])
+        lo.tokens, lo.k_off, lo.k_meta_off, lo.v_off, lo.v_meta_off, counters if fused else mid_ml])
