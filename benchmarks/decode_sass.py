@@ -145,7 +145,8 @@ def analyze(prec: str, args, min_rows: int | None) -> dict:
     per_token = len(loop) * warps / block_n
     return dict(precision=prec, kernel=name, min_rows=cfg.min_rows, block_n=block_n, num_warps=warps,
                 num_stages=cfg.num_stages, registers=regs, shared_bytes=ck.metadata.shared,
-                sass_total=len(ins), before_loop=before_main_loop(ins), loop=len(loop), loop_per_token=per_token, hmma=ops.get("HMMA.16816.F32", 0),
+                sass_total=len(ins), before_loop=before_main_loop(ins), loop=len(loop), loop_per_token=per_token,
+                hmma=ops.get("HMMA.16816.F32", 0),
                 moves=sum(ops.get(m, 0) for m in MOVES), opcodes=dict(ops.most_common()))
 
 

@@ -45,6 +45,9 @@ struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 #ifndef MAXPAGES
 #define MAXPAGES 2
 #endif
+#if MAXPAGES < 2
+#error "MAXPAGES: a 64-token tile of pages of at most 64 tokens spans two pages or more"
+#endif
 #ifndef STAGES
 #define STAGES 2
 #endif
@@ -143,7 +146,7 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
 __device__ __forceinline__ void cp4(u32 dst, const void* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 #endif
@@ -190,10 +193,12 @@ struct State {
 };
 
 // The <= MAXPAGES pages a tile of a section touches: page k starts at section token first[k], at pool byte base[k]
-// (pages past the section's end repeat the first page's base, so every address stays inside a page; never read).
+// (pages past the section's end repeat the first page's base, so every address stays inside a page; never read);
+// `tokens` a page.
 struct TilePages {
   long long base[MAXPAGES];
   int first[MAXPAGES];
+  int tokens;
 };
 
 // The 16-byte chunk slot of chunk `part` of row `tok` in shared memory. Chunks are stored XOR-swizzled so that the
@@ -219,12 +224,12 @@ __device__ __forceinline__ void copy_rows(u32 dst, const unsigned char* pool, co
                                           int off, int lane) {
   constexpr int P = ROWB / 16, C = 128 / ROWB, QUARTER = TILE / 4;  // chunks a row, rows a phase
   const int w = lane & 7, part = w % P, tok0 = (lane >> 3) * QUARTER + w / P, t = t0 + tok0;
-  long long base_a = tp.base[0], base_b = tp.base[MAXPAGES > 1 ? 1 : 0];
+  long long base_a = tp.base[0], base_b = tp.base[1];
   int first_a = tp.first[0];
 #pragma unroll
   for (int k = 1; k < MAXPAGES; ++k)
     if (t >= tp.first[k]) base_a = tp.base[k], first_a = tp.first[k], base_b = tp.base[k + 1 < MAXPAGES ? k + 1 : k];
-  const int first_b = first_a + (tp.first[MAXPAGES > 1 ? 1 : 0] - tp.first[0]);  // + tokens per page
+  const int first_b = first_a + tp.tokens;
   const long long addr_a = base_a + (long long)(t - first_a) * ROWB + off + part * 16;
   const long long addr_b = base_b + (long long)(t - first_b) * ROWB + off + part * 16;
 #pragma unroll
@@ -259,6 +264,7 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
                                           int hi, int page_bytes, int lane) {
   const int T = sec.tokens, p0 = t0 / T;
   TilePages tp;
+  tp.tokens = T;
 #pragma unroll
   for (int k = 0; k < MAXPAGES; ++k) {
     tp.first[k] = k ? tp.first[k - 1] + T : p0 * T;
