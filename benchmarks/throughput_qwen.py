@@ -14,7 +14,12 @@ table reads tokens/s AT accuracy: ratios vs fp16 and vs the fastest mode within 
 Modes (the study configuration each maps to): fp16 (fp16), fp8 (fp8, once the engine has that kv_mode), int8
 (k8v8), k8v4 (uniform K8V4: diffkv with high = low = K8V4 and both alphas 0, as evals/configs.py), int4 (k4v4,
 keys centered as the engine does by default), diffkv (the model's calibrated default); any other kv_mode of
-engine.config runs as itself.
+engine.config runs as itself, and so does a configuration of evals/configs.py's parse_config (`uniform:K2V2`,
+`diffkv:alpha_high=2,alpha_low=0.1,high=K4V4,low=K2V2`).
+
+Every run keeps a trace (every --stats-every steps): sequences running and waiting, pages in use, pages the
+running sequences hold, their tokens kept high / low / pruned and the preemptions so far, so where the pool goes
+and why the batch is what it is can be read per mode (TRACE_FIELDS).
 
 --time-limit (seconds since start) stops starting runs that would not finish in time and cuts a run that
 overruns, and the JSON and table are written either way.
@@ -52,7 +57,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 from engine.kv.reservation import worst_case_pages  # noqa: E402
 from engine.model_runner import resolve_device, resolve_dtype  # noqa: E402
-from evals.configs import baseline_configs, diffkv_config  # noqa: E402
+from evals.configs import baseline_configs, diffkv_config, parse_config  # noqa: E402
 from evals.problems import load_problems  # noqa: E402
 from evals.tasks import task_prompt  # noqa: E402
 from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
@@ -61,6 +66,9 @@ KV_MODES = typing.get_args(KVMode)
 # Benchmark mode -> the accuracy study's configuration of the same cache (evals/configs.py names).
 STUDY_NAMES = {"fp16": "fp16", "fp8": "fp8", "int8": "k8v8", "k8v4": "k8v4", "int4": "k4v4", "diffkv": "diffkv"}
 MODE_ORDER = ("fp16", "fp8", "int8", "k8v4", "int4", "diffkv")
+# One row of a run's trace, every --stats-every steps (tokens_*: over (layer, KV head) pairs of running sequences).
+TRACE_FIELDS = ("step", "running", "waiting", "pages_used", "pages_running", "cached_tokens", "tokens_high",
+                "tokens_low", "tokens_pruned", "preemptions")
 
 
 def mode_cache(mode: str) -> dict:
@@ -73,8 +81,10 @@ def mode_cache(mode: str) -> dict:
         return dict(study[name].cache)
     if mode in KV_MODES:
         return {"kv_mode": mode}
-    raise ValueError(f"--modes {mode!r}: not a benchmark mode ({', '.join(MODE_ORDER)}) nor a kv_mode of this "
-                     f"engine ({', '.join(KV_MODES)})")
+    if ":" in mode:  # a frontier point: uniform:KxVy or diffkv:alpha_high=..,alpha_low=..[,high=..][,low=..]
+        return dict(parse_config(mode).cache)
+    raise ValueError(f"--modes {mode!r}: not a benchmark mode ({', '.join(MODE_ORDER)}), a kv_mode of this "
+                     f"engine ({', '.join(KV_MODES)}) nor a configuration (uniform:KxVy, diffkv:alpha_high=..)")
 
 
 def available_modes() -> list[str]:
@@ -180,7 +190,7 @@ def timed_run(engine: LLMEngine, prompts: list[list[int]], args, tag: str, deadl
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.natural_stop)
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", ids, sp)
-    batches, ratios, generated, steps, cut = [], [], 0, 0, False
+    batches, ratios, trace, generated, steps, cut = [], [], [], 0, 0, False
     t0 = time.perf_counter()
     with tqdm(total=len(prompts) * args.max_tokens, desc=tag, unit="tok", disable=args.quiet) as bar:
         while engine.has_unfinished_requests():
@@ -198,13 +208,16 @@ def timed_run(engine: LLMEngine, prompts: list[list[int]], args, tag: str, deadl
                 batches.append(st["num_running"])
                 if st["compression_ratio"]:
                     ratios.append(st["compression_ratio"])
+                trace.append([steps, st["num_running"], st["num_waiting"], st["pages_used"], st["pages_running"],
+                              st["cached_tokens"], st["tokens_high"], st["tokens_low"], st["tokens_pruned"],
+                              st["num_preemptions"] - before["num_preemptions"]])
     wall = time.perf_counter() - t0
     st = engine.stats()
     return {"tokens": generated, "seconds": wall, "tokens_per_s": generated / wall if wall > 0 else 0.0,
             "steps": steps, "cut": cut, "mean_batch": statistics.mean(batches) if batches else None,
             "max_batch": max(batches, default=None),
             "compression_ratio": statistics.mean(ratios) if ratios else None,
-            "preemptions": st["num_preemptions"] - before["num_preemptions"],
+            "preemptions": st["num_preemptions"] - before["num_preemptions"], "trace": trace,
             "overflows": st["reservation"]["overflows"] - before["reservation"]["overflows"]}
 
 
@@ -451,7 +464,8 @@ def main(argv=None) -> int:
               "order": [f"{rep}:{m}" for rep, m in run_order(list(rows), args.repeats)],
               "best_within": best["mode"] if best else None, "skipped_runs": skipped,
               "seconds_total": time.perf_counter() - START,
-              "config": {k: v for k, v in vars(args).items() if k != "quiet"}, "rows": table}
+              "config": {k: v for k, v in vars(args).items() if k != "quiet"}, "trace_fields": TRACE_FIELDS,
+              "rows": table}
     name = default_name(ckpt.name, args)
     out = args.out
     if out and Path(out).is_dir():

@@ -324,6 +324,12 @@ class LLMEngine:
         running = self.scheduler.running
         cached = sum(s.num_cached for s in running)
         bytes_fp16 = cached * self._fp16_token_bytes()
+        tokens = self.executor.token_counts([s.slot for s in running if s.slot is not None], cached)
+        # What the running sequences hold: their own pages and the cached prefix blocks they read (one page per
+        # layer and KV head each); cached blocks nobody reads are the prefix cache's, not the requests'.
+        pc = self.scheduler.prefix_cache
+        read_blocks = sum(1 for n in pc.refcounts().values() if n) if pc is not None else 0
+        pages_running = tokens["pages_held"] + read_blocks * self._heads_per_seq()
         return {
             "kv_mode": self.config.cache.kv_mode,
             "key_centering": self.executor.key_centering,
@@ -340,9 +346,12 @@ class LLMEngine:
             "page_bytes": page_bytes,
             "bytes_used": used * page_bytes,
             "bytes_fp16": bytes_fp16,
-            "compression_ratio": (bytes_fp16 / (used * page_bytes)) if used else None,
+            "pages_running": pages_running,
+            # fp16 bytes of the running sequences' tokens over the bytes of the pages they hold (partly filled
+            # pages included; idle prefix-cache pages excluded)
+            "compression_ratio": (bytes_fp16 / (pages_running * page_bytes)) if pages_running else None,
             "cached_tokens": cached,
-            **self.executor.token_counts([s.slot for s in running if s.slot is not None], cached),
+            **tokens,
             "last_step_seconds": self._last_step_time,
             "last_mm_seconds": max(r["last_mm_seconds"] for r in ranks),
             "tensor_parallel_size": self.config.tensor_parallel_size,

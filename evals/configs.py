@@ -11,12 +11,15 @@
                       reach, alpha_low 0: nothing is high beyond the window, nothing is pruned)
   prune50, prune_eq   equal per-head budget pruning (H2O/SnapKV-style static sparsity) at 16 bits: each KV
                       head keeps 50% of its tokens, or the share that costs what DiffKV costs
+
+Frontier points beyond these are named on the command line (parse_config): `uniform:K2V2` and
+`diffkv:alpha_high=A,alpha_low=B[,high=K4V4][,low=K2V2]`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, parse_precision, parse_settings
 
 UNREACHABLE = 1e9  # an alpha_high no significance reaches (KIVI-like: only the window stays high)
 
@@ -93,3 +96,31 @@ def baseline_configs(attention_bias: bool = False) -> list[KVConfig]:
                  {"kv_mode": "diffkv", "high": "K16V16", "low": "K2V2", "alpha_high": UNREACHABLE, "alpha_low": 0.0}),
         prune_config(0.5, "prune50"),
     ]
+
+
+def _precision(text: str) -> str:
+    parse_precision(text)  # ValueError naming the precision
+    return text.upper()
+
+
+def parse_config(spec: str) -> KVConfig:
+    """A configuration by name: a baseline (fp16, k8v8, k4v4, ...), `diffkv` (the model's calibrated settings),
+    `uniform:KxVy` (every token at one precision) or `diffkv:alpha_high=A,alpha_low=B[,high=..][,low=..]`.
+    ValueError naming what is wrong."""
+    known = {c.name: c for c in baseline_configs(attention_bias=True)}
+    if spec in known:
+        return known[spec]
+    if spec == "diffkv":
+        return diffkv_config(None, None)
+    head, _, rest = spec.partition(":")
+    if head == "uniform" and rest:
+        precision = _precision(rest)
+        return KVConfig(spec, f"uniform {precision}", "uniform", _uniform(spec, precision).cache)
+    if head != "diffkv" or not rest:
+        raise ValueError(f"config {spec!r}: expected one of {sorted(known) + ['diffkv']}, uniform:KxVy or "
+                         "diffkv:alpha_high=A,alpha_low=B[,high=KxVy][,low=KxVy]")
+    _, kv = parse_settings(spec, {"alpha_high": float, "alpha_low": float, "high": _precision, "low": _precision},
+                           "config")
+    if not {"alpha_high", "alpha_low"} <= set(kv):
+        raise ValueError(f"config {spec!r}: give both alpha_high and alpha_low")
+    return diffkv_config(kv["alpha_high"], kv["alpha_low"], name=spec, high=kv.get("high"), low=kv.get("low"))

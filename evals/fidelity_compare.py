@@ -2,8 +2,9 @@
 and against one baseline configuration (paired over generations): is a setting as accurate as the baseline?
 No calibration and no task problems, so it takes minutes where the study takes half an hour.
 
-A configuration is a study name (fp16, k8v8, k4v4, k8v4, ...; `diffkv` = the model's calibrated settings) or
-`diffkv:alpha_high=A,alpha_low=B` (both thresholds, K8V4/K4V2).
+A configuration is a study name (fp16, k8v8, k4v4, k8v4, ...; `diffkv` = the model's calibrated settings),
+`uniform:KxVy`, or `diffkv:alpha_high=A,alpha_low=B[,high=KxVy][,low=KxVy]` (evals.configs.parse_config).
+Each configuration's row is written to --out as soon as it is measured, so a run cut short keeps what it did.
 
 Usage: python -m evals.fidelity_compare --configs diffkv diffkv:alpha_high=4,alpha_low=0.06 --baseline k4v4 \
            --out evals/results/smollm2-135m/fidelity_compare.json
@@ -18,28 +19,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import parse_settings
-from evals.configs import KVConfig, baseline_configs, diffkv_config
+from evals.configs import baseline_configs, parse_config
 from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
 from evals.harness import evaluate_config
 from evals.problems import load_problems
 from evals.runner import EvalModel
-
-
-def parse_config(spec: str) -> KVConfig:
-    """A study configuration name, `diffkv`, or `diffkv:alpha_high=A,alpha_low=B`; ValueError naming the part."""
-    known = {c.name: c for c in baseline_configs()}
-    if spec in known:
-        return known[spec]
-    if spec == "diffkv":
-        return diffkv_config(None, None)
-    head, alphas = parse_settings(spec, {"alpha_high": float, "alpha_low": float}, "config")
-    if head != "diffkv" or ":" not in spec:
-        raise ValueError(f"config {spec!r}: expected one of {sorted(known) + ['diffkv']} or "
-                         "diffkv:alpha_high=A,alpha_low=B")
-    if set(alphas) != {"alpha_high", "alpha_low"}:
-        raise ValueError(f"config {spec!r}: give both alpha_high and alpha_low")
-    return diffkv_config(alphas["alpha_high"], alphas["alpha_low"], name=spec)
 
 
 def _summary(result: dict, fp16: dict, baseline: dict | None) -> dict:
@@ -81,24 +65,28 @@ def main(argv=None) -> int:
     with model.engine({"kv_mode": "fp16"}) as eng:
         refs = reference_generations(eng, prompts, args.gen_len)
     fp16 = evaluate_config(model, baseline_configs()[0], (), prompts, refs)
-    results = {name: evaluate_config(model, kvc, (), prompts, refs) for name, kvc in configs.items()}
-    base = results[parse_config(args.baseline).name]
-    rows = {name: _summary(r, fp16, base if r is not base else None) for name, r in results.items()}
-    print(f"{'config':>36} {'memory':>7} {'top-1':>7} {'vs fp16 pts [95% CI]':>24} {'vs ' + args.baseline:>24}")
-    for name, r in rows.items():
-        v = r["vs_fp16"]
-        b = r.get("vs_baseline")
-        vb = (f"{100 * b['agreement_change']:+.2f} [{100 * b['agreement_change_ci'][0]:+.2f}, "
-              f"{100 * b['agreement_change_ci'][1]:+.2f}]") if b else "-"
-        print(f"{name:>36} {100 * r['memory_fraction']:6.1f}% {r['top1_agreement']:7.4f} "
-              f"{100 * v['agreement_change']:+7.2f} [{100 * v['agreement_change_ci'][0]:+.2f}, "
-              f"{100 * v['agreement_change_ci'][1]:+.2f}] {vb:>24}")
+    base_name = parse_config(args.baseline).name
     out = {"benchmark": "fidelity_compare", "model": model.name, "device": args.device,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
            "command": "python -m evals.fidelity_compare " + " ".join(sys.argv[1:] if argv is None else argv),
            "settings": {k: v for k, v in vars(args).items() if k != "out"}, "baseline": args.baseline,
-           "fp16_nll": fp16["fidelity"]["nll"], "configs": rows, "seconds": time.perf_counter() - t0}
+           "fp16_nll": fp16["fidelity"]["nll"], "configs": {}, "seconds": None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    results = {}
+    print(f"{'config':>44} {'memory':>7} {'top-1':>7} {'NLL':>7} {'vs fp16 pts [95% CI]':>24} "
+          f"{'vs ' + args.baseline:>24}")
+    for name, kvc in configs.items():  # the baseline first: every later row is compared with it
+        results[name] = evaluate_config(model, kvc, (), prompts, refs)
+        base = results[base_name]
+        r = out["configs"][name] = _summary(results[name], fp16, base if name != base_name else None)
+        v, b = r["vs_fp16"], r.get("vs_baseline")
+        vb = (f"{100 * b['agreement_change']:+.2f} [{100 * b['agreement_change_ci'][0]:+.2f}, "
+              f"{100 * b['agreement_change_ci'][1]:+.2f}]") if b else "-"
+        print(f"{name:>44} {100 * r['memory_fraction']:6.1f}% {r['top1_agreement']:7.4f} {r['nll']:7.4f} "
+              f"{100 * v['agreement_change']:+7.2f} [{100 * v['agreement_change_ci'][0]:+.2f}, "
+              f"{100 * v['agreement_change_ci'][1]:+.2f}] {vb:>24}", flush=True)
+        out["seconds"] = time.perf_counter() - t0
+        args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")  # a cut run keeps what it measured
     print(f"wrote {args.out}")
     return 0
 

@@ -141,7 +141,9 @@ class DistributedPages:
     def token_counts(self, slots: list[int], cached: int) -> dict[str, int]:
         hi = sum(self._high[r][s] for r in range(self.world_size) for s in slots)
         lo = sum(self._low[r][s] for r in range(self.world_size) for s in slots)
-        return {"tokens_high": hi, "tokens_low": lo, "tokens_pruned": cached * self.heads_total - hi - lo}
+        held = sum(self._held[r][s] for r in range(self.world_size) for s in slots)
+        return {"tokens_high": hi, "tokens_low": lo, "tokens_pruned": cached * self.heads_total - hi - lo,
+                "pages_held": held}
 
     def rank_stats(self) -> list[dict[str, Any]]:
         return [{"rank": r, "pages_total": self.pages_total[r], "pages_used": self.pages_total[r] - self._free[r],

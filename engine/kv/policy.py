@@ -322,12 +322,17 @@ class KVCache:
         return out
 
     def token_counts(self, slots: list[int], cached: int) -> dict[str, int]:
-        """Tokens kept high / low and pruned over these sequences (cached = their summed lengths)."""
+        """Tokens kept high / low and pruned over these sequences (cached = their summed lengths), and the pages
+        they own (prefix-cache pages they read are the cache's)."""
         if not slots:
-            return {"tokens_high": 0, "tokens_low": 0, "tokens_pruned": 0}
-        s = torch.tensor(slots, device=self.mm.device)
-        hi, lo = torch.stack([self.mm.len_high[s].sum(), self.mm.len_low[s].sum()]).tolist()
-        return {"tokens_high": hi, "tokens_low": lo, "tokens_pruned": cached * self.mm.heads_per_seq - hi - lo}
+            return {"tokens_high": 0, "tokens_low": 0, "tokens_pruned": 0, "pages_held": 0}
+        mm = self.mm
+        s = torch.tensor(slots, device=mm.device)
+        hi, lo, pages = torch.stack([mm.len_high[s].sum(), mm.len_low[s].sum(),
+                                     (mm.held_high[s] + mm.held_low[s]).sum()]).tolist()
+        pages -= sum(mm.shared_cols[x] for x in slots) * mm.heads_per_seq
+        return {"tokens_high": hi, "tokens_low": lo, "tokens_pruned": cached * mm.heads_per_seq - hi - lo,
+                "pages_held": pages}
 
 
 def _prunable(settings: KVRequestSettings, prompt_len: int) -> tuple[int, int]:
