@@ -98,8 +98,9 @@ def baseline_configs(attention_bias: bool = False) -> list[KVConfig]:
     ]
 
 
-def _precision(text: str) -> str:
-    parse_precision(text)  # ValueError naming the precision
+def precision(text: str) -> str:
+    """'k8v4' -> 'K8V4' (parse_settings names this function in its error: '... is not a precision')."""
+    parse_precision(text)
     return text.upper()
 
 
@@ -114,12 +115,12 @@ def parse_config(spec: str) -> KVConfig:
         return diffkv_config(None, None)
     head, _, rest = spec.partition(":")
     if head == "uniform" and rest:
-        precision = _precision(rest)
-        return KVConfig(spec, f"uniform {precision}", "uniform", _uniform(spec, precision).cache)
+        name = precision(rest)
+        return KVConfig(spec, f"uniform {name}", "uniform", _uniform(spec, name).cache)
     if head != "diffkv" or not rest:
         raise ValueError(f"config {spec!r}: expected one of {sorted(known) + ['diffkv']}, uniform:KxVy or "
                          "diffkv:alpha_high=A,alpha_low=B[,high=KxVy][,low=KxVy]")
-    _, kv = parse_settings(spec, {"alpha_high": float, "alpha_low": float, "high": _precision, "low": _precision},
+    _, kv = parse_settings(spec, {"alpha_high": float, "alpha_low": float, "high": precision, "low": precision},
                            "config")
     if not {"alpha_high", "alpha_low"} <= set(kv):
         raise ValueError(f"config {spec!r}: give both alpha_high and alpha_low")

@@ -255,6 +255,23 @@ def model_section(summary: dict, per_layer: list[dict] = ()) -> list[str]:
     return out
 
 
+def frontier_section(merged: dict, path: Path) -> list[str]:
+    """Accuracy against bytes per token on long generations (evals.frontier over fidelity_compare runs): uniform
+    points against DiffKV sweeps, and which uniform point a DiffKV configuration matches with no more bytes."""
+    from evals.frontier import markdown
+
+    png = f"frontier_{path.parent.name}.png"  # drawn by evals.frontier --png
+    out = [f"### Frontier: accuracy against KV bytes on {merged['fidelity_n']} generations x {merged['gen_len']} "
+           "tokens", "",
+           f"`{path}` ({merged.get('gpu') or 'cpu'}; made by `python3 -m evals.frontier` from the runs below, "
+           "each on the same fp16 references). 'vs uniform curve': a DiffKV point's top-1 agreement minus what "
+           "uniform caches reach at its bytes (linear between the uniform points around it).", "", "```bash",
+           *merged["commands"], "```", ""]
+    if (ROOT / "docs" / png).exists():
+        out += [f"![frontier]({png})", ""]
+    return out + markdown(merged, merged["verdict"]).split("\n") + [""]
+
+
 def large_n_section(summary: dict, path: Path) -> list[str]:
     """A task-only study of a few configurations on many more problems (`<model>/large_n/summary.json`): the
     paired interval of the accuracy target needs thousands of problems to be narrower than the loss it tests."""
@@ -411,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = [json.loads(q.read_text()) for q in sorted(p.parent.glob("variants/*.json"))]
         if variants:
             lines += variants_section(json.loads((p.parent / "configs" / "fp16.json").read_text()), variants)
+        frontier = p.parent / "fidelity_frontier_2048.json"
+        if frontier.is_file():
+            lines += frontier_section(json.loads(frontier.read_text()), frontier.relative_to(ROOT))
         large = p.parent / "large_n" / "summary.json"
         if large.is_file():
             lines += large_n_section(json.loads(large.read_text()), large.relative_to(ROOT))
