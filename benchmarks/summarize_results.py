@@ -9,28 +9,37 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DOCS = ROOT / "docs"
 
-ATTENTION = "attention_H200.json"
+ATTENTION = "attention_H100.json"
 KERNEL_AB = "decode_mma_vs_triton_H200.json"  # the CUDA decode kernel against the Triton kernel it replaces
 DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 THROUGHPUT = "throughput_smollm2_H100.json.gz"
 THROUGHPUT_REPEAT = "throughput_smollm2_reversed_H100.json.gz"  # the same command, modes in reverse order
 FIDELITY = ROOT / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
-STEP_BREAKDOWN_RUNS = ("step_breakdown_llama3_8b_H100.json", "step_breakdown_llama3_8b_s4096_H100.json")
+STEP_BREAKDOWN_RUNS = ("step_breakdown_qwen2.5_1.5b_H100.json", "step_breakdown_llama3_8b_H100.json")
 MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
-THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H100.json", "throughput_natural_stop_qwen2.5-1.5b_H100.json")
+THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_trace_qwen2.5-1.5b_H100.json",
+                               "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json",
+                               "throughput_natural_stop_qwen2.5-1.5b_H100.json")
+# The run whose trace shows where each mode's pool goes (benchmarks/throughput_trace_plot.py draws its plot).
+THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
-    "attention_H100.json": "benchmarks/attention.py on an H100 with the quartered Triton kernel serving K8V4, K4V2 and "
+    "throughput_qwen2.5-1.5b_H100.json": "benchmarks/throughput_qwen.py, all six modes at 128 x 2,048 (ignore_eos); its "
+                                         "compression column counted idle prefix-cache pages (int4 2.97, now 3.41)",
+    "step_breakdown_llama3_8b_s4096_H100.json": "benchmarks/step_breakdown.py on the Llama-3-8B shape at 4,096 "
+                                                "cached tokens (the 1,024-token run is in docs/PERFORMANCE.md)",
+    "attention_triton_kernels_H100.json": "benchmarks/attention.py on an H100 with the quartered Triton kernel serving K8V4, K4V2 and "
                            "mix (before decode_mma.cu): of the floor K8V4 0.72-1.01, K4V2 0.65-1.02, mix 0.66-0.80",
     "decode_variants_H100.json": "decode-attention kernel variants tried for kernels/decode_attention/launch.py launch_config",
     "decode_kernel_variants_H200.json": "element-wise against quartered PTX unpacking in the decode kernel",
@@ -208,6 +217,34 @@ def throughput_accuracy_section(name: str) -> list[str]:
     return out + [""]
 
 
+def pool_trace_section() -> list[str]:
+    """Where each mode's pool goes in the traced run: batch against pages per cached token and KV head."""
+    sys.path.insert(0, str(Path(__file__).parent))  # the plot script beside this one reads the trace
+    from throughput_trace_plot import phases, series
+
+    d = load(THROUGHPUT_TRACE)
+    if d is None or "trace_fields" not in d:
+        return []
+    png = THROUGHPUT_TRACE.removesuffix(".json") + ".png"
+    out = ["## Where the pool goes: pages per token against batch", "",
+           f"The trace of `{THROUGHPUT_TRACE}` (above; every {d['config']['stats_every']} steps): sequences running, "
+           "the pages the running sequences hold per cached token and (layer, KV head), and the share of token "
+           "entries kept high / low / pruned, while preempted sequences wait and after the queue emptied (then the "
+           f"recomputed sequences run, their prompts classified in one prefill). Plot: `python "
+           f"benchmarks/throughput_trace_plot.py benchmarks/results/{THROUGHPUT_TRACE} --png docs/{png}`.", ""]
+    if (DOCS / png).exists():
+        out += [f"![pool trace]({png})", ""]
+    out += ["| mode | phase | mean running | pages per token and KV head | high | low | pruned |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for row in d["rows"]:
+        if not any(r.get("trace") and not r["cut"] for r in row["runs"]):
+            continue
+        for name, p in phases(series(d, row)).items():
+            out.append(f"| {row['mode']} | {name} | {p['running']:.1f} | {p['pages_per_token_head']:.5f} | "
+                       f"{100 * p['high']:.1f}% | {100 * p['low']:.1f}% | {100 * p['pruned']:.1f}% |")
+    return out + [""]
+
+
 def throughput_section() -> list[str]:
     t, again = load(THROUGHPUT), load(THROUGHPUT_REPEAT)
     if t is None:
@@ -366,6 +403,7 @@ def render_performance() -> str:
              "`--smoke` mode on CPU.", ""]
     for name in THROUGHPUT_AT_ACCURACY_RUNS:  # the headline: tokens/s per KV mode at its accuracy, a real model
         lines += throughput_accuracy_section(name)
+    lines += pool_trace_section()
     lines += attention_section() + kernel_ab_section() + decode_throughput_section()
     for section in (throughput_section, step_breakdown_section, memory_manager_section, serve_sweep_section,
                     tensor_parallel_section):

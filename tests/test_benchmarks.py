@@ -465,17 +465,18 @@ def test_committed_qwen_study_covers_the_throughput_modes():
 
 
 def test_throughput_at_accuracy_renders_into_recorded_docs(throughput_qwen_json, tmp_path, monkeypatch):
-    """A recorded throughput_qwen2.5-1.5b_H100.json appears in both documents with the accuracy column."""
+    """A recorded throughput_qwen.py run appears in both documents with the accuracy column."""
     mod = _load_script("summarize_results")
     monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    name = mod.THROUGHPUT_AT_ACCURACY_RUNS[0]
     readme, performance = mod.render()
-    assert "throughput at accuracy" not in performance and "throughput_qwen2.5-1.5b_H100.json" not in readme
+    assert "throughput at accuracy" not in performance and name not in readme
     d = json.loads(json.dumps(throughput_qwen_json))
     d.update(device="NVIDIA H100 80GB HBM3", study="evals/results/qwen2.5-coder-1.5b/summary.json",
              best_within="int8", skipped_runs=[{"repeat": 1, "mode": "fp16", "expected_s": 40.0}])
     rows = {r["mode"]: r for r in d["rows"]}
     rows["int8"]["accuracy"] = {"study_config": "k8v8", "diff_points": 0.0, "ci95_points": [-1.47, 1.47], "n": 500}
-    (tmp_path / "throughput_qwen2.5-1.5b_H100.json").write_text(json.dumps(d))
+    (tmp_path / name).write_text(json.dumps(d))
     readme, performance = mod.render()
     r8 = rows["int8"]
     line = (f"| int8 | k8v8 | +0.0 [-1.5, +1.5] | {r8['seqs_fit']} | {r8['tokens_per_s']:.0f} | "
@@ -485,7 +486,7 @@ def test_throughput_at_accuracy_renders_into_recorded_docs(throughput_qwen_json,
     assert "Runs not started for --time-limit: 1:fp16." in performance
     assert "from `evals/results/qwen2.5-coder-1.5b" in performance
     assert "NVIDIA H100 80GB HBM3" in performance and "`python benchmarks/throughput_qwen.py --smoke" in performance
-    assert "| `throughput_qwen2.5-1.5b_H100.json` | NVIDIA H100 80GB HBM3 |" in readme
+    assert f"| `{name}` | NVIDIA H100 80GB HBM3 |" in readme
 
 
 def test_throughput_qwen_annotate_refreshes_accuracy(throughput_qwen_json, tmp_path):
