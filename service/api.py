@@ -24,19 +24,26 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.admission import AdmissionController, ReplicaLoad
+from service.auth import APIKeys
 from service.config import ServiceConfig
+from service.guard import GuardPolicy, RequestGuard
 from service.metrics import Metrics
 from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelCard,
                               ModelList, Usage, error_body, new_id, now_s)
 
 log = logging.getLogger("ray.serve")
 RETRY_AFTER_DEAD_S = 5  # a replica whose engine died is replaced within a few health-check periods
+# limits.max_prompt_chars' default per token of context: no tokenizer packs this many characters into
+# every token of a real prompt, so a longer one cannot fit
+PROMPT_CHARS_PER_TOKEN = 32
 
 # The schema route is the ingress's own (it adds the served model's name), hence openapi_url=None here.
 app = FastAPI(title="DiffKV Serve", version="0.1.0", openapi_url=None,
               description="OpenAI-compatible API over DiffKV-compressed paged-KV engine replicas")
+# API keys, draining, content type and body size are checked before FastAPI reads the body (service.guard).
+app.add_middleware(RequestGuard)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 429, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 429, 500, 503)}
 
 
 class APIError(Exception):
@@ -84,6 +91,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = errs[0] if errs else {}
     if first.get("type") == "json_invalid":
         message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', 'malformed')}", None
+    elif first.get("type") == "finite_number":  # NaN / Infinity: Python's json reads them, JSON has no such numbers
+        param = _loc_param(tuple(first.get("loc", ())))
+        message = f"{param or 'body'} must be a finite number, got {first.get('input')!r}"
     else:
         param = _loc_param(tuple(first.get("loc", ())))
         message = "; ".join(f"{_loc_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errs[:5])
@@ -320,6 +330,10 @@ class OpenAIIngress:
         self._info: Optional[dict] = None
         self._schema: Optional[dict] = None
         app.state.ingress = self
+        keys = APIKeys(self.cfg.all_api_keys())
+        self.guard = GuardPolicy(keys, self.cfg.limits.max_body_bytes, on_reject=self._count_guard_rejection)
+        app.state.guard = self.guard
+        log.info("ingress: %s", f"API key required on /v1/* ({keys!r})" if keys.required else "no API key required")
         # Ask the engine for the model's name and context now, without holding up the deployment.
         loop = asyncio.get_running_loop()
         self._info_task = loop.create_task(self._prefetch_info())
@@ -339,6 +353,23 @@ class OpenAIIngress:
             pass  # the first request asks again
 
     # ---- helpers ------------------------------------------------------------------------------------------
+    def _count_guard_rejection(self, method: str, path: str, reason: str) -> None:
+        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            self.metrics.inc("diffkv_requests_rejected_total", endpoint=_endpoint(path), reason=reason)
+
+    def _check_prompt_chars(self, body: Union[ChatCompletionRequest, CompletionRequest], info: dict) -> None:
+        """Before the replica tokenizes: a prompt far longer than any context could hold is refused at once."""
+        limit = self.cfg.limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info["max_model_len"]
+        if isinstance(body, ChatCompletionRequest):
+            param, chars = "messages", sum(len(m.text()) + len(m.name or "") for m in body.messages)
+        elif isinstance(body.prompt, str):
+            param, chars = "prompt", len(body.prompt)
+        else:
+            return  # token ids: the replica checks their count against the context
+        if chars > limit:
+            raise APIError(400, f"{param} has {chars} characters; this server accepts at most {limit} "
+                                f"(limits.max_prompt_chars)", "invalid_request_error", param, "prompt_too_long")
+
     async def _model_info(self) -> dict:
         if self._info is None:
             try:
@@ -359,6 +390,7 @@ class OpenAIIngress:
         """Checks that need the model, then admission. Returns the replica request (the caller must release)."""
         info = await self._model_info()
         try:
+            self._check_prompt_chars(body, info)
             if body.model != info["model"]:
                 raise APIError(400, f"The model '{body.model}' does not exist; this server serves "
                                     f"'{info['model']}'", "invalid_request_error", "model", "model_not_found")

@@ -93,7 +93,8 @@ def build_app(args: ServiceConfig) -> Application:
     """`args`: a ServiceConfig, or a dict of its fields (validated here)."""
     cfg = args if isinstance(args, ServiceConfig) else ServiceConfig.model_validate(args or {})
     payload = cfg.deployment_args()  # the set fields only: the replica's engine fills the model's settings
-    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(cfg)).bind(payload)
+    engine_payload = {k: v for k, v in payload.items() if k != "api_keys"}  # only the ingress checks keys
+    engine = serve.deployment(EngineReplica).options(**engine_deployment_options(cfg)).bind(engine_payload)
     return OpenAIIngress.options(
         name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress_replicas,
         # Every request reaches the ingress at once, so admission control sees the real arrivals (Serve's

@@ -10,6 +10,7 @@ import sys
 from typing import Optional
 
 from engine.config import KV_MODES
+from service.config import API_KEY_ENV
 
 
 PACKAGE = "diffkv-serve"
@@ -173,7 +174,7 @@ def _serve_config(args):
     `args` are used) with the command-line flags on top."""
     from pathlib import Path
 
-    from service.config import ServiceConfig
+    from service.config import ServiceConfig, api_keys_from_env
 
     data: dict = {}
     if args.config:
@@ -194,6 +195,13 @@ def _serve_config(args):
         data.setdefault("admission", {})["ttft_target_s"] = args.ttft_target
     if args.no_admission:
         data.setdefault("admission", {})["enabled"] = False
+    if args.max_body_bytes is not None:
+        data.setdefault("limits", {})["max_body_bytes"] = args.max_body_bytes
+    if args.drain_timeout is not None:
+        data["drain_timeout_s"] = args.drain_timeout
+    keys = list(data.get("api_keys") or []) + (args.api_key or []) + api_keys_from_env()
+    if keys:
+        data["api_keys"] = list(dict.fromkeys(keys))
     return ServiceConfig.model_validate(data)
 
 
@@ -288,6 +296,14 @@ def _metrics_banner(args, node: Optional[dict] = None) -> str:
     return f", Prometheus metrics on 0.0.0.0:{args.metrics_port}/metrics (every interface)"
 
 
+def _auth_banner(args, cfg) -> str:
+    if cfg.all_api_keys():
+        return "API key required"
+    if _local_ray_env(args):
+        return "no API key"
+    return f"no API key: anyone who reaches {args.host}:{args.port} can generate (--api-key or {API_KEY_ENV})"
+
+
 def _this_node() -> Optional[dict]:
     import ray
 
@@ -362,8 +378,8 @@ def cmd_serve(args) -> int:
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
         metrics = _metrics_banner(args, _this_node() if args.address else None)
         print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
-              f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}). Ctrl-C stops.",
-              file=sys.stderr, flush=True)
+              f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}; {_auth_banner(args, cfg)}). "
+              f"Ctrl-C stops.", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
@@ -464,6 +480,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"admission control's TTFT target in seconds (default: "
                         f"{_service_default('admission').ttft_target_s})")
     s.add_argument("--no-admission", action="store_true", help="admit every request (no 429s)")
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat it to accept several keys while "
+                        f"rotating; {API_KEY_ENV}, comma-separated, adds keys without putting them on the command "
+                        f"line)")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"largest request body; larger ones get 413 before they are parsed (default: "
+                        f"{_service_default('limits').max_body_bytes})")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help=f"seconds requests in flight get to finish on SIGTERM / Ctrl-C (default: "
+                        f"{_service_default('drain_timeout_s')})")
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
     s.add_argument("--metrics-port", type=int, default=None,

@@ -32,7 +32,8 @@ BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
 ENDPOINTS = ("chat", "completions")
-REJECT_REASONS = ("queue_delay", "arrival_rate", "invalid", "engine_dead", "error")
+REJECT_REASONS = ("queue_delay", "arrival_rate", "invalid", "engine_dead", "error", "unauthorized", "too_large",
+                  "draining")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -124,7 +125,8 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("diffkv_requests_rejected_total", "counter", "Requests rejected, by reason: queue_delay / "
                                                             "arrival_rate (admission, 429), invalid (400), "
                                                             "engine_dead (503), error (other failures before the "
-                                                            "first token).", (ENDPOINT, REASON),
+                                                            "first token), unauthorized (401), too_large (413), "
+                                                            "draining (503 while shutting down).", (ENDPOINT, REASON),
                label_values=((REASON, REJECT_REASONS),)),
     MetricSpec("diffkv_requests_retried_total", "counter", "Re-sends of admitted requests to another engine "
                                                            "replica after theirs failed before any output "
