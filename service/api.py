@@ -23,10 +23,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service import drain
 from service.admission import AdmissionController, ReplicaLoad
 from service.auth import APIKeys
 from service.config import ServiceConfig
-from service.guard import GuardPolicy, RequestGuard
+from service.guard import DRAIN_RETRY_AFTER_S, GuardPolicy, RequestGuard
 from service.metrics import Metrics
 from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelCard,
                               ModelList, Usage, error_body, new_id, now_s)
@@ -158,6 +159,33 @@ class _Stream:
         self.completion_tokens = 0
         self.failed = False  # ended by an error (400 / 503 from the replica)
         self._closed = False
+        self.abort_error: Optional[APIError] = None  # set when the server ends the request (drain timeout)
+        self._aborted = asyncio.Event()
+        ingress._streams.add(self)
+
+    def abort(self, error: "APIError") -> None:
+        """End the request with `error` (a stream gets it as its last SSE event), whatever the replica does."""
+        if self.abort_error is None:
+            self.abort_error = error
+            self._aborted.set()
+
+    async def _await_next(self) -> dict:
+        """The replica's next item, unless abort() comes first."""
+        if self.abort_error is not None:
+            raise self.abort_error
+        nxt = asyncio.ensure_future(self.gen.__anext__())
+        stop = asyncio.ensure_future(self._aborted.wait())
+        try:
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if nxt.done():
+            return nxt.result()
+        nxt.cancel()
+        # what the abandoned call ends with (Serve's RequestCancelledError) is expected: retrieve it, so that
+        # asyncio does not log it as an exception nobody retrieved
+        nxt.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise self.abort_error
 
     def _call(self):
         """Send the request to an engine replica (the router picks it). A re-send gets its own engine id: the
@@ -187,9 +215,11 @@ class _Stream:
 
     async def _next_item(self) -> Optional[dict]:
         try:
-            item = await self.gen.__anext__()
+            item = await self._await_next()
         except StopAsyncIteration:
             return None
+        except APIError:
+            raise
         except Exception as e:  # the replica actor died or became unreachable
             if type(e).__name__ in ("RequestCancelledError",):
                 raise
@@ -234,7 +264,8 @@ class _Stream:
                                    "service_unavailable", retry_after=RETRY_AFTER_DEAD_S)
                 return item
             except APIError as e:
-                if e.status == 503 and self.attempts < self.ingress.cfg.retry.max_retries:
+                if e.status == 503 and self.abort_error is None and \
+                        self.attempts < self.ingress.cfg.retry.max_retries:
                     await self._resend(e)
                     continue
                 reason = {400: "invalid", 503: "engine_dead"}.get(e.status, "error")
@@ -284,6 +315,7 @@ class _Stream:
         if self._closed:
             return
         self._closed = True
+        self.ingress._streams.discard(self)
         if self.finish_reason is None:
             self.gen.cancel()  # the engine replica aborts the request and frees its pages
         now = time.monotonic()
@@ -334,10 +366,42 @@ class OpenAIIngress:
         self.guard = GuardPolicy(keys, self.cfg.limits.max_body_bytes, on_reject=self._count_guard_rejection)
         app.state.guard = self.guard
         log.info("ingress: %s", f"API key required on /v1/* ({keys!r})" if keys.required else "no API key required")
+        self._streams: set[_Stream] = set()  # requests past admission, for the drain to end at its timeout
         # Ask the engine for the model's name and context now, without holding up the deployment.
         loop = asyncio.get_running_loop()
         self._info_task = loop.create_task(self._prefetch_info())
         self._gauges_task = loop.create_task(self._refresh_gauges())
+        self._drain_task = loop.create_task(self._watch_for_drain())
+
+    async def _watch_for_drain(self) -> None:
+        """service.drain: wait for the announcement; then refuse new requests, let those in flight run until
+        the timeout, end the rest with a 503 / SSE error event, and report what is left until shut down."""
+        ctx = serve.get_replica_context()
+        app_name, replica = ctx.app_name, ctx.replica_id.unique_id
+        while True:
+            await asyncio.sleep(drain.POLL_S)
+            try:
+                timeout_s = await asyncio.to_thread(drain.announced, app_name)
+            except Exception:  # noqa: BLE001 - the GCS is briefly unreachable: look again
+                continue
+            if timeout_s is not None:
+                break
+        self.guard.draining = True
+        log.warning("ingress %s: draining: new requests get 503; %d in flight get %.0fs to finish", replica,
+                    self.admission.in_flight, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if time.monotonic() >= deadline and self._streams:
+                log.warning("ingress %s: drain timeout: ending %d requests with 503", replica, len(self._streams))
+                for stream in list(self._streams):
+                    stream.abort(APIError(503, f"the server shut down before the request finished (drain "
+                                               f"timeout {timeout_s:g}s); retry it", "service_unavailable",
+                                          retry_after=DRAIN_RETRY_AFTER_S))
+            try:
+                await asyncio.to_thread(drain.report, app_name, replica, self.admission.in_flight)
+            except Exception:  # noqa: BLE001 - as above
+                pass
+            await asyncio.sleep(drain.POLL_S)
 
     async def _refresh_gauges(self) -> None:
         """Re-set the admission gauges every second: the arrival-rate estimate decays between arrivals, and
@@ -403,6 +467,10 @@ class OpenAIIngress:
         except APIError:
             self.metrics.inc("diffkv_requests_rejected_total", endpoint=endpoint, reason="invalid")
             raise
+        if self.guard.draining:  # passed the guard just before the drain began
+            self.metrics.inc("diffkv_requests_rejected_total", endpoint=endpoint, reason="draining")
+            raise APIError(503, "the server is shutting down and takes no new requests", "service_unavailable",
+                           retry_after=DRAIN_RETRY_AFTER_S)
         decision = self.admission.decide()
         self._publish_admission_gauges()
         if not decision.admit:
@@ -465,6 +533,9 @@ class OpenAIIngress:
 
     @app.get("/health", response_model=Health, responses=_ERRORS)
     async def health(self) -> Health:
+        if self.guard.draining:  # readiness: route no new work here
+            raise APIError(503, "draining: the server is shutting down", "service_unavailable",
+                           retry_after=DRAIN_RETRY_AFTER_S)
         info = await self._model_info()
         return Health(model=info["model"])
 

@@ -340,11 +340,77 @@ def _reap(procs: list, grace_s: float = 3.0) -> None:
     psutil.wait_procs(alive, timeout=5.0)
 
 
-def _stop_on_signals(stop) -> None:
+def _stop_on_signals(stop, hurry) -> None:
+    """The first SIGINT / SIGTERM stops the service (after draining); a second one cuts the drain short."""
     import signal
 
+    def handler(*_):
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, handler)
+
+
+# After the last request's final bytes left the ingress, they still cross Serve's proxy to the client.
+_DRAIN_FLUSH_S = 0.5
+# Past the drain timeout the ingress ends what is left; that takes a poll period and a response or two.
+_DRAIN_ABORT_GRACE_S = 5.0
+
+
+def _drain(cfg, hurry) -> None:
+    """service.drain: announce, then wait until every ingress replica has nothing in flight."""
+    import time
+
+    from service import drain
+    from service.app import APP_NAME
+
+    print(f"draining: new requests get 503; requests in flight get up to {cfg.drain_timeout_s:g}s to finish "
+          f"(a second Ctrl-C stops at once)", file=sys.stderr, flush=True)
+    drain.announce(APP_NAME, cfg.drain_timeout_s)
+    took = drain.wait_drained(APP_NAME, cfg.ingress_replicas, cfg.drain_timeout_s + _DRAIN_ABORT_GRACE_S,
+                              give_up=hurry.is_set)
+    if took is None:
+        print("drain incomplete: stopping with requests in flight", file=sys.stderr, flush=True)
+    else:
+        print(f"drained in {took:.1f}s", file=sys.stderr, flush=True)
+        time.sleep(_DRAIN_FLUSH_S)
+
+
+def _stop_serve(timeout_s: float = 30.0) -> None:
+    """serve.shutdown() without its noise. serve.shutdown() waits on a controller call that can only end by
+    failing (the controller kills itself), and Ray reports that failure as "Task
+    ServeController.graceful_shutdown failed ... will be retried". Here the shutdown is requested without
+    waiting, and the controller actor is waited for until it is gone; any other Ray falls back to
+    serve.shutdown()."""
+    import time
+
+    import ray
+    from ray import serve
+
+    try:
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+        from ray.serve.context import _get_global_client, _set_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        controller = client._controller if client is not None else None
+    except (ImportError, AttributeError):
+        serve.shutdown()
+        return
+    if controller is None:
+        return
+    client.shutdown_cached_handles()
+    ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # gone: Serve's applications, replicas and proxies are stopped
+            break
+        time.sleep(0.2)
+    else:
+        print(f"Serve's controller did not stop within {timeout_s:g}s", file=sys.stderr, flush=True)
+    client._shutdown = True
+    _set_global_client(None)
 
 
 def cmd_serve(args) -> int:
@@ -361,10 +427,11 @@ def cmd_serve(args) -> int:
     import ray
     from ray import serve
 
+    from service import drain
     from service.app import APP_NAME, build_app
 
-    stop = threading.Event()
-    _stop_on_signals(stop)
+    stop, hurry = threading.Event(), threading.Event()
+    _stop_on_signals(stop, hurry)
     if args.address:
         ray.init(address=args.address)
         _check_joined_port(args)
@@ -372,10 +439,13 @@ def cmd_serve(args) -> int:
         _check_ports_free(args.host, {"--port": args.port, "--metrics-port": args.metrics_port})
         ray.init(**_local_ray_init_kwargs(args))
     # again: Ray's core worker installs its own SIGTERM handler (a crash report, then exit) in ray.init
-    _stop_on_signals(stop)
+    _stop_on_signals(stop, hurry)
+    deployed = False
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        drain.clear(APP_NAME)  # a drain announced by an earlier run on this cluster is not this run's
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
+        deployed = True
         metrics = _metrics_banner(args, _this_node() if args.address else None)
         print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
               f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}; {_auth_banner(args, cfg)}). "
@@ -388,10 +458,13 @@ def cmd_serve(args) -> int:
         print("shutting down...", file=sys.stderr, flush=True)
         ours = [] if args.address else psutil.Process().children(recursive=True)  # the Ray we started
         try:
+            if deployed:
+                _drain(cfg, hurry)
             if args.address:
                 serve.delete(APP_NAME)  # a shared cluster: remove only our app
+                drain.clear(APP_NAME)
             else:
-                serve.shutdown()
+                _stop_serve()
         finally:
             ray.shutdown()
             _reap(ours)
