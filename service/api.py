@@ -374,34 +374,36 @@ class OpenAIIngress:
         self._drain_task = loop.create_task(self._watch_for_drain())
 
     async def _watch_for_drain(self) -> None:
-        """service.drain: wait for the announcement; then refuse new requests, let those in flight run until
-        the timeout, end the rest with a 503 / SSE error event, and report what is left until shut down."""
+        """service.drain: once a drain is announced, refuse new requests, let those in flight run until the
+        timeout, end the rest with a 503 / SSE error event, and report what is left; a withdrawn
+        announcement (drain.clear) makes the replica serve again."""
         ctx = serve.get_replica_context()
         app_name, replica = ctx.app_name, ctx.replica_id.unique_id
+        deadline: Optional[float] = None
         while True:
             await asyncio.sleep(drain.POLL_S)
             try:
                 timeout_s = await asyncio.to_thread(drain.announced, app_name)
-            except Exception:  # noqa: BLE001 - the GCS is briefly unreachable: look again
-                continue
-            if timeout_s is not None:
-                break
-        self.guard.draining = True
-        log.warning("ingress %s: draining: new requests get 503; %d in flight get %.0fs to finish", replica,
-                    self.admission.in_flight, timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if time.monotonic() >= deadline and self._streams:
-                log.warning("ingress %s: drain timeout: ending %d requests with 503", replica, len(self._streams))
-                for stream in list(self._streams):
-                    stream.abort(APIError(503, f"the server shut down before the request finished (drain "
-                                               f"timeout {timeout_s:g}s); retry it", "service_unavailable",
-                                          retry_after=DRAIN_RETRY_AFTER_S))
-            try:
+                if timeout_s is None:
+                    if deadline is not None:
+                        deadline, self.guard.draining = None, False
+                        log.warning("ingress %s: drain withdrawn: serving again", replica)
+                        await asyncio.to_thread(drain.forget_report, app_name, replica)
+                    continue
+                if deadline is None:
+                    deadline, self.guard.draining = time.monotonic() + timeout_s, True
+                    log.warning("ingress %s: draining: new requests get 503; %d in flight get %.0fs to finish",
+                                replica, self.admission.in_flight, timeout_s)
+                if time.monotonic() >= deadline and self._streams:
+                    log.warning("ingress %s: drain timeout: ending %d requests with 503", replica,
+                                len(self._streams))
+                    for stream in list(self._streams):
+                        stream.abort(APIError(503, f"the server shut down before the request finished (drain "
+                                                   f"timeout {timeout_s:g}s); retry it", "service_unavailable",
+                                              retry_after=DRAIN_RETRY_AFTER_S))
                 await asyncio.to_thread(drain.report, app_name, replica, self.admission.in_flight)
-            except Exception:  # noqa: BLE001 - as above
-                pass
-            await asyncio.sleep(drain.POLL_S)
+            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: try again at the next poll
+                log.warning("ingress %s: drain check failed", replica, exc_info=True)
 
     async def _refresh_gauges(self) -> None:
         """Re-set the admission gauges every second: the arrival-rate estimate decays between arrivals, and

@@ -4,7 +4,8 @@
 The process that stops the service (`diffkv serve` on SIGTERM / Ctrl-C) announces the drain with its
 timeout; each ingress replica polls for the announcement, then refuses new requests (503, /health too),
 lets those in flight finish until the timeout, ends the rest (503 / an SSE error event), and reports how
-many it still has; the stopping process shuts Serve down once every replica reports none."""
+many it still has; the stopping process shuts Serve down once every replica reports none. Withdrawing the
+announcement (clear) puts the replicas back to serving."""
 from __future__ import annotations
 
 import json
@@ -41,6 +42,12 @@ def report(app: str, replica_id: str, in_flight: int) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
     _internal_kv_put(_report_prefix(app) + replica_id, str(in_flight), overwrite=True, namespace=NAMESPACE)
+
+
+def forget_report(app: str, replica_id: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(_report_prefix(app) + replica_id, namespace=NAMESPACE)
 
 
 def reports(app: str) -> dict[str, int]:

@@ -106,3 +106,32 @@ def test_sigterm_drains_streams_then_exits_cleanly(tmp_path):
     assert "drained in" in text
     print(f"drain: 6/6 short streams [DONE], 2/2 long streams and 1 non-streaming request ended with 503 at the "
           f"timeout, 0 broken; exit {exit_s:.1f}s after SIGTERM (drain timeout {DRAIN_TIMEOUT_S:g}s)")
+
+
+def test_every_ingress_replica_hears_the_drain(cluster):
+    """Two ingress replicas: one announcement reaches both (a handle call would reach only one), and its
+    withdrawal puts both back to serving."""
+    from _cluster import served
+
+    from service import drain
+
+    config = {"device": "cpu", "max_model_len": 128, "ingress_replicas": 2, "admission": {"ttft_target_s": 60.0}}
+    with served(cluster, config, "drain2", "/drain2") as s:
+        drain.clear("drain2")
+        try:
+            assert httpx.get(s["base"] + "/health", timeout=30).status_code == 200
+            drain.announce("drain2", 30.0)
+            reports = wait_for(lambda: (r := drain.reports("drain2")) and len(r) == 2 and r, 10, interval=0.2,
+                               what="both ingress replicas to report")
+            assert set(reports.values()) == {0}
+            # Serve spreads these over both replicas: every one is refused
+            codes = {httpx.get(s["base"] + "/health", timeout=10).status_code for _ in range(12)}
+            codes |= {httpx.post(s["base"] + "/v1/completions", timeout=10,
+                                 json={"model": s["model"], "prompt": "Hi"}).status_code for _ in range(12)}
+            assert codes == {503}
+            drain.clear("drain2")  # withdrawn: both serve again and stop reporting
+            wait_for(lambda: all(httpx.get(s["base"] + "/health", timeout=10).status_code == 200 for _ in range(8)),
+                     10, interval=0.3, what="both replicas to serve again")
+            wait_for(lambda: drain.reports("drain2") == {}, 5, interval=0.3, what="the reports to go")
+        finally:
+            drain.clear("drain2")
