@@ -227,6 +227,7 @@ def check_rayservice(rs: dict, objs: list[dict]) -> list[str]:
                               f"(largest: {max(gpus) if gpus else 0:g}); the ranks of a replica pack on one node")
         errors += check_node_failure(svc, cluster, app_where)
         errors += check_api_key_source(svc, cluster, app_where)
+        errors += check_drain(svc, cluster, app_where)
     for g in workers:
         lo, n, hi = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas", 2 ** 31 - 1)
         if not lo <= n <= hi:
@@ -327,6 +328,29 @@ def check_api_key_source(svc, cluster: dict, where: str) -> list[str]:
                 errors.append(f"{cwhere} hosts the ingress but gets no env {API_KEY_ENV} from a Secret "
                               f"(valueFrom.secretKeyRef, optional: true to deploy without a key)")
     return errors
+
+
+DRAIN_MARGIN_S = 10  # the preStop hook's start (joining Ray) and ending what outlived the drain timeout
+
+
+def check_drain(svc, cluster: dict, where: str) -> list[str]:
+    """The head (whose loss stops the service) drains in a preStop hook, and its pod's grace period covers
+    the drain timeout plus a margin (Kubernetes kills the pod when it runs out)."""
+    head = cluster.get("headGroupSpec", {}).get("template", {}).get("spec", {})
+    hooks = [c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command") or []
+             for c in head.get("containers", [])]
+    drains = [cmd for cmd in hooks if "drain" in cmd and "--follow" not in cmd]
+    if not drains:
+        return [f"headGroupSpec.template: no container drains in a preStop hook (service.cli drain): stopping "
+                f"the head would cut every request in flight"]
+    cmd = drains[0]
+    timeout = float(cmd[cmd.index("--timeout") + 1]) if "--timeout" in cmd else svc.drain_timeout_s
+    grace = head.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+    if grace < timeout + DRAIN_MARGIN_S:
+        return [f"headGroupSpec.template.spec.terminationGracePeriodSeconds is {grace}: the drain takes up to "
+                f"{timeout:g}s ({where}.args.drain_timeout_s or the hook's --timeout) + {DRAIN_MARGIN_S}s; "
+                f"set it to at least {timeout + DRAIN_MARGIN_S:g}"]
+    return []
 
 
 def check_probes(rs: dict) -> list[str]:

@@ -383,13 +383,16 @@ class OpenAIIngress:
         while True:
             await asyncio.sleep(drain.POLL_S)
             try:
-                timeout_s = await asyncio.to_thread(drain.announced, app_name)
-                if timeout_s is None:
+                announcement = await asyncio.to_thread(drain.announced, app_name)
+                if announcement is None:
                     if deadline is not None:
                         deadline, self.guard.draining = None, False
                         log.warning("ingress %s: drain withdrawn: serving again", replica)
                         await asyncio.to_thread(drain.forget_report, app_name, replica)
                     continue
+                timeout_s = announcement.timeout_s
+                if timeout_s is None:
+                    timeout_s = self.cfg.drain_timeout_s
                 if deadline is None:
                     deadline, self.guard.draining = time.monotonic() + timeout_s, True
                     log.warning("ingress %s: draining: new requests get 503; %d in flight get %.0fs to finish",

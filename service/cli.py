@@ -358,16 +358,23 @@ _DRAIN_ABORT_GRACE_S = 5.0
 
 
 def _drain(cfg, hurry) -> None:
-    """service.drain: announce, then wait until every ingress replica has nothing in flight."""
+    """service.drain: announce, then wait until every running ingress replica has nothing in flight. Also
+    when the stop came during the deployment: an ingress replica serves as soon as it runs."""
     import time
 
     from service import drain
     from service.app import APP_NAME
 
+    try:
+        replicas = _running_ingress_replicas(APP_NAME)
+    except Exception:  # noqa: BLE001 - Serve is not reachable: nothing to drain
+        replicas = None
+    if not replicas:
+        return
     print(f"draining: new requests get 503; requests in flight get up to {cfg.drain_timeout_s:g}s to finish "
           f"(a second Ctrl-C stops at once)", file=sys.stderr, flush=True)
     drain.announce(APP_NAME, cfg.drain_timeout_s)
-    took = drain.wait_drained(APP_NAME, cfg.ingress_replicas, cfg.drain_timeout_s + _DRAIN_ABORT_GRACE_S,
+    took = drain.wait_drained(APP_NAME, replicas, cfg.drain_timeout_s + _DRAIN_ABORT_GRACE_S,
                               give_up=hurry.is_set)
     if took is None:
         print("drain incomplete: stopping with requests in flight", file=sys.stderr, flush=True)
@@ -440,12 +447,12 @@ def cmd_serve(args) -> int:
         ray.init(**_local_ray_init_kwargs(args))
     # again: Ray's core worker installs its own SIGTERM handler (a crash report, then exit) in ray.init
     _stop_on_signals(stop, hurry)
-    deployed = False
+    deploying = False
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         drain.clear(APP_NAME)  # a drain announced by an earlier run on this cluster is not this run's
+        deploying = True
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
-        deployed = True
         metrics = _metrics_banner(args, _this_node() if args.address else None)
         print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
               f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}; {_auth_banner(args, cfg)}). "
@@ -458,7 +465,7 @@ def cmd_serve(args) -> int:
         print("shutting down...", file=sys.stderr, flush=True)
         ours = [] if args.address else psutil.Process().children(recursive=True)  # the Ray we started
         try:
-            if deployed:
+            if deploying:
                 _drain(cfg, hurry)
             if args.address:
                 serve.delete(APP_NAME)  # a shared cluster: remove only our app
@@ -469,6 +476,62 @@ def cmd_serve(args) -> int:
             ray.shutdown()
             _reap(ours)
     return 0
+
+
+def _running_ingress_replicas(app: str) -> Optional[int]:
+    from ray import serve
+
+    from service.app import INGRESS_DEPLOYMENT
+
+    status = serve.status().applications.get(app)
+    if status is None:
+        return None
+    ingress = status.deployments.get(INGRESS_DEPLOYMENT)
+    states = ingress.replica_states if ingress is not None else {}
+    return sum(n for state, n in states.items() if str(getattr(state, "value", state)).endswith("RUNNING"))
+
+
+def cmd_drain(args) -> int:
+    """Drain a running app (a KubeRay head pod's preStop hook runs this before the pod is stopped): its
+    ingress replicas refuse new requests and finish or end those in flight; nothing is shut down here."""
+    import os
+    import time
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from service import drain
+
+    ray.init(address=args.address, logging_level="error", log_to_driver=False)
+    try:
+        if args.cancel:
+            drain.clear(args.app)
+            print(f"drain of {args.app!r} withdrawn: its ingress replicas serve again", file=sys.stderr)
+            return 0
+        replicas = _running_ingress_replicas(args.app)
+        if replicas is None:
+            print(f"error: no Serve application {args.app!r} on this cluster", file=sys.stderr)
+            return 2
+        t0 = time.monotonic()
+        if args.follow:  # a worker pod: wait only for a drain the head announces (the whole cluster stops)
+            while drain.announced(args.app) is None:
+                if time.monotonic() - t0 > args.follow_s:
+                    print("no drain announced: nothing to wait for", file=sys.stderr)
+                    return 0
+                time.sleep(drain.POLL_S)
+        else:
+            drain.announce(args.app, args.timeout)
+        timeout = f"{args.timeout:g}s" if args.timeout is not None else "the app's drain_timeout_s"
+        print(f"draining {args.app!r} ({replicas} ingress replicas): requests in flight get {timeout}",
+              file=sys.stderr, flush=True)
+        took = drain.wait_drained(args.app, max(replicas, 1), args.max_wait)
+        if took is None:
+            print(f"not drained after {time.monotonic() - t0:.1f}s", file=sys.stderr)
+            return 1
+        print(f"drained in {took:.1f}s", file=sys.stderr)
+        return 0
+    finally:
+        ray.shutdown()
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -568,6 +631,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus export port of the local Ray (on loopback when --host is)")
     s.set_defaults(func=cmd_serve)
+    d = add("drain", help="drain a running app before its cluster stops (a KubeRay preStop hook)",
+            description="New requests get 503, requests in flight get the drain timeout to finish, the rest end "
+                        "with 503 / an SSE error event; returns once every ingress replica has none left.")
+    d.add_argument("--address", default="auto", help="the Ray cluster")
+    d.add_argument("--app", default="diffkv", help="the Serve application")  # service.app.APP_NAME
+    d.add_argument("--timeout", type=float, default=None,
+                   help="seconds requests in flight get (default: the app's ServiceConfig.drain_timeout_s)")
+    d.add_argument("--max-wait", type=float, default=300.0, help="give up waiting after this many seconds")
+    d.add_argument("--cancel", action="store_true", help="withdraw a drain: the ingress replicas serve again")
+    d.add_argument("--follow", action="store_true",
+                   help="announce nothing: wait for a drain another process announces within --follow-s (a worker "
+                        "pod's preStop: its engine replica keeps serving while the head drains)")
+    d.add_argument("--follow-s", type=float, default=15.0)
+    d.set_defaults(func=cmd_drain)
     # the evaluation package is imported only when one of these is parsed or its help shown
     add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)",
         populate=_eval_command)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 NAMESPACE = "diffkv_drain"
@@ -24,18 +25,25 @@ def _report_prefix(app: str) -> str:
     return f"{app}/in_flight/"
 
 
-def announce(app: str, timeout_s: float) -> None:
+@dataclass(frozen=True)
+class Announcement:
+    timeout_s: Optional[float]  # None: each ingress replica's own ServiceConfig.drain_timeout_s
+
+
+def announce(app: str, timeout_s: Optional[float] = None) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
     _internal_kv_put(_announce_key(app), json.dumps({"timeout_s": timeout_s}), overwrite=True, namespace=NAMESPACE)
 
 
-def announced(app: str) -> Optional[float]:
-    """The drain timeout (seconds) once a drain of `app` is announced, else None."""
+def announced(app: str) -> Optional[Announcement]:
     from ray.experimental.internal_kv import _internal_kv_get
 
     raw = _internal_kv_get(_announce_key(app), namespace=NAMESPACE)
-    return None if raw is None else float(json.loads(raw)["timeout_s"])
+    if raw is None:
+        return None
+    timeout_s = json.loads(raw).get("timeout_s")
+    return Announcement(None if timeout_s is None else float(timeout_s))
 
 
 def report(app: str, replica_id: str, in_flight: int) -> None:

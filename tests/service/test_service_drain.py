@@ -108,30 +108,46 @@ def test_sigterm_drains_streams_then_exits_cleanly(tmp_path):
           f"timeout, 0 broken; exit {exit_s:.1f}s after SIGTERM (drain timeout {DRAIN_TIMEOUT_S:g}s)")
 
 
-def test_every_ingress_replica_hears_the_drain(cluster):
-    """Two ingress replicas: one announcement reaches both (a handle call would reach only one), and its
-    withdrawal puts both back to serving."""
+def test_diffkv_drain_reaches_every_ingress_replica_and_can_be_withdrawn(cluster):
+    """`diffkv drain` (the KubeRay preStop hook) on an app with two ingress replicas: one announcement
+    reaches both (a handle call would reach only one), a stream in flight finishes, a `--follow` (worker
+    pod) hook waits for it, and `--cancel` puts both back to serving."""
+    import ray
+
     from _cluster import served
 
     from service import drain
 
-    config = {"device": "cpu", "max_model_len": 128, "ingress_replicas": 2, "admission": {"ttft_target_s": 60.0}}
-    with served(cluster, config, "drain2", "/drain2") as s:
-        drain.clear("drain2")
+    app = "drain2"
+    config = {"device": "cpu", "max_model_len": 256, "ingress_replicas": 2, "admission": {"ttft_target_s": 60.0}}
+    cli = [sys.executable, "-m", "service.cli", "drain", "--address", ray.get_runtime_context().gcs_address,
+           "--app", app]
+    with served(cluster, config, app, "/" + app) as s:
+        drain.clear(app)
         try:
-            assert httpx.get(s["base"] + "/health", timeout=30).status_code == 200
-            drain.announce("drain2", 30.0)
-            reports = wait_for(lambda: (r := drain.reports("drain2")) and len(r) == 2 and r, 10, interval=0.2,
-                               what="both ingress replicas to report")
-            assert set(reports.values()) == {0}
+            out, started = {}, threading.Event()
+            stream = threading.Thread(target=_stream, args=(s["base"], s["model"], SHORT, 0, out, started))
+            stream.start()
+            assert started.wait(60)
+            # a worker pod's hook: announces nothing, waits for the head's drain to finish
+            follower = subprocess.Popen(cli + ["--follow", "--follow-s", "60"], stderr=subprocess.PIPE, text=True)
+            r = subprocess.run(cli + ["--timeout", "30"], capture_output=True, text=True, timeout=90)
+            assert r.returncode == 0 and "2 ingress replicas" in r.stderr and "drained in" in r.stderr, r.stderr
+            _, err = follower.communicate(timeout=60)
+            assert follower.returncode == 0 and "drained in" in err, err
+            stream.join(30)
+            assert out[0][0] == "ended" and out[0][1][-1] == "[DONE]", out
+            reports = drain.reports(app)
+            assert len(reports) == 2 and set(reports.values()) == {0}
             # Serve spreads these over both replicas: every one is refused
             codes = {httpx.get(s["base"] + "/health", timeout=10).status_code for _ in range(12)}
             codes |= {httpx.post(s["base"] + "/v1/completions", timeout=10,
                                  json={"model": s["model"], "prompt": "Hi"}).status_code for _ in range(12)}
             assert codes == {503}
-            drain.clear("drain2")  # withdrawn: both serve again and stop reporting
+            r = subprocess.run(cli + ["--cancel"], capture_output=True, text=True, timeout=90)
+            assert r.returncode == 0, r.stderr
             wait_for(lambda: all(httpx.get(s["base"] + "/health", timeout=10).status_code == 200 for _ in range(8)),
                      10, interval=0.3, what="both replicas to serve again")
-            wait_for(lambda: drain.reports("drain2") == {}, 5, interval=0.3, what="the reports to go")
+            wait_for(lambda: drain.reports(app) == {}, 5, interval=0.3, what="the reports to go")
         finally:
-            drain.clear("drain2")
+            drain.clear(app)
