@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import drain
+from service import drain, replica_deaths
 from service.admission import AdmissionController, ReplicaLoad
 from service.auth import APIKeys
 from service.config import ServiceConfig
@@ -372,6 +372,23 @@ class OpenAIIngress:
         self._info_task = loop.create_task(self._prefetch_info())
         self._gauges_task = loop.create_task(self._refresh_gauges())
         self._drain_task = loop.create_task(self._watch_for_drain())
+        self._deaths_task = loop.create_task(self._watch_replica_deaths())
+
+    async def _watch_replica_deaths(self) -> None:
+        """service.replica_deaths: log and count every engine replica death of this app with its cause."""
+        from service.app import ENGINE_DEPLOYMENT  # service.app imports this module
+
+        watcher = replica_deaths.DeathWatcher(serve.get_replica_context().app_name, ENGINE_DEPLOYMENT)
+        while True:
+            await asyncio.sleep(replica_deaths.WATCH_PERIOD_S)
+            try:
+                deaths = await asyncio.to_thread(watcher.new_deaths)
+            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: look again
+                log.warning("reading engine replica deaths failed", exc_info=True)
+                continue
+            for d in deaths:
+                log.error("engine replica %s (pid %d) died: %s: %s", d.replica, d.pid, d.cause, d.detail)
+                self.metrics.inc("diffkv_replica_deaths_total", cause=d.cause)
 
     async def _watch_for_drain(self) -> None:
         """service.drain: once a drain is announced, refuse new requests, let those in flight run until the
