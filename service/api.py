@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: a FastAPI app served as the ingress deployment.
 
-Per request: validate (pydantic models in service.protocol; every failure is a 400 OpenAI error body),
+Per request: the guard (service.guard) refuses what needs no parsing to refuse (API key, draining, content
+type, body size), then validate (pydantic models in service.protocol; every failure is a 400 OpenAI error body),
 check the model and the token budget, ask admission control (429 + Retry-After when the predicted TTFT is
 over target), then stream from an engine replica through Serve's handle (our KV-headroom router picks it).
 The first item from the replica decides the status code (400 / 503 arrive before any token); a replica
@@ -365,7 +366,8 @@ class OpenAIIngress:
         keys = APIKeys(self.cfg.all_api_keys())
         self.guard = GuardPolicy(keys, self.cfg.limits.max_body_bytes, on_reject=self._count_guard_rejection)
         app.state.guard = self.guard
-        log.info("ingress: %s", f"API key required on /v1/* ({keys!r})" if keys.required else "no API key required")
+        log.info("ingress: %s", f"API key required on every route but /health ({keys!r})" if keys.required
+                 else "no API key required")
         self._streams: set[_Stream] = set()  # requests past admission, for the drain to end at its timeout
         # Ask the engine for the model's name and context now, without holding up the deployment.
         loop = asyncio.get_running_loop()
@@ -414,10 +416,10 @@ class OpenAIIngress:
                     deadline, self.guard.draining = time.monotonic() + timeout_s, True
                     log.warning("ingress %s: draining: new requests get 503; %d in flight get %.0fs to finish",
                                 replica, self.admission.in_flight, timeout_s)
-                if time.monotonic() >= deadline and self._streams:
-                    log.warning("ingress %s: drain timeout: ending %d requests with 503", replica,
-                                len(self._streams))
-                    for stream in list(self._streams):
+                running = [st for st in self._streams if st.abort_error is None]
+                if time.monotonic() >= deadline and running:
+                    log.warning("ingress %s: drain timeout: ending %d requests with 503", replica, len(running))
+                    for stream in running:
                         stream.abort(APIError(503, f"the server shut down before the request finished (drain "
                                                    f"timeout {timeout_s:g}s); retry it", "service_unavailable",
                                               retry_after=DRAIN_RETRY_AFTER_S))

@@ -68,7 +68,8 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def classify(death_cause: Any, stop: Optional[dict], memory: Optional[dict], end_time_s: float) -> Optional[tuple[str, str]]:
+def classify(death_cause: Any, stop: Optional[dict], memory: Optional[dict],
+             end_time_s: float) -> Optional[tuple[str, str]]:
     """(cause, detail) of a dead engine replica, or None if Serve stopped it on purpose. death_cause: Ray's
     ActorDeathCause protobuf; stop / memory: what the replica recorded (see above)."""
     if stop is not None:
