@@ -144,13 +144,20 @@ def panels() -> list[dict]:
             {"expr": f"sum by (reason) (rate({rejected}[{RATE}]))", "legendFormat": "rejected: {{reason}}"}],
               unit="reqps", stack=True,
               desc="Rejections by reason: queue_delay / arrival_rate are admission control's 429s, invalid is "
-                   "a 400, engine_dead a 503."),
+                   "a 400, engine_dead a 503, unauthorized a 401, too_large a 413, draining a 503 while the "
+                   "service shuts down."),
         panel("Arrival rate vs capacity", [
             {"expr": f"sum({s('diffkv_arrival_rate')})", "legendFormat": "arrival rate (Poisson estimate)"},
             {"expr": f"sum({s('diffkv_service_rate')}{ENGINE})", "legendFormat": "capacity (sum of replicas' c*mu)"},
             {"expr": f"sum({s('diffkv_requests_in_flight')})", "legendFormat": "in flight"}], unit="reqps",
               desc="Admission control keeps the arrival rate under what the replicas complete at their KV "
                    "capacity; in flight is a count."),
+
+        panel("Engine replica deaths", [
+            {"expr": f"sum by (cause) (increase({s('diffkv_replica_deaths_total')}[{RATE}]))",
+             "legendFormat": "{{cause}}"}], unit="short", stack=True, w=24, h=6,
+              desc="Engine replicas that died, by cause (memory, process_died, killed, engine_dead, node_lost, "
+                   "...); the ingress log has each one's detail. Replicas Serve stops on purpose are not counted."),
 
         row("Latency"),
         panel("Time to first token", quantiles("diffkv_time_to_first_token_seconds") + [

@@ -226,6 +226,8 @@ def check_rayservice(rs: dict, objs: list[dict]) -> list[str]:
                               f"{svc.tensor_parallel_size} needs a worker pod with that many nvidia.com/gpu "
                               f"(largest: {max(gpus) if gpus else 0:g}); the ranks of a replica pack on one node")
         errors += check_node_failure(svc, cluster, app_where)
+        errors += check_api_key_source(svc, cluster, app_where)
+        errors += check_drain(svc, cluster, app_where)
     for g in workers:
         lo, n, hi = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas", 2 ** 31 - 1)
         if not lo <= n <= hi:
@@ -295,6 +297,60 @@ def check_node_failure(svc, cluster: dict, where: str) -> list[str]:
         errors.append(f"{where}.args.retry.max_retries is 0: requests a lost replica had queued would fail "
                       f"instead of being re-sent")
     return errors
+
+
+def check_api_key_source(svc, cluster: dict, where: str) -> list[str]:
+    """The ingress reads API keys from API_KEY_ENV: every pod that can host it gets that variable from a
+    Secret (secretKeyRef), and no container holds a key written into the manifest, nor do the args."""
+    from service.config import API_KEY_ENV
+
+    errors = []
+    if svc.api_keys:
+        errors.append(f"{where}.args.api_keys: a key in serveConfigV2 is readable by anyone who can read the "
+                      f"RayService; supply it through {API_KEY_ENV} from a Secret")
+    groups = [("headGroupSpec", cluster.get("headGroupSpec", {}))]
+    groups += [(f"workerGroupSpecs({g.get('groupName')})", g) for g in cluster.get("workerGroupSpecs") or []]
+    try:
+        hosts = [(gw, g) for gw, g in groups
+                 if all(k in offered_resources(g) for k in svc.ingress_resources)] if svc.ingress_resources \
+            else groups
+    except ManifestError as e:
+        return errors + [f"{where}: {e}"]
+    for gwhere, group in groups:
+        for c in group.get("template", {}).get("spec", {}).get("containers", []):
+            env = {e.get("name"): e for e in c.get("env") or []}
+            entry = env.get(API_KEY_ENV)
+            cwhere = f"{gwhere} container {c.get('name')!r}"
+            if entry is not None and "value" in entry:
+                errors.append(f"{cwhere}: env {API_KEY_ENV} has a literal value; take it from a Secret "
+                              f"(valueFrom.secretKeyRef)")
+            elif (gwhere, group) in hosts and not (entry or {}).get("valueFrom", {}).get("secretKeyRef"):
+                errors.append(f"{cwhere} hosts the ingress but gets no env {API_KEY_ENV} from a Secret "
+                              f"(valueFrom.secretKeyRef, optional: true to deploy without a key)")
+    return errors
+
+
+DRAIN_MARGIN_S = 10  # the preStop hook's start (joining Ray) and ending what outlived the drain timeout
+
+
+def check_drain(svc, cluster: dict, where: str) -> list[str]:
+    """The head (whose loss stops the service) drains in a preStop hook, and its pod's grace period covers
+    the drain timeout plus a margin (Kubernetes kills the pod when it runs out)."""
+    head = cluster.get("headGroupSpec", {}).get("template", {}).get("spec", {})
+    hooks = [c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command") or []
+             for c in head.get("containers", [])]
+    drains = [cmd for cmd in hooks if "drain" in cmd and "--follow" not in cmd]
+    if not drains:
+        return [f"headGroupSpec.template: no container drains in a preStop hook (service.cli drain): stopping "
+                f"the head would cut every request in flight"]
+    cmd = drains[0]
+    timeout = float(cmd[cmd.index("--timeout") + 1]) if "--timeout" in cmd else svc.drain_timeout_s
+    grace = head.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+    if grace < timeout + DRAIN_MARGIN_S:
+        return [f"headGroupSpec.template.spec.terminationGracePeriodSeconds is {grace}: the drain takes up to "
+                f"{timeout:g}s ({where}.args.drain_timeout_s or the hook's --timeout) + {DRAIN_MARGIN_S}s; "
+                f"set it to at least {timeout + DRAIN_MARGIN_S:g}"]
+    return []
 
 
 def check_probes(rs: dict) -> list[str]:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: a FastAPI app served as the ingress deployment.
 
-Per request: validate (pydantic models in service.protocol; every failure is a 400 OpenAI error body),
+Per request: the guard (service.guard) refuses what needs no parsing to refuse (API key, draining, content
+type, body size), then validate (pydantic models in service.protocol; every failure is a 400 OpenAI error body),
 check the model and the token budget, ask admission control (429 + Retry-After when the predicted TTFT is
 over target), then stream from an engine replica through Serve's handle (our KV-headroom router picks it).
 The first item from the replica decides the status code (400 / 503 arrive before any token); a replica
@@ -23,20 +24,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service import drain, replica_deaths
 from service.admission import AdmissionController, ReplicaLoad
+from service.auth import APIKeys
 from service.config import ServiceConfig
+from service.guard import DRAIN_RETRY_AFTER_S, GuardPolicy, RequestGuard
 from service.metrics import Metrics
 from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelCard,
                               ModelList, Usage, error_body, new_id, now_s)
 
 log = logging.getLogger("ray.serve")
 RETRY_AFTER_DEAD_S = 5  # a replica whose engine died is replaced within a few health-check periods
+# limits.max_prompt_chars' default per token of context: no tokenizer packs this many characters into
+# every token of a real prompt, so a longer one cannot fit
+PROMPT_CHARS_PER_TOKEN = 32
 
 # The schema route is the ingress's own (it adds the served model's name), hence openapi_url=None here.
 app = FastAPI(title="DiffKV Serve", version="0.1.0", openapi_url=None,
               description="OpenAI-compatible API over DiffKV-compressed paged-KV engine replicas")
+# API keys, draining, content type and body size are checked before FastAPI reads the body (service.guard).
+app.add_middleware(RequestGuard)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 429, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 429, 500, 503)}
 
 
 class APIError(Exception):
@@ -84,6 +93,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = errs[0] if errs else {}
     if first.get("type") == "json_invalid":
         message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', 'malformed')}", None
+    elif first.get("type") == "finite_number":  # NaN / Infinity: Python's json reads them, JSON has no such numbers
+        param = _loc_param(tuple(first.get("loc", ())))
+        message = f"{param or 'body'} must be a finite number, got {first.get('input')!r}"
     else:
         param = _loc_param(tuple(first.get("loc", ())))
         message = "; ".join(f"{_loc_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errs[:5])
@@ -148,6 +160,33 @@ class _Stream:
         self.completion_tokens = 0
         self.failed = False  # ended by an error (400 / 503 from the replica)
         self._closed = False
+        self.abort_error: Optional[APIError] = None  # set when the server ends the request (drain timeout)
+        self._aborted = asyncio.Event()
+        ingress._streams.add(self)
+
+    def abort(self, error: "APIError") -> None:
+        """End the request with `error` (a stream gets it as its last SSE event), whatever the replica does."""
+        if self.abort_error is None:
+            self.abort_error = error
+            self._aborted.set()
+
+    async def _await_next(self) -> dict:
+        """The replica's next item, unless abort() comes first."""
+        if self.abort_error is not None:
+            raise self.abort_error
+        nxt = asyncio.ensure_future(self.gen.__anext__())
+        stop = asyncio.ensure_future(self._aborted.wait())
+        try:
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if nxt.done():
+            return nxt.result()
+        nxt.cancel()
+        # what the abandoned call ends with (Serve's RequestCancelledError) is expected: retrieve it, so that
+        # asyncio does not log it as an exception nobody retrieved
+        nxt.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise self.abort_error
 
     def _call(self):
         """Send the request to an engine replica (the router picks it). A re-send gets its own engine id: the
@@ -177,9 +216,11 @@ class _Stream:
 
     async def _next_item(self) -> Optional[dict]:
         try:
-            item = await self.gen.__anext__()
+            item = await self._await_next()
         except StopAsyncIteration:
             return None
+        except APIError:
+            raise
         except Exception as e:  # the replica actor died or became unreachable
             if type(e).__name__ in ("RequestCancelledError",):
                 raise
@@ -224,7 +265,8 @@ class _Stream:
                                    "service_unavailable", retry_after=RETRY_AFTER_DEAD_S)
                 return item
             except APIError as e:
-                if e.status == 503 and self.attempts < self.ingress.cfg.retry.max_retries:
+                if e.status == 503 and self.abort_error is None and \
+                        self.attempts < self.ingress.cfg.retry.max_retries:
                     await self._resend(e)
                     continue
                 reason = {400: "invalid", 503: "engine_dead"}.get(e.status, "error")
@@ -274,6 +316,7 @@ class _Stream:
         if self._closed:
             return
         self._closed = True
+        self.ingress._streams.discard(self)
         if self.finish_reason is None:
             self.gen.cancel()  # the engine replica aborts the request and frees its pages
         now = time.monotonic()
@@ -320,10 +363,69 @@ class OpenAIIngress:
         self._info: Optional[dict] = None
         self._schema: Optional[dict] = None
         app.state.ingress = self
+        keys = APIKeys(self.cfg.all_api_keys())
+        self.guard = GuardPolicy(keys, self.cfg.limits.max_body_bytes, on_reject=self._count_guard_rejection)
+        app.state.guard = self.guard
+        log.info("ingress: %s", f"API key required on every route but /health ({keys!r})" if keys.required
+                 else "no API key required")
+        self._streams: set[_Stream] = set()  # requests past admission, for the drain to end at its timeout
         # Ask the engine for the model's name and context now, without holding up the deployment.
         loop = asyncio.get_running_loop()
         self._info_task = loop.create_task(self._prefetch_info())
         self._gauges_task = loop.create_task(self._refresh_gauges())
+        self._drain_task = loop.create_task(self._watch_for_drain())
+        self._deaths_task = loop.create_task(self._watch_replica_deaths())
+
+    async def _watch_replica_deaths(self) -> None:
+        """service.replica_deaths: log and count every engine replica death of this app with its cause."""
+        from service.app import ENGINE_DEPLOYMENT  # service.app imports this module
+
+        watcher = replica_deaths.DeathWatcher(serve.get_replica_context().app_name, ENGINE_DEPLOYMENT)
+        while True:
+            await asyncio.sleep(replica_deaths.WATCH_PERIOD_S)
+            try:
+                deaths = await asyncio.to_thread(watcher.new_deaths)
+            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: look again
+                log.warning("reading engine replica deaths failed", exc_info=True)
+                continue
+            for d in deaths:
+                log.error("engine replica %s (pid %d) died: %s: %s", d.replica, d.pid, d.cause, d.detail)
+                self.metrics.inc("diffkv_replica_deaths_total", cause=d.cause)
+
+    async def _watch_for_drain(self) -> None:
+        """service.drain: once a drain is announced, refuse new requests, let those in flight run until the
+        timeout, end the rest with a 503 / SSE error event, and report what is left; a withdrawn
+        announcement (drain.clear) makes the replica serve again."""
+        ctx = serve.get_replica_context()
+        app_name, replica = ctx.app_name, ctx.replica_id.unique_id
+        deadline: Optional[float] = None
+        while True:
+            await asyncio.sleep(drain.POLL_S)
+            try:
+                announcement = await asyncio.to_thread(drain.announced, app_name)
+                if announcement is None:
+                    if deadline is not None:
+                        deadline, self.guard.draining = None, False
+                        log.warning("ingress %s: drain withdrawn: serving again", replica)
+                        await asyncio.to_thread(drain.forget_report, app_name, replica)
+                    continue
+                timeout_s = announcement.timeout_s
+                if timeout_s is None:
+                    timeout_s = self.cfg.drain_timeout_s
+                if deadline is None:
+                    deadline, self.guard.draining = time.monotonic() + timeout_s, True
+                    log.warning("ingress %s: draining: new requests get 503; %d in flight get %.0fs to finish",
+                                replica, self.admission.in_flight, timeout_s)
+                running = [st for st in self._streams if st.abort_error is None]
+                if time.monotonic() >= deadline and running:
+                    log.warning("ingress %s: drain timeout: ending %d requests with 503", replica, len(running))
+                    for stream in running:
+                        stream.abort(APIError(503, f"the server shut down before the request finished (drain "
+                                                   f"timeout {timeout_s:g}s); retry it", "service_unavailable",
+                                              retry_after=DRAIN_RETRY_AFTER_S))
+                await asyncio.to_thread(drain.report, app_name, replica, self.admission.in_flight)
+            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: try again at the next poll
+                log.warning("ingress %s: drain check failed", replica, exc_info=True)
 
     async def _refresh_gauges(self) -> None:
         """Re-set the admission gauges every second: the arrival-rate estimate decays between arrivals, and
@@ -339,6 +441,23 @@ class OpenAIIngress:
             pass  # the first request asks again
 
     # ---- helpers ------------------------------------------------------------------------------------------
+    def _count_guard_rejection(self, method: str, path: str, reason: str) -> None:
+        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            self.metrics.inc("diffkv_requests_rejected_total", endpoint=_endpoint(path), reason=reason)
+
+    def _check_prompt_chars(self, body: Union[ChatCompletionRequest, CompletionRequest], info: dict) -> None:
+        """Before the replica tokenizes: a prompt far longer than any context could hold is refused at once."""
+        limit = self.cfg.limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info["max_model_len"]
+        if isinstance(body, ChatCompletionRequest):
+            param, chars = "messages", sum(len(m.text()) + len(m.name or "") for m in body.messages)
+        elif isinstance(body.prompt, str):
+            param, chars = "prompt", len(body.prompt)
+        else:
+            return  # token ids: the replica checks their count against the context
+        if chars > limit:
+            raise APIError(400, f"{param} has {chars} characters; this server accepts at most {limit} "
+                                f"(limits.max_prompt_chars)", "invalid_request_error", param, "prompt_too_long")
+
     async def _model_info(self) -> dict:
         if self._info is None:
             try:
@@ -359,6 +478,7 @@ class OpenAIIngress:
         """Checks that need the model, then admission. Returns the replica request (the caller must release)."""
         info = await self._model_info()
         try:
+            self._check_prompt_chars(body, info)
             if body.model != info["model"]:
                 raise APIError(400, f"The model '{body.model}' does not exist; this server serves "
                                     f"'{info['model']}'", "invalid_request_error", "model", "model_not_found")
@@ -371,6 +491,10 @@ class OpenAIIngress:
         except APIError:
             self.metrics.inc("diffkv_requests_rejected_total", endpoint=endpoint, reason="invalid")
             raise
+        if self.guard.draining:  # passed the guard just before the drain began
+            self.metrics.inc("diffkv_requests_rejected_total", endpoint=endpoint, reason="draining")
+            raise APIError(503, "the server is shutting down and takes no new requests", "service_unavailable",
+                           retry_after=DRAIN_RETRY_AFTER_S)
         decision = self.admission.decide()
         self._publish_admission_gauges()
         if not decision.admit:
@@ -433,6 +557,9 @@ class OpenAIIngress:
 
     @app.get("/health", response_model=Health, responses=_ERRORS)
     async def health(self) -> Health:
+        if self.guard.draining:  # readiness: route no new work here
+            raise APIError(503, "draining: the server is shutting down", "service_unavailable",
+                           retry_after=DRAIN_RETRY_AFTER_S)
         info = await self._model_info()
         return Health(model=info["model"])
 

@@ -10,6 +10,7 @@ import sys
 from typing import Optional
 
 from engine.config import KV_MODES
+from service.config import API_KEY_ENV
 
 
 PACKAGE = "diffkv-serve"
@@ -173,7 +174,7 @@ def _serve_config(args):
     `args` are used) with the command-line flags on top."""
     from pathlib import Path
 
-    from service.config import ServiceConfig
+    from service.config import ServiceConfig, api_keys_from_env
 
     data: dict = {}
     if args.config:
@@ -194,6 +195,13 @@ def _serve_config(args):
         data.setdefault("admission", {})["ttft_target_s"] = args.ttft_target
     if args.no_admission:
         data.setdefault("admission", {})["enabled"] = False
+    if args.max_body_bytes is not None:
+        data.setdefault("limits", {})["max_body_bytes"] = args.max_body_bytes
+    if args.drain_timeout is not None:
+        data["drain_timeout_s"] = args.drain_timeout
+    keys = list(data.get("api_keys") or []) + (args.api_key or []) + api_keys_from_env()
+    if keys:
+        data["api_keys"] = list(dict.fromkeys(keys))
     return ServiceConfig.model_validate(data)
 
 
@@ -288,6 +296,14 @@ def _metrics_banner(args, node: Optional[dict] = None) -> str:
     return f", Prometheus metrics on 0.0.0.0:{args.metrics_port}/metrics (every interface)"
 
 
+def _auth_banner(args, cfg) -> str:
+    if cfg.all_api_keys():
+        return "API key required"
+    if _local_ray_env(args):
+        return "no API key"
+    return f"no API key: anyone who reaches {args.host}:{args.port} can generate (--api-key or {API_KEY_ENV})"
+
+
 def _this_node() -> Optional[dict]:
     import ray
 
@@ -324,11 +340,84 @@ def _reap(procs: list, grace_s: float = 3.0) -> None:
     psutil.wait_procs(alive, timeout=5.0)
 
 
-def _stop_on_signals(stop) -> None:
+def _stop_on_signals(stop, hurry) -> None:
+    """The first SIGINT / SIGTERM stops the service (after draining); a second one cuts the drain short."""
     import signal
 
+    def handler(*_):
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, handler)
+
+
+# After the last request's final bytes left the ingress, they still cross Serve's proxy to the client.
+_DRAIN_FLUSH_S = 0.5
+# Past the drain timeout the ingress ends what is left; that takes a poll period and a response or two.
+_DRAIN_ABORT_GRACE_S = 5.0
+
+
+def _drain(cfg, hurry) -> None:
+    """service.drain: announce, then wait until every running ingress replica has nothing in flight. Also
+    when the stop came during the deployment: an ingress replica serves as soon as it runs."""
+    import time
+
+    from service import drain
+    from service.app import APP_NAME
+
+    try:
+        replicas = _running_ingress_replicas(APP_NAME)
+    except Exception:  # noqa: BLE001 - Serve is not reachable: nothing to drain
+        replicas = None
+    if not replicas:
+        return
+    print(f"draining: new requests get 503; requests in flight get up to {cfg.drain_timeout_s:g}s to finish "
+          f"(a second Ctrl-C stops at once)", file=sys.stderr, flush=True)
+    drain.announce(APP_NAME, cfg.drain_timeout_s)
+    took = drain.wait_drained(APP_NAME, replicas, cfg.drain_timeout_s + _DRAIN_ABORT_GRACE_S,
+                              give_up=hurry.is_set)
+    if took is None:
+        print("drain incomplete: stopping with requests in flight", file=sys.stderr, flush=True)
+    else:
+        print(f"drained in {took:.1f}s", file=sys.stderr, flush=True)
+        time.sleep(_DRAIN_FLUSH_S)
+
+
+def _stop_serve(timeout_s: float = 30.0) -> None:
+    """serve.shutdown() without its noise. serve.shutdown() waits on a controller call that can only end by
+    failing (the controller kills itself), and Ray reports that failure as "Task
+    ServeController.graceful_shutdown failed ... will be retried". Here the shutdown is requested without
+    waiting, and the controller actor is waited for until it is gone; any other Ray falls back to
+    serve.shutdown()."""
+    import time
+
+    import ray
+    from ray import serve
+
+    try:
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+        from ray.serve.context import _get_global_client, _set_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        controller = client._controller if client is not None else None
+    except (ImportError, AttributeError):
+        serve.shutdown()
+        return
+    if controller is None:
+        return
+    client.shutdown_cached_handles()
+    ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # gone: Serve's applications, replicas and proxies are stopped
+            break
+        time.sleep(0.2)
+    else:
+        print(f"Serve's controller did not stop within {timeout_s:g}s", file=sys.stderr, flush=True)
+    client._shutdown = True
+    _set_global_client(None)
 
 
 def cmd_serve(args) -> int:
@@ -345,10 +434,11 @@ def cmd_serve(args) -> int:
     import ray
     from ray import serve
 
+    from service import drain
     from service.app import APP_NAME, build_app
 
-    stop = threading.Event()
-    _stop_on_signals(stop)
+    stop, hurry = threading.Event(), threading.Event()
+    _stop_on_signals(stop, hurry)
     if args.address:
         ray.init(address=args.address)
         _check_joined_port(args)
@@ -356,14 +446,17 @@ def cmd_serve(args) -> int:
         _check_ports_free(args.host, {"--port": args.port, "--metrics-port": args.metrics_port})
         ray.init(**_local_ray_init_kwargs(args))
     # again: Ray's core worker installs its own SIGTERM handler (a crash report, then exit) in ray.init
-    _stop_on_signals(stop)
+    _stop_on_signals(stop, hurry)
+    deploying = False
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        drain.clear(APP_NAME)  # a drain announced by an earlier run on this cluster is not this run's
+        deploying = True
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
         metrics = _metrics_banner(args, _this_node() if args.address else None)
         print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
-              f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}). Ctrl-C stops.",
-              file=sys.stderr, flush=True)
+              f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}; {_auth_banner(args, cfg)}). "
+              f"Ctrl-C stops.", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
@@ -372,14 +465,73 @@ def cmd_serve(args) -> int:
         print("shutting down...", file=sys.stderr, flush=True)
         ours = [] if args.address else psutil.Process().children(recursive=True)  # the Ray we started
         try:
+            if deploying:
+                _drain(cfg, hurry)
             if args.address:
                 serve.delete(APP_NAME)  # a shared cluster: remove only our app
+                drain.clear(APP_NAME)
             else:
-                serve.shutdown()
+                _stop_serve()
         finally:
             ray.shutdown()
             _reap(ours)
     return 0
+
+
+def _running_ingress_replicas(app: str) -> Optional[int]:
+    from ray import serve
+
+    from service.app import INGRESS_DEPLOYMENT
+
+    status = serve.status().applications.get(app)
+    if status is None:
+        return None
+    ingress = status.deployments.get(INGRESS_DEPLOYMENT)
+    states = ingress.replica_states if ingress is not None else {}
+    return sum(n for state, n in states.items() if str(getattr(state, "value", state)).endswith("RUNNING"))
+
+
+def cmd_drain(args) -> int:
+    """Drain a running app (a KubeRay head pod's preStop hook runs this before the pod is stopped): its
+    ingress replicas refuse new requests and finish or end those in flight; nothing is shut down here."""
+    import os
+    import time
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from service import drain
+
+    ray.init(address=args.address, logging_level="error", log_to_driver=False)
+    try:
+        if args.cancel:
+            drain.clear(args.app)
+            print(f"drain of {args.app!r} withdrawn: its ingress replicas serve again", file=sys.stderr)
+            return 0
+        replicas = _running_ingress_replicas(args.app)
+        if replicas is None:
+            print(f"error: no Serve application {args.app!r} on this cluster", file=sys.stderr)
+            return 2
+        t0 = time.monotonic()
+        if args.follow:  # a worker pod: wait only for a drain the head announces (the whole cluster stops)
+            while drain.announced(args.app) is None:
+                if time.monotonic() - t0 > args.follow_s:
+                    print("no drain announced: nothing to wait for", file=sys.stderr)
+                    return 0
+                time.sleep(drain.POLL_S)
+        else:
+            drain.announce(args.app, args.timeout)
+        timeout = f"{args.timeout:g}s" if args.timeout is not None else "the app's drain_timeout_s"
+        print(f"draining {args.app!r} ({replicas} ingress replicas): requests in flight get {timeout}",
+              file=sys.stderr, flush=True)
+        took = drain.wait_drained(args.app, max(replicas, 1), args.max_wait)
+        if took is None:
+            print(f"not drained after {time.monotonic() - t0:.1f}s", file=sys.stderr)
+            return 1
+        print(f"drained in {took:.1f}s", file=sys.stderr)
+        return 0
+    finally:
+        ray.shutdown()
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -464,11 +616,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"admission control's TTFT target in seconds (default: "
                         f"{_service_default('admission').ttft_target_s})")
     s.add_argument("--no-admission", action="store_true", help="admit every request (no 429s)")
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat it to accept several keys while "
+                        f"rotating; {API_KEY_ENV}, comma-separated, adds keys without putting them on the command "
+                        f"line)")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"largest request body; larger ones get 413 before they are parsed (default: "
+                        f"{_service_default('limits').max_body_bytes})")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help=f"seconds requests in flight get to finish on SIGTERM / Ctrl-C (default: "
+                        f"{_service_default('drain_timeout_s')})")
     s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus export port of the local Ray (on loopback when --host is)")
     s.set_defaults(func=cmd_serve)
+    d = add("drain", help="drain a running app before its cluster stops (a KubeRay preStop hook)",
+            description="New requests get 503, requests in flight get the drain timeout to finish, the rest end "
+                        "with 503 / an SSE error event; returns once every ingress replica has none left.")
+    d.add_argument("--address", default="auto", help="the Ray cluster")
+    d.add_argument("--app", default="diffkv", help="the Serve application")  # service.app.APP_NAME
+    d.add_argument("--timeout", type=float, default=None,
+                   help="seconds requests in flight get (default: the app's ServiceConfig.drain_timeout_s)")
+    d.add_argument("--max-wait", type=float, default=300.0, help="give up waiting after this many seconds")
+    d.add_argument("--cancel", action="store_true", help="withdraw a drain: the ingress replicas serve again")
+    d.add_argument("--follow", action="store_true",
+                   help="announce nothing: wait for a drain another process announces within --follow-s (a worker "
+                        "pod's preStop: its engine replica keeps serving while the head drains)")
+    d.add_argument("--follow-s", type=float, default=15.0)
+    d.set_defaults(func=cmd_drain)
     # the evaluation package is imported only when one of these is parsed or its help shown
     add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)",
         populate=_eval_command)

@@ -6,9 +6,10 @@ box with the embedded model.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import os
+from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config import CacheConfig, EngineConfig, KVMode, SchedulerConfig
 
@@ -67,6 +68,27 @@ class RetryConfig(BaseModel):
                                                            "lost replica first (seconds)")
 
 
+# The environment variable that supplies API keys (comma-separated, so a new key can be added before the old
+# one is removed); read by `diffkv serve` and by every ingress replica (on KubeRay: from a Secret).
+API_KEY_ENV = "DIFFKV_API_KEY"
+
+
+def api_keys_from_env(environ: Mapping[str, str] = os.environ) -> list[str]:
+    return [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+
+
+class LimitsConfig(BaseModel):
+    """Bounds checked before any work is spent on a request (docs/RELIABILITY.md, "Limits")."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body; a larger one gets "
+                                                                      "413 before it is parsed")
+    max_prompt_chars: Optional[int] = Field(
+        None, ge=1, description="longest prompt (all messages together) in characters, checked before "
+                                "tokenizing; None: 32 x the context length (no tokenizer packs 32 characters "
+                                "into every token, so a longer prompt cannot fit)")
+
+
 # Resources Ray defines itself: the dedicated fields (replica_cpus, worker_cpus, device) set them.
 _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
@@ -74,7 +96,8 @@ _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 class ServiceConfig(BaseModel):
     """Everything `build_app` needs. Engine settings map onto engine.EngineConfig (see engine_config())."""
 
-    model_config = ConfigDict(extra="forbid")
+    # hide_input_in_errors: a rejected API key must not be echoed in the error (messages still name the field)
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
     # ---- the model and its engine ----
     model: Optional[str] = Field(None, description="HF folder, .gguf file, random:<preset>; None: embedded SmolLM2")
     served_model_name: Optional[str] = Field(None, description="the name clients pass as `model`; default: the "
@@ -115,6 +138,14 @@ class ServiceConfig(BaseModel):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
+    # ---- access and shutdown ----
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description=f"accepted `Authorization: Bearer` keys on /v1/* (empty: no key needed); "
+                                          f"{API_KEY_ENV} (comma-separated) adds to them")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM / Ctrl-C, how long requests in flight may run to completion before "
+                                "they are ended (503 / an SSE error event)")
 
     @field_validator("rank_resources", "ingress_resources")
     @classmethod
@@ -126,6 +157,20 @@ class ServiceConfig(BaseModel):
             if not amount > 0:
                 raise ValueError(f"{info.field_name}: {name!r} must be > 0, got {amount}")
         return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _key_format(cls, v: list[SecretStr]) -> list[SecretStr]:
+        for i, key in enumerate(v):
+            text = key.get_secret_value()
+            # the message names the key's position, never the key
+            if not text or not text.isascii() or not text.isprintable() or any(c in text for c in " ,"):
+                raise ValueError(f"api_keys[{i}]: a key must be non-empty printable ASCII without spaces or commas")
+        return v
+
+    def all_api_keys(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """The configured keys and those of API_KEY_ENV in this process's environment, without repeats."""
+        return list(dict.fromkeys([k.get_secret_value() for k in self.api_keys] + api_keys_from_env(environ)))
 
     @model_validator(mode="after")
     def _apply_shortcuts(self) -> "ServiceConfig":
@@ -140,7 +185,10 @@ class ServiceConfig(BaseModel):
         A full dump would mark every cache field as set on the replica, and the engine would then never fill
         the model's calibrated thresholds and precisions (engine.model_settings) as it does for `diffkv
         generate`; unset fields must stay unset."""
-        return self.model_dump(mode="json", exclude_unset=True)
+        args = self.model_dump(mode="json", exclude_unset=True)
+        if self.api_keys:  # a JSON dump masks secrets; the ingress needs the keys themselves
+            args["api_keys"] = [k.get_secret_value() for k in self.api_keys]
+        return args
 
     def uses_gpu(self) -> bool:
         """Whether engine replicas (or their workers) get GPUs. For 'auto', whether the Ray cluster has any:

@@ -18,12 +18,15 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
+from service.replica_deaths import CAUSES
+
 # Label keys.
 REPLICA = "replica"  # engine replica id (Serve's replica tag)
 RANK = "rank"  # tensor-parallel rank inside the replica
 REASON = "reason"  # why a request was rejected (admission reasons, or "invalid")
 ENDPOINT = "endpoint"  # chat | completions
 KV_MODE = "kv_mode"  # engine.config.KV_MODES
+CAUSE = "cause"  # why an engine replica died (service.replica_deaths.CAUSES)
 
 LATENCY_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0]
 TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
@@ -32,7 +35,8 @@ BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
 ENDPOINTS = ("chat", "completions")
-REJECT_REASONS = ("queue_delay", "arrival_rate", "invalid", "engine_dead", "error")
+REJECT_REASONS = ("queue_delay", "arrival_rate", "invalid", "engine_dead", "error", "unauthorized", "too_large",
+                  "draining")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -124,8 +128,15 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("diffkv_requests_rejected_total", "counter", "Requests rejected, by reason: queue_delay / "
                                                             "arrival_rate (admission, 429), invalid (400), "
                                                             "engine_dead (503), error (other failures before the "
-                                                            "first token).", (ENDPOINT, REASON),
+                                                            "first token), unauthorized (401), too_large (413), "
+                                                            "draining (503 while shutting down).", (ENDPOINT, REASON),
                label_values=((REASON, REJECT_REASONS),)),
+    MetricSpec("diffkv_replica_deaths_total", "counter", "Engine replica deaths, by cause: memory, process_died, "
+                                                         "killed, engine_dead, node_lost, init_failed, "
+                                                         "unschedulable, owner_died, unknown (each also logged "
+                                                         "by the ingress with its detail; replicas Serve stops "
+                                                         "on purpose are not counted).", (CAUSE,),
+               label_values=((CAUSE, CAUSES),)),
     MetricSpec("diffkv_requests_retried_total", "counter", "Re-sends of admitted requests to another engine "
                                                            "replica after theirs failed before any output "
                                                            "(replica or node lost).", (ENDPOINT,)),

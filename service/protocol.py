@@ -20,7 +20,9 @@ MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: Python's json accepts NaN / Infinity, which must fail as "a finite number", not
+    # as a range error
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # ---- requests ---------------------------------------------------------------------------------------------

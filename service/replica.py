@@ -19,17 +19,20 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
+import ray
 import torch
 
 import engine.errors as engine_errors
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from service import replica_deaths
 from service.admission import ServiceMeter
 from service.config import ServiceConfig
 from service.metrics import KV_MODE, REPLICA, Metrics
 
 log = logging.getLogger("ray.serve")
+MEMORY_SAMPLE_PERIOD_S = 2.0  # how stale the memory figures of a killed replica's death report may be
 
 
 class _EngineDead(Exception):
@@ -60,9 +63,12 @@ class EngineReplica:
 
         self.cfg = ServiceConfig.model_validate(config)
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            ctx = serve.get_replica_context()
+            self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
+            self.actor_id: Optional[str] = ray.get_runtime_context().get_actor_id()
         except Exception:  # outside Serve (unit tests construct it directly)
-            self.replica_id = "local"
+            self.replica_id, self.app_name, self.actor_id = "local", None, None
+        self._memory_sampled = 0.0
         from engine.llm_engine import LLMEngine
 
         # Loading the model takes seconds: keep the replica's event loop free meanwhile.
@@ -264,6 +270,7 @@ class EngineReplica:
         while True:
             await asyncio.sleep(self.cfg.stats_period_s)
             try:
+                await self._sample_memory()
                 await self._poll_once()
             except asyncio.CancelledError:
                 raise
@@ -312,8 +319,25 @@ class EngineReplica:
         rate = self.meter.snapshot(self.replica_id).service_rate
         m.set("diffkv_service_rate", rate or 0.0)
 
+    async def _sample_memory(self) -> None:
+        """For service.replica_deaths: if this process is killed without a word, how full its node was."""
+        now = time.monotonic()
+        if self.actor_id is None or now - self._memory_sampled < MEMORY_SAMPLE_PERIOD_S:
+            return
+        self._memory_sampled = now
+        try:
+            await asyncio.to_thread(replica_deaths.record_memory, self.app_name, self.actor_id)
+        except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the next sample comes soon
+            log.debug("engine replica %s: memory sample not recorded", self.replica_id, exc_info=True)
+
     async def __del__(self) -> None:
         """Serve calls this on graceful shutdown: end the step thread, abort what is left, release workers."""
+        if getattr(self, "actor_id", None) is not None:  # a stop, not a death (service.replica_deaths)
+            try:
+                dead = self._dead or (None if self.engine_healthy() else "the engine reports itself unhealthy")
+                await asyncio.to_thread(replica_deaths.record_stop, self.app_name, self.actor_id, dead)
+            except Exception:  # noqa: BLE001 - the GCS unreachable: the stop is then reported as a kill
+                log.warning("engine replica %s: could not record its stop", self.replica_id, exc_info=True)
         poller = getattr(self, "_poller", None)
         if poller is not None:
             poller.cancel()

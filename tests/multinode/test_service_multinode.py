@@ -235,6 +235,10 @@ def test_node_loss_retries_errors_cleanly_and_recovers(service):
         retried = sum(values(scrape(nodes), "ray_diffkv_requests_retried_total"))
         return retried >= 1
     wait_for(counted_retries, 15, interval=0.5, what="the ingress's count of re-sent requests")
+    # The lost replica's death is named once, with its cause (service/replica_deaths.py).
+    wait_for(lambda: sum(values(scrape(nodes), "ray_diffkv_replica_deaths_total", cause="node_lost")) == 1, 30,
+             interval=0.5, what="the replica's death counted as node_lost")
+    assert sum(values(scrape(nodes), "ray_diffkv_replica_deaths_total")) == 1
 
     # Serve replaces the lost replica on the fresh node; the service answers again.
     def recovered():

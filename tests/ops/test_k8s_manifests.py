@@ -104,6 +104,21 @@ BROKEN = [
     pytest.param("base/rayservice.yaml", "terminationGracePeriodSeconds: 60", "terminationGracePeriodSeconds: 1m",
                  "gpu", ["workerGroupSpecs[0](gpu).template", "terminationGracePeriodSeconds"],
                  id="pod-template-type"),
+    # API keys: only from a Secret, on the pod that hosts the ingress
+    pytest.param("base/rayservice.yaml", "                - name: DIFFKV_API_KEY", "                - name: DIFFKV_KEY",
+                 "cpu-demo", ["headGroupSpec container 'ray-head'", "DIFFKV_API_KEY", "secretKeyRef"],
+                 id="api-key-not-from-secret"),
+    pytest.param("base/rayservice.yaml", "                  valueFrom:\n                    secretKeyRef:\n"
+                 "                      name: diffkv-api-key\n                      key: api-key\n"
+                 "                      optional: true", '                  value: "sk-in-the-manifest"', "gpu",
+                 ["literal value", "DIFFKV_API_KEY"], id="api-key-literal"),
+    # drain: the head drains before it stops, with time for it
+    pytest.param("base/rayservice.yaml", "          terminationGracePeriodSeconds: 45",
+                 "          terminationGracePeriodSeconds: 35", "gpu",
+                 ["terminationGracePeriodSeconds is 35", "at least 40"], id="drain-grace-too-short"),
+    pytest.param("base/rayservice.yaml", '"service.cli", "drain", "--address", "auto"]',
+                 '"service.cli", "serve", "--address", "auto"]', "cpu-demo", ["preStop", "drain"],
+                 id="head-does-not-drain"),
     pytest.param("overlays/gpu/models-pvc.yaml", "  accessModes:", "  accessMode:", "gpu",
                  ["PersistentVolumeClaim/diffkv-models", "accessMode"], id="core-object-field"),
     pytest.param("components/monitoring/podmonitor.yaml", "      path: /metrics", "      pth: /metrics",

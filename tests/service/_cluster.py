@@ -6,6 +6,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 # One Prometheus text parser and one port picker (the soak uses them too).
 from loadtest.soak_cluster import free_port, parse_metrics  # noqa: F401  (free_port: re-exported)
@@ -58,15 +59,15 @@ def deploy(config: dict, name: str, route_prefix: str):
 
 
 @contextmanager
-def served(cluster, config: dict, name: str, route_prefix: str):
+def served(cluster, config: dict, name: str, route_prefix: str, headers: Optional[dict] = None):
     """deploy() the app, give the handles a module's tests use (base URL, served model id, engine handle,
-    cluster), and delete the app afterwards."""
+    cluster), and delete the app afterwards. `headers`: what /v1/models needs (an API key)."""
     import httpx
     from ray import serve
 
     engine = deploy(config, name, route_prefix)
     base = f"http://127.0.0.1:{cluster.http_port}{route_prefix}"
-    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
+    model = httpx.get(f"{base}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
     try:
         yield {"base": base, "model": model, "engine": engine, "cluster": cluster}
     finally:

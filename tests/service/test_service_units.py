@@ -329,6 +329,8 @@ class _FakeCall:
         item = self.items.pop(0)
         if isinstance(item, BaseException):
             raise item
+        if item == "hang":  # a replica still generating: the next token never comes in the test's time
+            await asyncio.sleep(3600)
         return item
 
     def cancel(self):
@@ -343,6 +345,7 @@ class _FakeIngress:
 
         self.cfg = ServiceConfig(retry={"max_retries": max_retries, "backoff_s": 0})
         self.scripts, self.sent, self.calls, self.counted = list(scripts), [], [], []
+        self._streams = set()
         self.engine = self
         self.generate = self
         self.admission = types.SimpleNamespace(report=lambda load: None, release=lambda: None)
@@ -418,3 +421,29 @@ def test_ingress_never_resends_after_output():
         asyncio.run(run())
     assert e.value.status == 503 and e.value.type == "service_unavailable"
     assert len(ing.sent) == 1 and stream.attempts == 0 and stream.failed
+
+
+def test_drain_timeout_ends_a_request_with_503_and_never_resends_it():
+    from service.api import APIError, _Stream
+
+    async def run(stream, waiting_for_first):
+        async def end_soon():
+            await asyncio.sleep(0.05)
+            stream.abort(APIError(503, "shut down", "service_unavailable"))
+        asyncio.get_running_loop().create_task(end_soon())
+        if waiting_for_first:
+            await stream.first()
+        else:
+            await stream.first()
+            [item async for item in stream.rest()]
+
+    for script, waiting_for_first in (([_token("a"), "hang"], False), (["hang"], True)):
+        ing = _FakeIngress([script, [_token("b", "length")]], 3)
+        stream = _Stream(ing, {"request_id": "req-d"}, "chat", 0.0)
+        assert ing._streams == {stream}
+        with pytest.raises(APIError) as e:
+            asyncio.run(asyncio.wait_for(run(stream, waiting_for_first), 5))
+        assert e.value.status == 503 and e.value.message == "shut down"
+        assert len(ing.sent) == 1  # ended by the server: not sent to another replica
+        asyncio.run(stream.close())
+        assert ing._streams == set() and ing.calls[0].cancelled
