@@ -35,7 +35,8 @@ from kernels.sections import section_page, section_targets
 
 # ---- reference ------------------------------------------------------------------------------------------------
 def decode_pages_ref(st: PageState, fmt_high: PageFormat, fmt_low: Optional[PageFormat], cache_dtype,
-                     slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict]) -> tuple[torch.Tensor, ...]:
+                     slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict],
+                     low_grows: bool = True) -> tuple[torch.Tensor, ...]:
     num_pages = st.pool.shape[0]
     P = st.page_table.shape[-1] - 1
     active = (seq_len > 0).to(torch.int32).view(-1, 1, 1)
@@ -62,8 +63,9 @@ def decode_pages_ref(st: PageState, fmt_high: PageFormat, fmt_low: Optional[Page
                         dr.flatten())
         st.len_high[slots] = new_high + active
         st.len_low[slots] = new_low
-        full = (st.len_high[slots] >= st.held_high[slots] * T_hi) | (st.len_low[slots] >= st.held_low[slots] *
-                                                                       fmt_low.tokens)
+        full = st.len_high[slots] >= st.held_high[slots] * T_hi
+        if low_grows:  # a policy that never demotes (budget) never needs a low page
+            full |= st.len_low[slots] >= st.held_low[slots] * fmt_low.tokens
         # What the scheduler reads next step; padding rows (the dummy slot) keep theirs.
         grown = full.sum((1, 2), dtype=torch.int64)
         st.next_growth[slots] = torch.where(seq_len > 0, grown, st.next_growth[slots])
@@ -128,7 +130,7 @@ def _apply_kernel(
     slots_ptr, seq_ptr, aux_ptr, hole_ptr, src_ptr, dst_ptr, nlh_ptr, nll_ptr, page_out, row_out,
     B, LH, NC, H, P, num_pages, stride_pts, page_elems, page_bytes, D,
     hk_off, hk_meta, hv_off, hv_meta, lk_off, lk_meta, lv_off, lv_meta, hi_score, hi_pos, lo_score, lo_pos,
-    T_HI: tl.constexpr, T_LO: tl.constexpr, PLAN: tl.constexpr,
+    T_HI: tl.constexpr, T_LO: tl.constexpr, PLAN: tl.constexpr, LOW_GROWS: tl.constexpr,
     HKB: tl.constexpr, HVB: tl.constexpr, LKB: tl.constexpr, LVB: tl.constexpr, ISZ: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_NC: tl.constexpr,
@@ -194,7 +196,10 @@ def _apply_kernel(
         tl.store(ll_ptr + cell, len_lo, mask=m)
         held_hi = tl.load(hh_ptr + cell, mask=m, other=0)
         held_lo = tl.load(hl_ptr + cell, mask=m, other=0)
-        full = (len_hi >= held_hi * T_HI) | (len_lo >= held_lo * T_LO)
+        if LOW_GROWS:
+            full = (len_hi >= held_hi * T_HI) | (len_lo >= held_lo * T_LO)
+        else:  # a policy that never demotes (budget) never needs a low page
+            full = len_hi >= held_hi * T_HI
         if active > 0:  # the sequence's next worst-case growth (its need kernel zeroed it)
             tl.atomic_add(growth_ptr + slot, tl.sum((full & m).to(tl.int64), 0))
     else:
@@ -210,8 +215,8 @@ def _apply_kernel(
 
 
 def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[PageFormat], cache_dtype,
-                        slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict], block_h: int = 16,
-                        num_warps: int = 1) -> tuple[torch.Tensor, ...]:
+                        slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict], low_grows: bool = True,
+                        block_h: int = 16, num_warps: int = 1) -> tuple[torch.Tensor, ...]:
     """block_h heads per program, num_warps: an H100 sweep at the Llama-3-8B shape (32 x 8 heads, K8V4 + K4V2,
     head_dim 128) timed the apply kernel at batch 64 / 256: 16 heads, 1 warp 57 / 230 us; 16, 2 76 / 297;
     8, 1 58 / 233; 32, 1 98 / 258; 32, 4 127 / 515; 64, 4 164 / 718 (the old torch sequence with two move
@@ -248,7 +253,7 @@ def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[P
         fmt_high.page_bytes, D, *seg_offsets(fmt_high, "k"), *seg_offsets(fmt_high, "v"), *seg_offsets(fmt_low_, "k"),
         *seg_offsets(fmt_low_, "v"), fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low_.score_off // 4,
         fmt_low_.pos_off // 4,
-        T_HI=fmt_high.tokens, T_LO=fmt_low_.tokens, PLAN=has_plan, HKB=fmt_high.key_bits, HVB=fmt_high.value_bits,
+        T_HI=fmt_high.tokens, T_LO=fmt_low_.tokens, PLAN=has_plan, LOW_GROWS=low_grows, HKB=fmt_high.key_bits, HVB=fmt_high.value_bits,
         LKB=fmt_low_.key_bits, LVB=fmt_low_.value_bits, ISZ=isz, BLOCK_H=block_h, BLOCK_D=next_pow2(D),
         BLOCK_R=next_pow2(row_bytes), BLOCK_B=next_pow2(B), BLOCK_NC=next_pow2(NC), num_warps=num_warps,
         enable_fp_fusion=False,  # requantize as torch does (no FMA): bit-identical to the reference's moves
@@ -257,15 +262,17 @@ def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[P
 
 
 def decode_pages(st: PageState, fmt_high: PageFormat, fmt_low: Optional[PageFormat], cache_dtype,
-                 slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict],
+                 slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict], low_grows: bool = True,
                  impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Grow, move and target one decode step in place on `st` (see the module docstring).
 
     slots int32 [B]; seq_len int32 [B] (tokens after this step's token; 0 = a padding row); plan: the
-    compression_plan of this step (diffkv, fmt_low given) or None (one precision). Returns the new tokens'
-    write targets (page, row), int32 [L, B, H]. No host synchronization: a CUDA graph can capture it.
+    compression_plan of this step (diffkv, fmt_low given) or None (one precision); low_grows: whether the
+    policy can send a token to the low section (not the budget policy), so whether an empty or full low
+    section counts in the next growth bound. Returns the new tokens' write targets (page, row), int32
+    [L, B, H]. No host synchronization: a CUDA graph can capture it.
     """
     if (plan is None) != (fmt_low is None):
         raise ValueError("plan and fmt_low go together: a two-section (diffkv) cache needs its step's plan")
     fn = decode_pages_triton if use_triton(impl, st.pool, st.page_table, slots) else decode_pages_ref
-    return fn(st, fmt_high, fmt_low, cache_dtype, slots, seq_len, plan)
+    return fn(st, fmt_high, fmt_low, cache_dtype, slots, seq_len, plan, low_grows=low_grows)

@@ -87,7 +87,8 @@ class KVCache:
                  device: torch.device, num_query_heads: int):
         self.config = config
         high, low = config.precisions()
-        self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low, float8=config.float8)
+        self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low, float8=config.float8,
+                                low_grows=config.policy == "thresholds")
         self.diffkv = low is not None
         config.check_num_layers(shape.num_layers)
         # Per-layer budgets: [L] multipliers of the alphas (None: one global pair of thresholds).
@@ -239,7 +240,7 @@ class KVCache:
         if timed:
             self._mm_begin()
         out = decode_pages(mm.page_state, mm.fmt_high, mm.fmt_low if self.diffkv else None, mm.cache_dtype, slots,
-                           seq_len, plan)
+                           seq_len, plan, low_grows=mm.low_grows)
         if timed:
             self._mm_end()
         return out

@@ -39,8 +39,11 @@ from kernels.sections import section_targets
 
 class MemoryManager(PrefixBlocks):
     def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device,
-                 high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None, float8: bool = False):
-        """float8: the high precision's 8-bit sides hold e4m3 codes (kv_mode fp8)."""
+                 high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None, float8: bool = False,
+                 low_grows: bool = True):
+        """float8: the high precision's 8-bit sides hold e4m3 codes (kv_mode fp8). low_grows: the policy can
+        put tokens in the low section (False for the budget policy, which keeps every kept token high): when
+        it cannot, prompts reserve no low page and decode steps count no low growth."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the page pool needs at least one page")
         self.shape = shape
@@ -56,7 +59,8 @@ class MemoryManager(PrefixBlocks):
         self.num_pages = num_pages
         # A prompt reserves its all-high worst case; its low pages come out of that reservation, and rounding
         # both sections up to whole pages can need one page more (fit_prompt_plan): the reservation counts it.
-        self.extra_prompt_pages = 1 if self.fmt_low is not None else 0
+        self.low_grows = self.fmt_low is not None and low_grows
+        self.extra_prompt_pages = 1 if self.low_grows else 0
         self.max_pages = cdiv(shape.max_model_len, self.fmt_high.tokens) + self.extra_prompt_pages
         L, H, S, P = shape.num_layers, shape.num_kv_heads, shape.max_seqs, self.max_pages
         dev = self.device
@@ -149,7 +153,7 @@ class MemoryManager(PrefixBlocks):
         page only on a side whose section is full, and at most one (the new token goes high; only a token
         leaving high can go low)."""
         full = self.len_high[slots] >= self.held_high[slots] * self.fmt_high.tokens
-        if self.fmt_low is not None:
+        if self.low_grows:
             full |= self.len_low[slots] >= self.held_low[slots] * self.fmt_low.tokens
         return full.sum((1, 2), dtype=torch.int64)
 

@@ -184,6 +184,31 @@ def test_pages_stay_consistent():
     assert torch.equal(mm.next_growth[real], mm.decode_growth(real))  # what the scheduler reads next step
 
 
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_growth_bound_without_low_growth(impl):
+    """A policy that never demotes (budget): the next growth counts only full high sides, so heads with an empty
+    low section stop reserving a page each step; with low growth they count too (empty is full)."""
+    counts = {}
+    for low_grows in (True, False):
+        mm, slots, seq_len = _state(5)
+        mm.len_low.zero_()  # every low section empty (held pages stay: the invariants are not what is tested)
+        plan = _random_plan(mm, slots, seq_len, 5)
+        plan["to_low_src"].fill_(-1)
+        plan["low_dst"].fill_(-1)
+        plan["new_len_low"].zero_()
+        decode_pages(mm.page_state, mm.fmt_high, mm.fmt_low, mm.cache_dtype, slots, seq_len, plan,
+                     low_grows=low_grows, impl=impl)
+        real = slots[seq_len > 0].long()
+        high_full = (mm.len_high[real] >= mm.held_high[real] * mm.fmt_high.tokens).sum((1, 2))
+        low_full = (mm.len_low[real] >= mm.held_low[real] * mm.fmt_low.tokens).sum((1, 2))
+        either = ((mm.len_high[real] >= mm.held_high[real] * mm.fmt_high.tokens)
+                  | (mm.len_low[real] >= mm.held_low[real] * mm.fmt_low.tokens)).sum((1, 2))
+        counts[low_grows] = mm.next_growth[real].cpu()
+        assert torch.equal(counts[low_grows], (either if low_grows else high_full).cpu())
+        assert int(low_full.sum()) > 0  # empty low sections are there to be counted
+    assert (counts[False] < counts[True]).any()
+
+
 def test_plan_needs_low_format():
     mm, slots, seq_len = _state(0)
     with pytest.raises(ValueError, match="plan and fmt_low"):
