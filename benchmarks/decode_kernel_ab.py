@@ -2,10 +2,8 @@
 pick without it (quartered; q8 for K8V8 pages, integer or e4m3) on the same calls, side by side in one run:
 CUDA-graph time per call for each precision they both serve, at the Llama-3-8B (32 / 8 heads) and Qwen2.5-1.5B
 (12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's K8V4 + K4V2 call (half the tokens
-in each section) is timed without and with the per-token logits / lse outputs its significance update reads, the
-CUDA kernel's logits both stored from its fragments and staged through shared memory (mma_cuda.LOGITS_STAGED).
-The CUDA kernel is also timed with its splits merged in the kernel (mma_cuda.FUSED_MERGE) instead of by merge.py's
-second kernel.
+in each section) is timed without and with the per-token logits / lse outputs its significance update reads.
+Both kernels' split counts are the dispatcher's, and their splits are merged by merge.py's kernel.
 Page contents are random bytes (the kernels' time does not depend on them; benchmarks/attention.py and the tests
 check values).
 
@@ -24,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import parse_spec, section_lengths  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
-from kernels.decode_attention import decode_kernel, mma_cuda, paged_decode_attention_triton  # noqa: E402
+from kernels.decode_attention import decode_kernel, paged_decode_attention_triton  # noqa: E402
 from kernels.page_layout import page_bytes_for  # noqa: E402
 
 HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
@@ -62,7 +60,6 @@ def main() -> None:
     from tqdm import tqdm
 
     dev = torch.device("cuda")
-    staged_default, fused_default = mma_cuda.LOGITS_STAGED, mma_cuda.FUSED_MERGE
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes]
     jobs = [(n, spec, B, S) for n in HEADS for spec in args.specs for B, S in shapes]
     rows = []
@@ -74,15 +71,12 @@ def main() -> None:
         out = torch.empty_like(q)
         baseline = decode_kernel(hi, lo)  # the Triton kernel serving these pages
         row = dict(heads=name, spec=spec, B=B, S=S, baseline=baseline)
-        # (kernel, with logits / lse, logits staged, splits merged in the kernel)
-        timed = [("mma_cuda", False, False, False), ("mma_cuda", False, False, True), (baseline, False, False, False)]
-        if lo:  # DiffKV's call: also with the logits / lse outputs, the CUDA kernel's two ways of storing them
-            timed += [("mma_cuda", True, False, False), ("mma_cuda", True, True, False),
-                      ("mma_cuda", True, False, True), (baseline, True, False, False)]
-        for k, with_logits, staged, fused in timed:
+        timed = [("mma_cuda", False), (baseline, False)]  # (kernel, with the logits / lse outputs)
+        if lo:  # DiffKV's call: also with the logits / lse outputs
+            timed += [("mma_cuda", True), (baseline, True)]
+        for k, with_logits in timed:
             logits = torch.empty(B, hq, S, device=dev) if with_logits else None
             lse = torch.empty(B, hq, device=dev) if with_logits else None
-            mma_cuda.LOGITS_STAGED, mma_cuda.FUSED_MERGE = staged, fused
 
             def call():
                 paged_decode_attention_triton(q, pool, hi, torch.float16, pt, lh, slots, 0, 0.088, max_len=S,
@@ -91,21 +85,18 @@ def main() -> None:
 
             call()
             torch.cuda.synchronize()
-            key = k + ("+logits" if with_logits else "") + ("_staged" if staged else "") + ("_fused" if fused else "")
-            row[key] = round(do_bench_cudagraph(call, rep=args.rep) * 1e3, 2)
-        mma_cuda.LOGITS_STAGED, mma_cuda.FUSED_MERGE = staged_default, fused_default
+            row[k + ("+logits" if with_logits else "")] = round(do_bench_cudagraph(call, rep=args.rep) * 1e3, 2)
         rows.append(row)
         del pool
     print(f"\n{'heads':<14}{'spec':<11}{'B':>5}{'S':>7}{'cuda us':>10}{'triton us':>11}{'(kernel)':>11}{'speedup':>9}"
-          f"{'fused':>8}{'+logits':>10}{'+logits':>10}{'speedup':>9}{'staged':>10}{'fused':>8}")
+          f"{'+logits':>10}{'+logits':>10}{'speedup':>9}")
     for r in rows:
         base = r["baseline"]
         line = (f"{r['heads']:<14}{r['spec']:<11}{r['B']:>5}{r['S']:>7}{r['mma_cuda']:>10.1f}{r[base]:>11.1f}"
-                f"{base:>11}{r[base] / r['mma_cuda']:>8.2f}x{r['mma_cuda_fused']:>8.1f}")
+                f"{base:>11}{r[base] / r['mma_cuda']:>8.2f}x")
         if "mma_cuda+logits" in r:
             line += (f"{r['mma_cuda+logits']:>10.1f}{r[base + '+logits']:>10.1f}"
-                     f"{r[base + '+logits'] / r['mma_cuda+logits']:>8.2f}x{r['mma_cuda+logits_staged']:>10.1f}"
-                     f"{r['mma_cuda+logits_fused']:>8.1f}")
+                     f"{r[base + '+logits'] / r['mma_cuda+logits']:>8.2f}x")
         print(line)
     result = dict(benchmark="decode_kernel_ab", device=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python benchmarks/decode_kernel_ab.py" + (f" --out {args.out}" if args.out else ""),

@@ -17,7 +17,7 @@ RESULTS = Path(__file__).parent / "results"
 DOCS = ROOT / "docs"
 
 ATTENTION = "attention_H100.json"
-KERNEL_AB = "decode_mma_vs_triton_H200.json"  # the CUDA decode kernel against the Triton kernel it replaces
+KERNEL_AB = "decode_mma_vs_triton_H100.json"  # the CUDA decode kernel against the Triton kernel it replaces
 DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 THROUGHPUT = "throughput_smollm2_H100.json.gz"
 THROUGHPUT_REPEAT = "throughput_smollm2_reversed_H100.json.gz"  # the same command, modes in reverse order
@@ -42,6 +42,7 @@ MEASURED_ALTERNATIVES = {
     "attention_triton_kernels_H100.json": "benchmarks/attention.py on an H100 with the quartered Triton kernel serving K8V4, K4V2 and "
                            "mix (before decode_mma.cu): of the floor K8V4 0.72-1.01, K4V2 0.65-1.02, mix 0.66-0.80",
     "decode_variants_H100.json": "decode-attention kernel variants tried for kernels/decode_attention/launch.py launch_config",
+    "decode_mma_vs_triton_H200.json": "an earlier decode_mma.cu against the Triton kernels on an H200: 1.02-1.32x",
     "decode_kernel_variants_H200.json": "element-wise against quartered PTX unpacking in the decode kernel",
     "decode_splits_H200.json": "decode attention time per split count (kernels/decode_attention/launch.py)",
     "decode_splits_gqa6_H100.json": "decode attention time per split count at Qwen2.5-1.5B's heads (GQA 6): the "
@@ -130,10 +131,8 @@ def kernel_ab_section() -> list[str]:
            "Triton kernel the dispatcher picks otherwise (`quartered`, or `q8` for K8V8 pages) in one run, "
            "CUDA-graph microseconds per call (CUDA / Triton, and the speedup), head_dim 128, 16-token fp16 page "
            "size. `K8V4+K4V2` is DiffKV's call (half the tokens in each section); `+logits` adds the per-token "
-           "logits and lse its significance update reads (in parentheses: the logits staged through shared memory, "
-           "where timed). decode_mma.cu's tile copies and query loads were reworked after this run (fewer "
-           "instructions per tile: `decode_sass_sm90.json`); `bash scripts/device/decode_kernel_check.sh` times the "
-           "current kernel.", "",
+           "logits and lse its significance update reads. K8V8 pages stay with `q8` by default (the CUDA kernel is "
+           "slower there); the CUDA kernel takes the quartered kernel's calls.", "",
            "| heads | pages | " + " | ".join(f"B{b} S{s}" for b, s in shapes) + " |",
            "|---|---|" + "---:|" * len(shapes)]
     cells = {(r["heads"], r["spec"], r["B"], r["S"]): r for r in d["rows"]}
@@ -149,8 +148,7 @@ def kernel_ab_section() -> list[str]:
                     continue
                 base = r.get("baseline", "quartered")  # the Triton kernel the dispatcher would pick otherwise
                 cuda, tri = r["mma_cuda" + suffix], r[base + suffix]
-                staged = r.get("mma_cuda+logits_staged") if suffix else None
-                row.append(f"{cuda:.1f}" + (f" ({staged:.1f})" if staged else "") + f" / {tri:.1f} ({tri / cuda:.2f}x)")
+                row.append(f"{cuda:.1f} / {tri:.1f} ({tri / cuda:.2f}x)")
             out.append(f"| {heads} | {spec}{suffix} | " + " | ".join(row) + " |")
     return out + [""]
 

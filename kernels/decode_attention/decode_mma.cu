@@ -19,11 +19,10 @@
 // Compile-time settings (defined by the launcher): KB_HI / VB_HI and KB_LO / VB_LO (key / value bits of the
 // sections; KB_LO 0: no low section), MAXPAGES (pages a 64-token tile can span: 2 when every format holds >= 64
 // tokens a page, 3 when >= 32, 4 when >= 21), STAGES (cp.async tiles in flight), MINB (programs per SM the
-// registers must allow), Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`:
-// 1 stored from the fragments, 2 staged through shared memory and stored a member row at a time, 128 contiguous
-// bytes a store), F8_HI (the high section's 8-bit sides hold e4m3 codes, zero point 0: converted to fp16 by cvt,
-// no bias; sm_89+), FUSED_MERGE (with several splits, the last split of a (batch entry, KV head) to finish merges
-// every split's partials into the output and lse: flash-decoding's second kernel folded into this one).
+// registers must allow), Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`,
+// stored straight from the C fragments), F8_HI (the high section's 8-bit sides hold e4m3 codes, zero point 0:
+// converted to fp16 by cvt, no bias; sm_89+). With several splits the kernel writes each split's partials and
+// kernels/decode_attention/merge.py's kernel combines them.
 typedef unsigned int u32;
 struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 
@@ -60,12 +59,8 @@ struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 #ifndef WRITE_LOGITS
 #define WRITE_LOGITS 0
 #endif
-#ifndef FUSED_MERGE
-#define FUSED_MERGE 0
-#endif
 #define TILE 64
 #define D 128
-#define LOGIT_ROW 68  // floats per member row of the staged logits (WRITE_LOGITS 2): 4 banks apart, conflict-free
 #define LN2 0.6931471805599453f
 
 #ifdef DIFFKV_WARP_EMU
@@ -279,14 +274,14 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
 }
 
 // Tokens [lo, hi) of one section (lo < hi) into the split's state. qrow: member gi's query row (gi < group; zeros
-// past it). With WRITE_LOGITS, token t's logit for group member me goes to lg[me * lg_stride + logit_off + t];
-// logits0 / logits1 are the rows of this lane's C-fragment columns (members 2 t4, 2 t4 + 1; null past the group).
+// past it). With WRITE_LOGITS, token t's logits go to logits0 / logits1 [logit_off + t]: the rows of this lane's
+// C-fragment columns (members 2 t4, 2 t4 + 1; null past the group).
 // F8: the section's 8-bit sides are e4m3 codes.
 template <int KB, int VB, bool F8>
 __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bool real, float qk_scale,
                                        const unsigned char* pool, const Section& sec, int lo, int hi,
                                        int page_bytes, unsigned char* smem, float* logits0, float* logits1,
-                                       float* lg, long long lg_stride, int group, int logit_off, int lane) {
+                                       int logit_off, int lane) {
   const int gi = lane >> 2, t4 = lane & 3;
   // The first tiles' copies go out before the query's loads and preparation, which they overlap (lo < hi: the
   // first tile is unconditional, so that the compiler does not hoist the query's work above its branch).
@@ -409,7 +404,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
         s[blk][e] = ta < hi ? sa * s[blk][e] + za * kq0[e] : __int_as_float(0xff800000);
         s[blk][2 + e] = tc < hi ? sc * s[blk][2 + e] + zc * kq0[e] : __int_as_float(0xff800000);
       }
-#if WRITE_LOGITS == 1
+#if WRITE_LOGITS
       if (ta < hi) {
         if (logits0) logits0[logit_off + ta] = s[blk][0] * LN2;
         if (logits1) logits1[logit_off + ta] = s[blk][1] * LN2;
@@ -420,26 +415,6 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       }
 #endif
     }
-#if WRITE_LOGITS == 2
-    {  // the tile's logits into [member][token] rows of shared memory, then a member row per store
-      float* const rows = (float*)(smem + STAGES * STAGE_BYTES);
-#pragma unroll
-      for (int blk = 0; blk < 4; ++blk) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          rows[(2 * t4 + (e & 1)) * LOGIT_ROW + blk * 16 + gi + 8 * (e >> 1)] = s[blk][e] * LN2;
-      }
-      __syncwarp();
-      for (int me = 0; me < group; ++me) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int tok = 32 * half + lane;
-          if (t0 + tok < hi) lg[me * lg_stride + logit_off + t0 + tok] = rows[me * LOGIT_ROW + tok];
-        }
-      }
-      // the next tile writes the rows after the __syncwarp at its start
-    }
-#endif
     // online softmax per member (column): the tile's max over its 64 tokens
     float mx[2] = {st.m[0], st.m[1]};
 #pragma unroll
@@ -606,50 +581,6 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   __syncwarp();  // the next section's prologue reuses the stage buffers
 }
 
-#if FUSED_MERGE
-// Counts this split of (b, h) in; the last of its num_splits to arrive merges every split's partials (log2-domain
-// max m, sum l, unnormalized acc) into out and lse, as merge.py's kernel would, and sets the counter back to zero
-// for the next call. Each lane fences its own partials before lane 0 counts, and the merging program fences before
-// it reads the others' (through L2: ld.global.cg), so every split it counted is visible to it.
-__device__ __forceinline__ void merge_splits_last(int* counters, const float* mid_acc, const float* mid_ml,
-                                                  unsigned short* out, float* lse, int write_lse, int b, int h,
-                                                  int Hq, int group, int num_splits, int stride_ob, int stride_oh,
-                                                  int stride_eb, int stride_eh, int lane) {
-  __threadfence();
-  __syncwarp();
-  int* const counter = counters + (long long)b * (Hq / group) + h;
-  float last = 0.f;
-  if (lane == 0) last = atomicAdd(counter, 1) == num_splits - 1 ? 1.f : 0.f;
-  last = __shfl_sync(0xffffffff, last, 0);
-  if (last == 0.f) return;
-  __threadfence();
-  for (int me = 0; me < group; ++me) {
-    const int hq = h * group + me;
-    const long long base = (long long)(b * Hq + hq) * num_splits;
-    float mmax = -1.0e30f;
-    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, __ldcg(mid_ml + (base + s) * 2));
-    float total = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < num_splits; ++s) {  // empty splits: l = 0, acc = 0; any weight is harmless
-      const float w = ex2(__ldcg(mid_ml + (base + s) * 2) - mmax);
-      total += w * __ldcg(mid_ml + (base + s) * 2 + 1);
-      const float4 a = __ldcg((const float4*)(mid_acc + (base + s) * D) + lane);  // dims 4 lane .. 4 lane + 3
-      o[0] += w * a.x;
-      o[1] += w * a.y;
-      o[2] += w * a.z;
-      o[3] += w * a.w;
-    }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    unsigned short* const orow = out + (long long)b * stride_ob + (long long)hq * stride_oh + 4 * lane;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) orow[i] = out_elem(o[i] * inv);
-    if (write_lse && lane == 0)  // natural-log log-sum-exp; -inf without tokens
-      lse[(long long)b * stride_eb + (long long)hq * stride_eh] =
-          total > 0.f ? (mmax + lg2(total)) * LN2 : __int_as_float(0xff800000);
-  }
-  if (lane == 0) *counter = 0;
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
     const unsigned short* __restrict__ q, const unsigned char* __restrict__ pool, const int* __restrict__ page_table,
     const int* __restrict__ len_hi, const int* __restrict__ len_lo, const int* __restrict__ slots,
@@ -659,7 +590,7 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
     int stride_lh, int stride_ms, int stride_ml, int stride_mh, int stride_gb, int stride_gh, int stride_eb,
     int stride_eh, int layer, double qk_scale_d, int Hq, int group, int num_splits, int page_bytes, int T_hi,
     int k_off_hi, int k_meta_hi, int v_off_hi, int v_meta_hi, int T_lo, int k_off_lo, int k_meta_lo,
-    int v_off_lo, int v_meta_lo, int* __restrict__ counters) {
+    int v_off_lo, int v_meta_lo) {
   const float qk_scale = (float)qk_scale_d;
   DYNAMIC_SMEM(smem);
   const int lane = threadIdx.x, gi = lane >> 2, t4 = lane & 3;
@@ -675,10 +606,10 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
 
   const bool real = gi < group;
   const unsigned short* qrow = q + (long long)b * stride_qb + (long long)(h * group + (real ? gi : 0)) * stride_qh;
-  float* const lg = logits + (long long)b * stride_gb + (long long)h * group * stride_gh;  // member 0's row
   float* lg0 = nullptr;
   float* lg1 = nullptr;
-#if WRITE_LOGITS == 1
+#if WRITE_LOGITS
+  float* const lg = logits + (long long)b * stride_gb + (long long)h * group * stride_gh;  // member 0's row
   if (2 * t4 < group) lg0 = lg + 2 * t4 * (long long)stride_gh;
   if (2 * t4 + 1 < group) lg1 = lg + (2 * t4 + 1) * (long long)stride_gh;
 #endif
@@ -692,14 +623,14 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   if (ta < tiles_hi) {
     const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi};
     attend<KB_HI, VB_HI, F8_HI>(st, qrow, real, qk_scale, pool, sec, ta * TILE, min(tb * TILE, n_hi), page_bytes, smem,
-                         lg0, lg1, lg, stride_gh, group, 0, lane);
+                         lg0, lg1, 0, lane);
   }
 #if KB_LO
   if (tb > tiles_hi) {
     const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
     const int la = ta > tiles_hi ? ta - tiles_hi : 0;
     attend<KB_LO, VB_LO, false>(st, qrow, real, qk_scale, pool, sec, la * TILE, min((tb - tiles_hi) * TILE, n_lo),
-                         page_bytes, smem, lg0, lg1, lg, stride_gh, group, n_hi, lane);
+                         page_bytes, smem, lg0, lg1, n_hi, lane);
   }
 #endif
 
@@ -745,8 +676,4 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
       }
     }
   }
-#if FUSED_MERGE
-  if (!single) merge_splits_last(counters, mid_acc, mid_ml, out, lse, write_lse, b, h, Hq, group, num_splits,
-                                 stride_ob, stride_oh, stride_eb, stride_eh, lane);
-#endif
 }

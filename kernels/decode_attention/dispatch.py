@@ -123,12 +123,9 @@ def _launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, laye
     if num_splits is None:
         num_splits = choose_num_splits(B, page_table.shape[2], max_len, q.device, mma_cuda.TILE, 1, D)
     mid_acc, mid_ml = _split_partials(out, num_splits)
-    counters = None
-    if mma_cuda.FUSED_MERGE and num_splits > 1:
-        counters = mma_cuda.split_counters(q.device, B * page_table.shape[2])
     mma_cuda.launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, out, mid_acc, mid_ml, logits_out,
-                        lse_out, layer, scale * LOG2E, num_splits, counters=counters)
-    if num_splits > 1 and counters is None:
+                        lse_out, layer, scale * LOG2E, num_splits)
+    if num_splits > 1:
         merge_splits(mid_acc, mid_ml, out, lse_out if lse_out is not None else out, num_splits, lse_out is not None)
     return out
 

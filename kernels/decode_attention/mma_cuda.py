@@ -5,9 +5,10 @@ per-token logits / lse outputs DiffKV's significance update reads: when it serve
 compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched (launch_mma).
 
 It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
-the quartered Triton kernel wherever it can serve the call (dispatch.pick_kernel; 1.02-1.32x faster on an H200,
-benchmarks/results/decode_mma_vs_triton_H200.json); K8V8 pages (integer or e4m3) stay with the q8 kernel unless a
-caller forces kernel="mma_cuda" (not yet timed against it).
+the quartered Triton kernel wherever it can serve the call (dispatch.pick_kernel; 1.05-1.37x faster on an H100,
+benchmarks/results/decode_mma_vs_triton_H100.json); K8V8 pages (integer or e4m3) stay with the q8 kernel, which is
+faster there (the CUDA kernel takes 0.81-0.96x its speed), unless a caller forces kernel="mma_cuda". With several
+splits the partials are merged by merge.py's kernel.
 """
 from __future__ import annotations
 
@@ -32,13 +33,6 @@ STAGES = 2  # cp.async tiles in flight
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
 SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
 HEAD_DIM = 128
-LOGIT_ROW_BYTES = 68 * 4  # one member row of the staged logits (decode_mma.cu LOGIT_ROW)
-# How the per-token logits are stored: False = straight from the mma fragments (the timed default), True = staged
-# through shared memory and stored a member row at a time (benchmarks/decode_kernel_ab.py times both).
-LOGITS_STAGED = False
-# With several splits: merge them in the kernel (the last split of a (sequence, KV head) to finish does it) instead
-# of merge.py's second kernel. Off until benchmarks/decode_kernel_ab.py has timed both.
-FUSED_MERGE = False
 
 
 class Variant(NamedTuple):
@@ -50,9 +44,8 @@ class Variant(NamedTuple):
     vb_lo: int
     maxpages: int
     bf16: bool
-    logits: int  # 0: none, 1: stored from the fragments, 2: staged through shared memory (LOGITS_STAGED)
+    logits: bool  # writes each token's logit (stored from the mma fragments)
     f8: bool = False  # the high section's 8-bit sides are e4m3 codes (PageFormat.float8)
-    fused_merge: bool = False  # the last split merges the partials (needs split_counters)
 
     @property
     def stage_bytes(self) -> int:
@@ -63,7 +56,7 @@ class Variant(NamedTuple):
 
     @property
     def shared_bytes(self) -> int:
-        return STAGES * self.stage_bytes + (MAX_GROUP * LOGIT_ROW_BYTES if self.logits == 2 else 0)
+        return STAGES * self.stage_bytes
 
     @property
     def min_programs(self) -> int:
@@ -74,7 +67,7 @@ class Variant(NamedTuple):
     def defines(self) -> str:
         d = dict(KB_HI=self.kb_hi, VB_HI=self.vb_hi, KB_LO=self.kb_lo, VB_LO=self.vb_lo, MAXPAGES=self.maxpages,
                  STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
-                 F8_HI=int(self.f8), FUSED_MERGE=int(self.fused_merge))
+                 F8_HI=int(self.f8))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -119,7 +112,7 @@ def _toolchain_reason(device: torch.device) -> str | None:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
     try:
-        _compiled(device, Variant(4, 2, 0, 2, 2, False, 0))
+        _compiled(device, Variant(4, 2, 0, 2, 2, False, False))
     except Exception as e:  # noqa: BLE001 - any failure to build means: use the Triton kernels
         log.warning("the CUDA decode kernel cannot be compiled here (%s); the Triton kernels serve every call", e)
         return f"compile failed: {e}"[:300]
@@ -129,26 +122,8 @@ def _toolchain_reason(device: torch.device) -> str | None:
 def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: bool) -> Variant:
     tokens = min(fmt.tokens, fmt_low.tokens if fmt_low else fmt.tokens)
     pages = 1 + -(-(TILE - 1) // tokens)  # most pages TILE consecutive tokens can touch
-    mode = (2 if LOGITS_STAGED else 1) if logits else 0
     return Variant(fmt.key_bits, fmt.value_bits, fmt_low.key_bits if fmt_low else 0,
-                   fmt_low.value_bits if fmt_low else 2, pages, bf16, mode, fmt.float8)
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n or more int32 counters, zero, for the fused merge to count splits in (every call leaves them zero again);
-    one buffer per device, for calls issued one after another on a stream. Grown outside CUDA-graph capture only
-    (None while capturing with too small a buffer: the caller merges with merge.py then); a grown-out buffer is
-    kept alive, since graphs captured earlier still point at it."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if bufs and bufs[-1].numel() >= n:
-        return bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 1024), dtype=torch.int32, device=device))
-    return bufs[-1]
+                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits, fmt.float8)
 
 
 @functools.cache
@@ -160,14 +135,12 @@ def _compiled(device: torch.device, var: Variant):
 
 def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table, len_hi, len_lo, slots, out,
                mid_acc, mid_ml, logits, lse, layer: int, qk_scale: float, num_splits: int,
-               compiled=None, counters: torch.Tensor | None = None) -> None:
+               compiled=None) -> None:
     """One warp per (batch entry, KV head, split) over the split's tiles of the high then the low section. With
     num_splits > 1 it writes mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] (log2-domain max,
     sum) for merge.merge_splits, else the normalized output into out (and lse, when given). qk_scale is in the
     log2 domain. logits (optional, f32 [B, Hq, >= max_len]) receives each token's natural-domain logit (high
-    token j at j, low token j at len_hi + j). counters (split_counters, B * Hkv or more; with num_splits > 1): the
-    kernel merges the splits itself into out and lse, mid_acc / mid_ml as its scratch. compiled: a stand-in for
-    _compiled (the CPU emulation in tests)."""
+    token j at j, low token j at len_hi + j). compiled: a stand-in for _compiled (the CPU emulation in tests)."""
     B, Hq, _ = q.shape
     Hkv = page_table.shape[2]
     group = Hq // Hkv
@@ -176,11 +149,6 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
     if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
         q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
     var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
-    fused = counters is not None and num_splits > 1
-    if fused:
-        if counters.numel() < B * Hkv or counters.dtype != torch.int32:
-            raise ValueError(f"launch_mma: counters must be int32 with >= {B * Hkv} elements")
-        var = var._replace(fused_merge=True)
     kernel = (compiled or _compiled)(q.device, var)
     lo = fmt_low or fmt
     len_lo = len_lo if fmt_low is not None else len_hi
@@ -194,4 +162,4 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
         logits_t.stride(0), logits_t.stride(1), lse_t.stride(0), lse_t.stride(1),
         layer, float(qk_scale), Hq, group, num_splits, fmt.page_bytes,
         fmt.tokens, fmt.k_off, fmt.k_meta_off, fmt.v_off, fmt.v_meta_off,
-        lo.tokens, lo.k_off, lo.k_meta_off, lo.v_off, lo.v_meta_off, counters if fused else mid_ml])
+        lo.tokens, lo.k_off, lo.k_meta_off, lo.v_off, lo.v_meta_off])

@@ -3,8 +3,8 @@ that the launcher passes what the kernel's signature takes, and its outputs, log
 over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py, every CI run), on CUDA through the
 dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8, e4m3 K8V8 / K8V4 pages, DiffKV's
 K8V4 + K4V2 sections, GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages
-(down to 21-token pages), heads without tokens, sections of which one is empty, fp16 and bf16, logits stored both
-ways."""
+(down to 21-token pages), heads without tokens, sections of which one is empty, fp16 and bf16, with and without
+the logits / lse outputs."""
 import math
 import re
 
@@ -113,7 +113,7 @@ def test_variants_fit_the_sm():
     for kb in mma_cuda.KEY_BITS:
         for vb in mma_cuda.VALUE_BITS:
             for low in ((0, 2), (4, 2)):
-                var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, 2)
+                var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, True)
                 assert var.shared_bytes <= 48 * 1024
                 assert 1 <= var.min_programs <= mma_cuda.MAX_PROGRAMS
                 assert var.min_programs * (var.shared_bytes + 1024) <= mma_cuda.SHARED_PER_SM
@@ -148,7 +148,7 @@ CASES = [
 ]
 
 
-def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed, counters=None):
+def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed):
     isz = torch.empty((), dtype=dtype).element_size()
     fmt, low = formats(spec, 128, isz)
     pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, dtype, Hkv, lens, lens_lo, DEVICE, seed)
@@ -170,8 +170,8 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed, counter
         mid_acc = torch.empty(B, Hq, splits, 128) if splits > 1 else out
         mid_ml = torch.empty(B, Hq, splits, 2) if splits > 1 else out
         mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, slots, out, mid_acc, mid_ml, logits, lse, 0,
-                            scale * LOG2E, splits, compiled=_cuda_emu.compiled, counters=counters)
-        if splits > 1 and counters is None:
+                            scale * LOG2E, splits, compiled=_cuda_emu.compiled)
+        if splits > 1:
             merge_splits(mid_acc, mid_ml, out, lse if lse is not None else out, splits, lse is not None)
     want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale)
     return (fmt, low, q, pool, pt, len_hi, len_lo, slots, scale), (out, logits, lse), (want, want_logits, want_lse)
@@ -180,10 +180,8 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed, counter
 @pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("spec,Hq,Hkv,lens,lens_lo,num_splits", CASES)
-def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits, monkeypatch):
+def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
     outputs = lens_lo is not None or num_splits == 2  # DiffKV's call: logits and lse beside the output
-    # bf16 cases store the logits staged through shared memory, fp16 cases straight from the fragments
-    monkeypatch.setattr(mma_cuda, "LOGITS_STAGED", dtype == torch.bfloat16)
     seed = sum(map(sum, lens)) + Hq
     call, (out, logits, lse), (want, want_logits, want_lse) = _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype,
                                                                    outputs, seed)
@@ -238,36 +236,3 @@ def test_a_query_view_off_16_byte_rows_gives_the_same_output():
         assert q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
-@pytest.mark.parametrize("spec,Hq,Hkv,lens,lens_lo,num_splits",
-                         [c for c in CASES if c[5] != 1 and c[0] in ("K4V2", "K8V4", "K8V8", "K8V4+K4V2")])
-def test_fused_merge_matches_float64_loops(spec, Hq, Hkv, lens, lens_lo, num_splits, monkeypatch):
-    """With the splits merged in the kernel (the last split of each (sequence, KV head) to finish), the output and
-    lse are the reference's, and the split counters are zero again for the next call."""
-    monkeypatch.setattr(mma_cuda, "FUSED_MERGE", True)
-    outputs = True
-    B = len(lens)
-    counters = None if CUDA else torch.zeros(B * Hkv + 3, dtype=torch.int32)  # CUDA: the dispatcher's buffer
-    _, (out, _, lse), (want, _, want_lse) = _run(spec, Hq, Hkv, lens, lens_lo, num_splits, torch.float16, outputs,
-                                                 sum(map(sum, lens)) + 7, counters=counters)
-    tol = QTOL[torch.float16]
-    torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
-    if counters is None:
-        counters = mma_cuda.split_counters(out.device, 1)  # the buffer the dispatcher used (keyed by q's device)
-    assert int(counters.abs().sum()) == 0
-
-
-def test_split_counters_grow_and_keep_what_graphs_may_hold():
-    """split_counters hands out one zeroed buffer per device, grows it when asked for more, and keeps the buffers it
-    grew out of (a CUDA graph captured earlier may still point at one)."""
-    dev = torch.device("cpu")
-    mma_cuda._COUNTERS.pop(dev, None)
-    a = mma_cuda.split_counters(dev, 10)
-    assert a.dtype == torch.int32 and a.numel() >= 10 and int(a.abs().sum()) == 0
-    assert mma_cuda.split_counters(dev, 10) is a
-    b = mma_cuda.split_counters(dev, a.numel() + 1)
-    assert b.numel() > a.numel() and len(mma_cuda._COUNTERS[dev]) == 2 and mma_cuda._COUNTERS[dev][0] is a
-    mma_cuda._COUNTERS.pop(dev)

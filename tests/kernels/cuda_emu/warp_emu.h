@@ -179,20 +179,6 @@ static inline void __syncwarp() {
   emu::wait_for_warp();
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
-// Blocks run one after another, so memory is always coherent: fences are no-ops and an atomic is a plain add.
-struct float4 {
-  float x, y, z, w;
-};
-static inline void __threadfence() {}
-static inline int atomicAdd(int* p, int v) {
-  const int old = *p;
-  *p = old + v;
-  return old;
-}
-template <typename T>
-static inline T __ldcg(const T* p) {
-  return *p;
-}
 static inline float __int_as_float(int i) {
   float f;
   std::memcpy(&f, &i, 4);
