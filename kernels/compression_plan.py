@@ -27,6 +27,12 @@ B(N) = max(ceil(budget * N), window) tokens, all in the high section, whatever t
 with c >= 0, once the new token would make the head hold more than B(N), the least significant token older
 than the window (t_c included) is pruned (3); otherwise nothing moves (1). Thresholds are not used.
 
+Lazy low section (`min_low` > 0): a head whose low section is empty sends nothing to it (an outcome that would
+demote the victim or append t_c keeps the token high instead: action 1) until at least min_low of its high tokens
+older than the window are below th_h. The engine passes a low page's token count: a low page opened for a few
+tokens costs a whole page, while keeping up to that many tokens high costs at most one high page, so a short
+request never holds more pages than a uniform cache of the high precision would.
+
 Outputs, int32 [B, L, H] (-1 = none): high_hole (high index that empties), to_low_src (high index whose
 token is requantized into low), low_dst (low index it goes to), action, new_len_high, new_len_low (the new
 decode token is not counted). Ties in an argmin go to the smallest index.
@@ -63,6 +69,7 @@ def _plan_kernel(
     B, L, H, P, window, num_queries, page_words,
     hi_score, hi_pos, lo_score, lo_pos,  # segment offsets in 4-byte words
     budget,  # budget policy: fraction of tokens a head keeps
+    min_low,  # lazy low section: low-class high tokens a head needs before its first low token
     T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr, BUDGET: tl.constexpr, SCALED: tl.constexpr,
     RANGED: tl.constexpr,
 ):
@@ -97,6 +104,7 @@ def _plan_kernel(
     jc = tl.full([], _BIG, tl.int32)
     jv = tl.full([], _BIG, tl.int32)
     vmin = tl.full([], float("inf"), tl.float32)
+    n_below = tl.zeros([], tl.int32)  # high tokens older than the window below th_h (the lazy low section's count)
     for j0 in range(0, hi_end, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         m = j < hi_end
@@ -105,6 +113,7 @@ def _plan_kernel(
         mean = _mean(tl.load(pool_f + base + hi_score, mask=m, other=0.0), pos, n0, N, num_queries)
         jc = tl.minimum(jc, tl.min(tl.where(m & (pos == c), j, _BIG), 0))
         vals = tl.where(m & (pos < N - window), mean, float("inf"))
+        n_below += tl.sum((vals < th_h).to(tl.int32), 0)
         bmin = tl.min(vals, 0)
         bidx = tl.min(tl.where(vals == bmin, j, _BIG), 0)
         jv = tl.where(bmin < vmin, bidx, jv)  # strict: earlier blocks win ties
@@ -143,6 +152,8 @@ def _plan_kernel(
     act_high = tl.where(vmin < th_lv, 3, tl.where(vmin < th_h, 2, 1))
     act_low = tl.where(low_prune, tl.where(v_is_c, 6, 5), 4)
     action = tl.where(go_high, act_high, tl.where(go_low, act_low, tl.where(found, 7, 0)))
+    lazy = (ll == 0) & (n_below < min_low)
+    action = tl.where(lazy & ((action == 2) | (action == 4)), 1, action)
     if BUDGET:
         keep = tl.maximum(tl.ceil(budget * N.to(tl.float32)), window + 0.0)
         over = (jv < _BIG) & ((lh + 1).to(tl.float32) > keep)
@@ -183,7 +194,7 @@ def _argmin(vals: torch.Tensor):
 
 def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
                          alpha_high, alpha_low, window, num_queries=64, budget=None, layer_scale=None,
-                         prunable=None):
+                         prunable=None, min_low=0):
     """Vectorized torch: gather both sections -> [B, L, H, maxlen], then the same decision table."""
     sl = slots.long()
     P = page_table.shape[-1] - 1  # last column is the trash cell
@@ -217,7 +228,9 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     valid = (j < lh[..., None]) & active[..., None]
     m_hi = mean(score, pos)
     jc = torch.where(valid & (pos == c), j, BIG).amin(-1) if j.numel() else torch.full_like(lh, BIG)
-    vmin, jv = _argmin(torch.where(valid & (pos < N - window), m_hi, float("inf")))
+    older = torch.where(valid & (pos < N - window), m_hi, float("inf"))
+    vmin, jv = _argmin(older)
+    n_below = (older < th_h[..., None]).sum(-1)
     found = jc < BIG
     mean_c = torch.gather(m_hi, -1, jc.clamp(max=max(j.numel() - 1, 0))[..., None])[..., 0] if j.numel() \
         else torch.zeros(lh.shape, device=dev)
@@ -240,6 +253,8 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     v_is_c = mean_c < lmin
     act_low = w(torch.where(v_is_c, mean_c < th_lc, lmin < th_l), w(v_is_c, 6, 5), 4)
     action = w(go_high, act_high, w(go_low, act_low, w(found, 7, 0)))
+    lazy = (ll == 0) & (n_below < min_low)
+    action = w(lazy & ((action == 2) | (action == 4)), 1, action)
     if budget is not None:
         keep = torch.clamp_min(torch.ceil(torch.tensor(budget, dtype=torch.float32) * seq_len.float()), float(window))
         over = (jv < BIG) & ((lh + 1).float() > keep.view(-1, 1, 1))
@@ -254,7 +269,7 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
 
 def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
                             alpha_high, alpha_low, window, num_queries=64, block=None, budget=None,
-                            layer_scale=None, prunable=None):
+                            layer_scale=None, prunable=None, min_low=0):
     assert pool.dtype == torch.uint8 and pool.is_contiguous() and fmt_high.page_bytes == fmt_low.page_bytes
     assert page_table.stride(3) == 1
     B = slots.numel()
@@ -271,7 +286,7 @@ def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_l
             *page_table.stride()[:3], *len_high.stride(), *len_low.stride(),
             B, L, H, P1 - 1, window, num_queries, fmt_high.page_bytes // 4,
             fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low.score_off // 4, fmt_low.pos_off // 4,
-            float(budget or 0.0),
+            float(budget or 0.0), int(min_low),
             T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, BUDGET=budget is not None,
             SCALED=layer_scale is not None, RANGED=prunable is not None, num_warps=4,
         )
@@ -281,7 +296,8 @@ def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_l
 def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table, len_high, len_low, slots,
                      prompt_len, seq_len, alpha_high, alpha_low, window: int, num_queries: int = 64,
                      impl: str = "auto", budget: float | None = None, layer_scale: torch.Tensor | None = None,
-                     prunable: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                     prunable: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     min_low: int = 0) -> dict[str, torch.Tensor]:
     """Algorithm 1 for every (batch entry, layer, KV head); see the module docstring for the outputs.
 
     pool uint8 [num_pages, page_bytes]; page_table int32 [S, L, H, P+1] (high section from column 0 up,
@@ -291,6 +307,7 @@ def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table
     budget: None for DiffKV's thresholds; a fraction in (0, 1] for the equal-budget pruning baseline.
     layer_scale: None, or f32 [L] per-layer multipliers of both alphas (per-layer budgets).
     prunable: None (every position), or (lo, hi) int32 [B]: only positions lo <= p < hi may be pruned.
+    min_low: the lazy low section's count (0: Algorithm 1 as written).
     """
     if layer_scale is not None and layer_scale.shape != (page_table.shape[1],):
         raise ValueError(f"layer_scale has shape {tuple(layer_scale.shape)}; expected ({page_table.shape[1]},), "
@@ -298,7 +315,7 @@ def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table
     if use_triton(impl, pool, page_table, len_high, len_low, slots):
         return compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots,
                                        prompt_len, seq_len, alpha_high, alpha_low, window, num_queries,
-                                       budget=budget, layer_scale=layer_scale, prunable=prunable)
+                                       budget=budget, layer_scale=layer_scale, prunable=prunable, min_low=min_low)
     return compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len,
                                 seq_len, alpha_high, alpha_low, window, num_queries, budget=budget,
-                                layer_scale=layer_scale, prunable=prunable)
+                                layer_scale=layer_scale, prunable=prunable, min_low=min_low)

@@ -229,7 +229,10 @@ class KVCache:
                                 prompt_len, seq_len, alpha_high, alpha_low, self.config.window,
                                 num_queries=self.config.significance_queries,
                                 budget=self.config.budget if self.config.policy == "budget" else None,
-                                layer_scale=self.layer_scale, prunable=(lo, hi))
+                                layer_scale=self.layer_scale, prunable=(lo, hi),
+                                # lazy low section: open a low page only once a page's worth of tokens would go
+                                # there (a short request then holds no more pages than its high precision alone)
+                                min_low=mm.fmt_low.tokens)
 
     @costed("memory")
     def decode_pages(self, slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict],

@@ -102,8 +102,20 @@ def _naive(hi, lo, n0, N, ah, al, window, Q, prunable=(0, 2**30)):
     return res
 
 
+def _naive_lazy(hi, lo, n0, N, ah, al, window, Q, min_low):
+    """The lazy low section on top of _naive: while the low section is empty and fewer than min_low old high
+    tokens are below th_h, nothing goes to it (a demotion or an append keeps the token high: action 1)."""
+    res = _naive(hi, lo, n0, N, ah, al, window, Q)
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    th_h = f32(ah) / f32(N)
+    below = sum(1 for p, sc in hi if p < N - window and f32(sc) / f32(_count(p, n0, N, Q)) < th_h)
+    if not lo and below < min_low and res["action"] in (2, 4):
+        res.update(high_hole=-1, to_low_src=-1, low_dst=-1, action=1, new_len_high=len(hi), new_len_low=0)
+    return res
+
+
 def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None, layer_scale=None,
-              prunable=None):
+              prunable=None, min_low=0):
     """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu). prunable: ([lo], [hi]) or None."""
     i32, f32 = torch.int32, torch.float32
     args = [t.to(DEVICE) for t in (pool, pt, len_hi, len_lo)] + [
@@ -111,9 +123,9 @@ def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=6
     ls = None if layer_scale is None else torch.tensor(layer_scale, dtype=f32, device=DEVICE)
     pr = None if prunable is None else tuple(torch.tensor(x, dtype=i32, device=DEVICE) for x in prunable)
     ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref",
-                           layer_scale=ls, prunable=pr)
+                           layer_scale=ls, prunable=pr, min_low=min_low)
     tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block,
-                                  layer_scale=ls, prunable=pr)
+                                  layer_scale=ls, prunable=pr, min_low=min_low)
     for f in FIELDS:
         assert ref[f].dtype == torch.int32 and ref[f].shape == tri[f].shape == (len(slots), *pt.shape[1:3]), f
         torch.testing.assert_close(tri[f].cpu(), ref[f].cpu(), atol=TOL["plan"], rtol=0, msg=f)
@@ -282,6 +294,33 @@ def test_random_matches_naive(seed, block):
         assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
         actions.add(want["action"])
     assert {0, 1, 2, 3, 4, 5, 7} <= actions  # every reachable branch exercised
+
+
+@pytest.mark.parametrize("seed,min_low", [(0, 3), (1, 1000)])
+def test_lazy_low_section_matches_naive(seed, min_low):
+    """With min_low, heads with an empty low section keep low-class tokens high until min_low of their old high
+    tokens are below th_h; heads that already hold low tokens decide as Algorithm 1 does."""
+    args, _ = _random_case(seed)
+    pool, pt, lh, ll, slots, n0s, Ns, ahs, als = args
+    got = _run_both(*args, min_low=min_low)
+    eager = _run_both(*args)
+    kept, T_hi, P = 0, FMT_HI.tokens, pt.shape[-1] - 1
+    for b, s in enumerate(slots):
+        for l in range(pt.shape[1]):
+            for h in range(pt.shape[2]):
+                def rows(n, fmt, col):
+                    out = []
+                    for j in range(int(n)):
+                        page = int(pt[s, l, h, col(j)])
+                        out.append((int(pool.view(torch.int32)[page, fmt.pos_off // 4 + j % fmt.tokens]),
+                                    float(pool.view(torch.float32)[page, fmt.score_off // 4 + j % fmt.tokens])))
+                    return out
+                hi = rows(lh[s, l, h], FMT_HI, lambda j: j // T_hi)
+                lo = rows(ll[s, l, h], FMT_LO, lambda j: P - 1 - j // FMT_LO.tokens)
+                want = _naive_lazy(hi, lo, n0s[b], Ns[b], ahs[b], als[b], WINDOW, 64, min_low)
+                assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
+                kept += int(got["action"][b, l, h] == 1 and eager["action"][b, l, h] in (2, 4))
+    assert kept > 0  # the rule changed some decisions
 
 
 @pytest.mark.parametrize("seed", [3, 4])
