@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.admission import AdmissionController, ReplicaLoad
 from service.config import ServiceConfig
+from service.logprobs_format import CompletionLogprobs, chat_logprobs, entries_of
 from service.metrics import Metrics
 from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelCard,
                               ModelList, Usage, error_body, new_id, now_s)
@@ -252,11 +253,12 @@ class _Stream:
             if role is not None:
                 yield _sse(role)
             last = first
-            yield _sse(render("delta", text=first["text"], finish_reason=first["finish_reason"], **kw))
+            yield _sse(render("delta", text=first["text"], finish_reason=first["finish_reason"], item=first, **kw))
             try:
                 async for item in self.rest():
                     last = item
-                    yield _sse(render("delta", text=item["text"], finish_reason=item["finish_reason"], **kw))
+                    yield _sse(render("delta", text=item["text"], finish_reason=item["finish_reason"], item=item,
+                                      **kw))
             except APIError as e:  # headers are sent: report the failure in the stream, as OpenAI does
                 yield _sse(e.body())
                 return
@@ -383,7 +385,11 @@ class OpenAIIngress:
             "request_id": new_id("req"), "max_tokens": max_tokens, "max_tokens_param": param,
             "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list(),
             "kv_compression": body.kv_compression.model_dump(exclude_none=True) if body.kv_compression else None,
+            "sampling": body.sampling_fields(),
         }
+        req["logprobs"], req["prompt_logprobs"] = body.engine_logprobs()
+        if getattr(body, "echo", False):
+            req["echo"] = True
         if isinstance(body, ChatCompletionRequest):
             req["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
         else:
@@ -407,15 +413,16 @@ class OpenAIIngress:
         if body.stream:
             return _SSEResponse(stream, stream.sse(first, render, body.include_usage()))
         try:
-            text, last = first["text"], first
+            text, last, items = first["text"], first, [first]
             async for item in stream.rest():
                 text += item["text"]
                 last = item
+                items.append(item)
         finally:
             await stream.close()
         usage = Usage.of(last["prompt_tokens"], last["completion_tokens"])
         return JSONResponse(render("full", text=text, finish_reason=last["finish_reason"], usage=usage,
-                                   rid=stream.rid))
+                                   rid=stream.rid, items=items))
 
     # ---- routes -----------------------------------------------------------------------------------------------
     @app.get("/openapi.json", include_in_schema=False)
@@ -445,11 +452,14 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest):
         model, created = body.model, now_s()
 
+        def logprobs(items: list[dict]) -> Optional[dict]:
+            return chat_logprobs(entries_of(items, False)[0]) if body.logprobs else None
+
         def render(kind: str, **kw) -> dict:
             if kind == "full":
                 return {"id": kw["rid"], "object": "chat.completion", "created": created, "model": model,
                         "choices": [{"index": 0, "message": {"role": "assistant", "content": kw["text"]},
-                                     "logprobs": None, "finish_reason": kw["finish_reason"]}],
+                                     "logprobs": logprobs(kw["items"]), "finish_reason": kw["finish_reason"]}],
                         "usage": kw["usage"].model_dump()}
             chunk = {"id": kw["rid"], "object": "chat.completion.chunk", "created": created, "model": model,
                      "choices": []}
@@ -458,7 +468,7 @@ class OpenAIIngress:
                                      "finish_reason": None}]
             elif kind == "delta":
                 delta = {"content": kw["text"]} if kw["text"] else {}
-                chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
+                chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs([kw["item"]]),
                                      "finish_reason": kw["finish_reason"]}]
             if kw.get("usage_field"):
                 chunk["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
@@ -469,14 +479,20 @@ class OpenAIIngress:
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(self, body: CompletionRequest):
         model, created = body.model, now_s()
+        offsets = CompletionLogprobs()  # text_offset runs on over the chunks of a stream
 
         def render(kind: str, **kw) -> Optional[dict]:
             if kind == "role":
                 return None  # completions have no role chunk
             obj = {"id": kw["rid"], "object": "text_completion", "created": created, "model": model, "choices": []}
             if kind in ("full", "delta"):
-                obj["choices"] = [{"index": 0, "text": kw["text"], "logprobs": None,
-                                   "finish_reason": kw["finish_reason"]}]
+                items = kw["items"] if kind == "full" else [kw["item"]]
+                text = (items[0].get("prompt_text", "") if body.echo else "") + kw["text"]
+                lp = None
+                if body.logprobs is not None:
+                    gen, prompt = entries_of(items, body.echo)
+                    lp = offsets.render((prompt or []) + gen)
+                obj["choices"] = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": kw["finish_reason"]}]
             if kind == "full":
                 obj["usage"] = kw["usage"].model_dump()
             elif kw.get("usage_field"):

@@ -176,6 +176,22 @@ BAD = [
     ("token id outside the vocabulary", "completions", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("two prompts", "completions", {"prompt": ["a", "b"]}, "prompt"),
     ("negative seed", "completions", {"seed": -1}, "seed"),
+    ("n > 1 unsupported", "completions", {"n": 2}, "n"),
+    ("response_format unsupported", "chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("tools unsupported", "chat", {"tools": []}, "tools"),
+    ("suffix unsupported", "completions", {"suffix": "x"}, "suffix"),
+    ("presence_penalty out of range", "chat", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("repetition_penalty zero", "completions", {"repetition_penalty": 0.0}, "repetition_penalty"),
+    ("min_p above one", "chat", {"min_p": 1.5}, "min_p"),
+    ("top_k below -1", "chat", {"top_k": -2}, "top_k"),
+    ("logit_bias key not a token id", "chat", {"logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ("logit_bias too large", "completions", {"logit_bias": {"5": 150.0}}, "logit_bias"),
+    ("logit_bias outside the vocabulary", "completions", {"logit_bias": {"999999": 1.0}}, "logit_bias"),
+    ("stop_token_ids outside the vocabulary", "chat", {"stop_token_ids": [10**7]}, "stop_token_ids"),
+    ("min_tokens above max_tokens", "completions", {"min_tokens": 9}, "min_tokens"),
+    ("completion logprobs above 20", "completions", {"logprobs": 21}, "logprobs"),
+    ("top_logprobs without logprobs", "chat", {"top_logprobs": 2}, None),
+    ("top_logprobs above 20", "chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ]
 
 
