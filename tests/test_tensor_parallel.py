@@ -155,13 +155,17 @@ def test_tp2_diffkv_equals_tp1_and_abort_frees_every_rank(engines):
 
 
 def test_ray_executor_with_one_rank_equals_local_bit_for_bit(engines):
-    """One rank on a Ray actor runs the same arithmetic as in-process: tokens and logprobs are identical."""
+    """One rank on a Ray actor runs the same arithmetic as in-process: tokens and logprobs (top-k and the
+    prompt's, which rank 0 reports to the driver) are identical, penalties included."""
     tiny = {"model": "random:tiny", "cache": {"num_pages": 500}}
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                        repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=2)
     want = run_all(engines("tiny-local", **tiny), PROMPTS, sp)
     eng = engines("tiny-ray1", distributed_executor="ray", **tiny)
     got = run_all(eng, PROMPTS, sp)
-    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+    fields = lambda o: (o.token_ids, o.logprobs, o.top_logprobs, o.prompt_logprobs)  # noqa: E731
+    assert [fields(o) for o in got] == [fields(o) for o in want]
+    assert all(o.prompt_logprobs is not None and len(o.top_logprobs) == 10 for o in got)
     assert [r["rank"] for r in eng.stats()["ranks"]] == [0]
     assert_all_pages_free(eng)
 
