@@ -45,7 +45,8 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 def apply_frequency_presence(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
                              presence: torch.Tensor) -> torch.Tensor:
     """OpenAI's: logit - frequency * count - presence * (count > 0), counts over the generated tokens."""
-    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    shift = torch.addcmul(presence.unsqueeze(1) * (counts > 0), counts, frequency.unsqueeze(1))
+    return logits - shift
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -101,27 +102,39 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], history: TokenHistory,
               penal: list[int]) -> torch.Tensor:
+    """The penalties on the rows that use them only (gathered into a sub-batch when others do not), so their
+    cost follows the rows asking, not the batch."""
     B, V = logits.shape
     dev = logits.device
+    P = len(penal)
+    local = list(range(P))  # row j of the sub-batch is batch row penal[j]
+    sub_params = [params[i] for i in penal]
+    idx = None if P == B else to_device(penal, torch.int64, dev)
+    sub = logits if idx is None else logits[idx]
     # Generated tokens: what the host has, up to the last one when that is still only on the device.
     on_device = history.last_token is not None
     outs = [history.output[i][: max(0, history.num_generated[i] - on_device)] for i in penal]
-    rows, ids = _flat_pairs(outs, penal)
+    rows, ids = _flat_pairs(outs, local)
     r, t = _pairs_to_device(rows, ids, dev)
     if on_device:
-        sel = to_device([i for i in penal if history.num_generated[i] > 0], torch.int64, dev)
-        r, t = torch.cat([r, sel]), torch.cat([t, history.last_token[sel]])
-    counts = token_counts(r, t, B, V)
-    rep = [i for i in penal if params[i].repetition_penalty != 1]
+        have = [j for j, i in enumerate(penal) if history.num_generated[i] > 0]
+        last = history.last_token if idx is None else history.last_token[idx]
+        sel = to_device(have, torch.int64, dev)
+        r, t = torch.cat([r, sel]), torch.cat([t, last[sel]])
+    counts = token_counts(r, t, P, V)
+    rep = [j for j, p in enumerate(sub_params) if p.repetition_penalty != 1]
     if rep:  # first, as vLLM: it scales the logits the additive penalties then shift
-        prow, pids = _flat_pairs([history.prompt[i] for i in rep], rep)
+        prow, pids = _flat_pairs([history.prompt[penal[j]] for j in rep], rep)
         pr_r, pr_t = _pairs_to_device(prow, pids, dev)
         seen = counts > 0
         seen.view(-1)[pr_r * V + pr_t] = True
-        penalty = to_device([p.repetition_penalty for p in params], torch.float32, dev)
-        logits = apply_repetition_penalty(logits, seen, penalty)
-    if any(params[i].frequency_penalty or params[i].presence_penalty for i in penal):
-        f = to_device([p.frequency_penalty for p in params], torch.float32, dev)
-        pr = to_device([p.presence_penalty for p in params], torch.float32, dev)
-        logits = apply_frequency_presence(logits, counts, f, pr)
+        penalty = to_device([p.repetition_penalty for p in sub_params], torch.float32, dev)
+        sub = apply_repetition_penalty(sub, seen, penalty)
+    if any(p.frequency_penalty or p.presence_penalty for p in sub_params):
+        f = to_device([p.frequency_penalty for p in sub_params], torch.float32, dev)
+        pr = to_device([p.presence_penalty for p in sub_params], torch.float32, dev)
+        sub = apply_frequency_presence(sub, counts, f, pr)
+    if idx is None:
+        return sub
+    logits[idx] = sub
     return logits

@@ -73,6 +73,16 @@ def test_adjustments_match_the_per_row_reference():
         assert torch.equal(logits, _logits(B, seed))
 
 
+def test_a_batch_where_every_row_is_penalised():
+    params = [p for p in MIXED if p.penalizes]  # no sub-batch: the penalties run on the whole batch
+    B = len(params)
+    logits, hist = _logits(B, 11), _history(B, 12)
+    torch.testing.assert_close(adjust_logits(logits, params, hist), _reference(logits, params, hist))
+    last = torch.tensor([o[-1] if o else 0 for o in hist.output])
+    lagging = TokenHistory(hist.prompt, [o[:-1] for o in hist.output], hist.num_generated, last)
+    torch.testing.assert_close(adjust_logits(logits, params, lagging), _reference(logits, params, hist))
+
+
 def test_async_history_with_the_newest_token_on_the_device_is_the_same():
     """Async scheduling: the host lacks each row's newest token, which is this step's input id on the device."""
     B = len(MIXED)
