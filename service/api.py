@@ -27,8 +27,9 @@ from service.admission import AdmissionController, ReplicaLoad
 from service.config import ServiceConfig
 from service.logprobs_format import CompletionLogprobs, chat_logprobs, entries_of
 from service.metrics import Metrics
-from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelCard,
-                              ModelList, Usage, error_body, new_id, now_s)
+from service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                              ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                              Usage, error_body, new_id, now_s)
 
 log = logging.getLogger("ray.serve")
 RETRY_AFTER_DEAD_S = 5  # a replica whose engine died is replaced within a few health-check periods
@@ -433,7 +434,7 @@ class OpenAIIngress:
             info = await self._model_info()
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=request.app.routes)
-            for name in ("ChatCompletionRequest", "CompletionRequest"):
+            for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
                 schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [info["model"]]
             self._schema = schema
         return JSONResponse(self._schema)
@@ -447,6 +448,36 @@ class OpenAIIngress:
     async def models(self) -> ModelList:
         info = await self._model_info()
         return ModelList(data=[ModelCard(id=info["model"], created=now_s(), diffkv=info.get("kv_cache"))])
+
+    async def _tokenizer_call(self, model: str, method: str, req: dict) -> dict:
+        """/tokenize, /detokenize: an engine replica holds the tokenizer. The request's keys are not the
+        generate ones, so the prefix router neither matches nor remembers it."""
+        info = await self._model_info()
+        if model != info["model"]:
+            raise APIError(400, f"The model '{model}' does not exist; this server serves '{info['model']}'",
+                           "invalid_request_error", "model", "model_not_found")
+        try:
+            out = await getattr(self.engine, method).remote(req)
+        except Exception as e:
+            raise APIError(503, f"no engine replica answered: {e!r}", "service_unavailable",
+                           retry_after=RETRY_AFTER_DEAD_S) from e
+        if "error" in out:
+            err = out["error"]
+            raise APIError(err["status"], err["message"], err["type"], err.get("param"))
+        return out
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        req = {"add_special_tokens": body.add_special_tokens, "add_generation_prompt": body.add_generation_prompt}
+        if body.messages is not None:
+            req["chat"] = [{"role": m.role, "content": m.text()} for m in body.messages]
+        else:
+            req["text"] = body.prompt
+        return TokenizeResponse(**await self._tokenizer_call(body.model, "tokenize", req))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        return DetokenizeResponse(**await self._tokenizer_call(body.model, "detokenize", {"ids": body.tokens}))
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest):

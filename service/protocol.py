@@ -215,6 +215,35 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens, "max_tokens"
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages through the model's chat template."""
+
+    model: str = Field(min_length=1)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[StrictBool] = Field(None, description="default: true for a prompt, false for "
+                                                                        "messages (the template adds them)")
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str = Field(min_length=1)
+    tokens: list[StrictInt] = Field(max_length=1_000_000)
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+
 # ---- responses ------------------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -329,6 +358,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorDetail(BaseModel):

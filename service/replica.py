@@ -225,6 +225,34 @@ class EngineReplica:
             if not departed:
                 self.meter.finished(None, None, False)
 
+    def tokenize(self, req: dict) -> dict:
+        """/tokenize: {"text" | "chat", add_special_tokens, add_generation_prompt} -> tokens, count, context."""
+        tok = self.engine.tokenizer
+        try:
+            if "chat" in req:
+                if not getattr(tok, "chat_template", None):
+                    raise InvalidRequestError("this model has no chat template", "messages")
+                try:
+                    text = tok.apply_chat_template(req["chat"], add_generation_prompt=req["add_generation_prompt"])
+                except Exception as e:
+                    raise InvalidRequestError(f"messages: the chat template refused them: {e}", "messages") from e
+                special = req["add_special_tokens"] is True
+            else:
+                text, special = req["text"], req["add_special_tokens"] is not False
+            ids = tok.encode(text, add_special_tokens=special) if text else []
+        except InvalidRequestError as e:
+            return _error(400, str(e), "invalid_request_error", e.param)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, req: dict) -> dict:
+        """/detokenize: {"ids"} -> {"prompt"}, special tokens kept (as vLLM's)."""
+        V = self.engine.arch.vocab_size
+        bad = [t for t in req["ids"] if t >= V]
+        if bad:
+            return _error(400, f"token id {bad[0]} is outside the vocabulary [0, {V})", "invalid_request_error",
+                          "tokens")
+        return {"prompt": self.engine.tokenizer.decode(req["ids"], skip_special_tokens=False)}
+
     def _first_token_metrics(self, out) -> None:
         """Prefill done: its prompt tokens, and how long it waited in the engine's queue."""
         self.metrics.inc("diffkv_prompt_tokens_total", len(out.prompt_token_ids))

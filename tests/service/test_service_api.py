@@ -216,6 +216,32 @@ def test_bad_input_is_a_400_with_an_openai_error_body(service, name, endpoint, b
         assert "a finite number >= 0" in err["message"], err
 
 
+def test_tokenize_and_detokenize(service):
+    base, model = service["base"], service["model"]
+    post = lambda path, body: httpx.post(base + path, json={"model": model, **body}, timeout=60)  # noqa: E731
+    r = post("/tokenize", {"prompt": "The quick brown fox"})
+    assert r.status_code == 200, r.text
+    tok = r.json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == CONFIG["max_model_len"]
+    assert post("/detokenize", {"tokens": tok["tokens"]}).json() == {"prompt": "The quick brown fox"}
+    # the ids a completion of the same prompt reports as its prompt tokens
+    c = client(service).completions.create(model=model, prompt="The quick brown fox", max_tokens=1)
+    assert c.usage.prompt_tokens == tok["count"]
+    chat = post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    out = client(service).chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=1)
+    assert chat["count"] == out.usage.prompt_tokens
+    assert "hi" in post("/detokenize", {"tokens": chat["tokens"]}).json()["prompt"]
+    for path, body, param in (("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": [
+            {"role": "user", "content": "b"}]}, None), ("/tokenize", {"prompt": "a", "model": "gpt-17"}, "model"),
+            ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, "tokens"), ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate")):
+        r = post(path, body)
+        assert r.status_code == 400, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and (param is None or err["param"] == param), err
+
+
 def test_service_keeps_serving_after_bad_input(service):
     c = client(service)
     with pytest.raises(openai.BadRequestError) as e:
