@@ -524,5 +524,5 @@ def test_sampler_cost_smoke(tmp_path):
                    cwd=ROOT, timeout=300)
     rows = json.loads(out.read_text())["sampler"]
     assert [r["batch"] for r in rows] == [1, 3]
-    assert all(set(r["ms"]) == {"greedy", "sampled", "penalties", "all", "logprobs5", "one_row"} for r in rows)
+    assert all(set(r["ms"]) == {"greedy", "sampled", "penalties", "greedy_penalties", "all", "logprobs5", "one_row"} for r in rows)
     assert all(t > 0 for r in rows for t in r["ms"].values())
