@@ -77,6 +77,8 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     need_min = history is not None and any(p.min_tokens > 0 for p in params)
     penal = [i for i, p in enumerate(params) if p.penalizes]
+    if penal and history is None:
+        raise ValueError("presence / frequency / repetition penalties need the rows' token history")
     if not biased and not need_min and not penal:
         return logits
     out = logits.clone()

@@ -232,10 +232,12 @@ class ModelRunner:
         lp = StepLogprobs(step.logprobs.tolist()) if step.logprobs is not None else None
         return step.tokens.tolist(), lp
 
-    def _history(self, seqs: list[Sequence], decode: bool) -> TokenHistory:
-        """What penalties and min_tokens read. A decode row has generated num_cached + 1 - prompt tokens (true
-        before the host has the newest one under async scheduling, which is then this step's input id in
-        token_table)."""
+    def _history(self, seqs: list[Sequence], decode: bool) -> Optional[TokenHistory]:
+        """What penalties and min_tokens read (None when no row uses them). A decode row has generated
+        num_cached + 1 - prompt tokens (true before the host has the newest one under async scheduling, which is
+        then this step's input id in token_table)."""
+        if not any(s.params.penalizes or s.params.min_tokens for s in seqs):
+            return None
         if decode:
             generated = [s.num_cached + 1 - len(s.prompt_token_ids) for s in seqs]
         else:
