@@ -25,11 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.admission import AdmissionController, ReplicaLoad
 from service.config import ServiceConfig
-from service.logprobs_format import CompletionLogprobs, chat_logprobs, entries_of
 from service.metrics import Metrics
 from service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                               ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                               Usage, error_body, new_id, now_s)
+from service.responses import chat_renderer, completion_renderer
 
 log = logging.getLogger("ray.serve")
 RETRY_AFTER_DEAD_S = 5  # a replica whose engine died is replaced within a few health-check periods
@@ -481,53 +481,8 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest):
-        model, created = body.model, now_s()
-
-        def logprobs(items: list[dict]) -> Optional[dict]:
-            return chat_logprobs(entries_of(items, False)[0]) if body.logprobs else None
-
-        def render(kind: str, **kw) -> dict:
-            if kind == "full":
-                return {"id": kw["rid"], "object": "chat.completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": kw["text"]},
-                                     "logprobs": logprobs(kw["items"]), "finish_reason": kw["finish_reason"]}],
-                        "usage": kw["usage"].model_dump()}
-            chunk = {"id": kw["rid"], "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": []}
-            if kind == "role":
-                chunk["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]
-            elif kind == "delta":
-                delta = {"content": kw["text"]} if kw["text"] else {}
-                chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs([kw["item"]]),
-                                     "finish_reason": kw["finish_reason"]}]
-            if kw.get("usage_field"):
-                chunk["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
-            return chunk
-
-        return await self._run(body, "chat", render)
+        return await self._run(body, "chat", chat_renderer(body, now_s()))
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(self, body: CompletionRequest):
-        model, created = body.model, now_s()
-        offsets = CompletionLogprobs()  # text_offset runs on over the chunks of a stream
-
-        def render(kind: str, **kw) -> Optional[dict]:
-            if kind == "role":
-                return None  # completions have no role chunk
-            obj = {"id": kw["rid"], "object": "text_completion", "created": created, "model": model, "choices": []}
-            if kind in ("full", "delta"):
-                items = kw["items"] if kind == "full" else [kw["item"]]
-                text = (items[0].get("prompt_text", "") if body.echo else "") + kw["text"]
-                lp = None
-                if body.logprobs is not None:
-                    gen, prompt = entries_of(items, body.echo)
-                    lp = offsets.render((prompt or []) + gen)
-                obj["choices"] = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": kw["finish_reason"]}]
-            if kind == "full":
-                obj["usage"] = kw["usage"].model_dump()
-            elif kw.get("usage_field"):
-                obj["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
-            return obj
-
-        return await self._run(body, "completions", render)
+        return await self._run(body, "completions", completion_renderer(body, now_s()))
