@@ -1,6 +1,6 @@
 """Sampling parameters and log-probabilities over HTTP, on test_service_api's app (the embedded model, diffkv
-cache): the openai client for each parameter, streaming included, and logprobs against the engine's
-teacher-forced ones."""
+cache) and an fp16 twin: the openai client for each parameter, streaming included, and logprobs against the
+engine's teacher-forced ones."""
 import httpx
 import openai
 import pytest
@@ -8,13 +8,15 @@ import torch
 
 from engine import SamplingParams
 
+from _cluster import served, wait_for
 from engine_helpers import run_all
 from test_service_api import CONFIG, client, engine_idle, service  # noqa: F401  (the module's app)
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
-# Generated tokens' logprobs were computed by decode steps reading the request's diffkv cache; the
-# teacher-forced ones by a prefill over prompt + output (unquantized attention): 0.07 nat apart measured.
-DIFFKV_TOLERANCE = 0.15
+# Generated tokens' logprobs were computed by decode steps reading the request's cache; the teacher-forced ones
+# by a prefill over prompt + output (unquantized attention). fp16: rounding only; diffkv: the decode steps read
+# the compressed cache, 0.07 nat apart measured.
+TOLERANCE = {"fp16": 1e-3, "diffkv": 0.15}
 
 
 def test_each_sampling_parameter_through_the_openai_client(service):
@@ -38,15 +40,42 @@ def test_each_sampling_parameter_through_the_openai_client(service):
 
 
 @pytest.fixture(scope="module")
-def local_engine(smollm):
-    """The replica's engine configuration, in this process: the engine's own teacher-forced logprobs."""
+def fp16_service(cluster):
+    """The same app with an fp16 cache (prefix caching on, its default for single precision)."""
+    with served(cluster, {**CONFIG, "kv_mode": "fp16"}, "sampling-fp16", "/sampling-fp16") as s:
+        yield s
+
+
+def requests_done(service) -> None:
+    """No request left and every page free but the prefix cache's."""
+    def idle():
+        st = service["engine"].stats.remote().result()
+        return (st["num_running"] == 0 and st["num_waiting"] == 0
+                and st["pages_used"] == st["prefix_cache_pages"])
+    wait_for(idle, 30, what="the engine to finish every request and free its pages")
+
+
+@pytest.fixture(scope="module")
+def local_engines(smollm):
+    """The replicas' engine configurations, in this process: the engine's own teacher-forced logprobs."""
     from engine.llm_engine import LLMEngine
     from service.config import ServiceConfig
 
-    return LLMEngine(ServiceConfig.model_validate(CONFIG).engine_config(), checkpoint=smollm)
+    made = {}
+
+    def get(mode: str):
+        if mode not in made:
+            cfg = ServiceConfig.model_validate({**CONFIG, "kv_mode": mode}).engine_config()
+            made[mode] = LLMEngine(cfg, checkpoint=smollm)
+        return made[mode]
+
+    return get
 
 
-def test_completion_logprobs_and_echo_equal_the_engines_teacher_forced_ones(service, local_engine):
+@pytest.mark.parametrize("mode", ["diffkv", "fp16"])
+def test_completion_logprobs_and_echo_equal_the_engines_teacher_forced_ones(request, mode, local_engines):
+    service = request.getfixturevalue("service" if mode == "diffkv" else "fp16_service")
+    local_engine = local_engines(mode)
     c = client(service)
     ids = local_engine.tokenizer.encode(PROMPT)
     out = c.completions.create(model=service["model"], prompt=ids, max_tokens=5, temperature=0, logprobs=2)
@@ -59,7 +88,7 @@ def test_completion_logprobs_and_echo_equal_the_engines_teacher_forced_ones(serv
     forced = run_all(local_engine, [ids + gen], SamplingParams(temperature=0, max_tokens=1,
                                                                prompt_logprobs=1))[0].prompt_logprobs.logprobs
     diff = (torch.tensor(lp.token_logprobs) - torch.tensor(forced[len(ids):])).abs().max().item()
-    assert diff < DIFFKV_TOLERANCE, diff
+    assert diff < TOLERANCE[mode], diff
     # lm-eval's log-likelihood request: echo the prompt with its tokens' logprobs (the first has none)
     ll = c.completions.create(model=service["model"], prompt=ids + gen, max_tokens=1, temperature=0, logprobs=1,
                               echo=True)
@@ -69,7 +98,10 @@ def test_completion_logprobs_and_echo_equal_the_engines_teacher_forced_ones(serv
     assert ll.choices[0].text.startswith(local_engine.tokenizer.decode(ids + gen, skip_special_tokens=False))
     assert e.text_offset == [sum(len(t) for t in e.tokens[:i]) for i in range(n + 1)]
     torch.testing.assert_close(torch.tensor(e.token_logprobs[1:n]), torch.tensor(forced[1:]), atol=2e-3, rtol=0)
-    engine_idle(service)
+    if mode == "fp16":  # lm-eval's is_greedy: the greedy continuation is the top token at each of its positions
+        cont = zip(e.token_logprobs[len(ids):n], e.top_logprobs[len(ids):n])
+        assert all(lp == max(top.values()) for lp, top in cont)
+    requests_done(service)
 
 
 def test_chat_logprobs_and_streamed_chunks(service):
