@@ -111,6 +111,12 @@ def test_tp2_prompt_logits_and_seeded_sampling_equal_tp1(engines):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+    # top-k and prompt logprobs: rank 0 computes them from the all-reduced hidden states
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    g, w = run_all(eng, [PROMPTS[1]], sp)[0], run_all(local, [PROMPTS[1]], sp)[0]
+    assert g.token_ids == w.token_ids and [[t for t, _ in x] for x in g.top_logprobs] == \
+        [[t for t, _ in x] for x in w.top_logprobs]
+    assert g.prompt_logprobs.logprobs[1:] == pytest.approx(w.prompt_logprobs.logprobs[1:], abs=1e-3)
     assert_all_pages_free(eng)
 
 
