@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.logits_processors import TokenHistory, adjust_logits
+from engine.logits_processors import TokenHistory, adjust_logits, apply_min_p
 from engine.sampler import sample, with_logprobs
 from engine.sampling_params import SamplingParams
 
@@ -126,6 +126,19 @@ def test_min_tokens_mask_holds_under_sampling():
     assert not ({2, 4} & set(tokens.tolist()))
     done = TokenHistory([[1]] * B, [[5, 5, 5]] * B, [3] * B)
     assert set(sample(logits, [p] * B, gens, done).tokens.tolist()) <= {2, 4}
+
+
+def test_min_p_mask_matches_the_per_row_reference():
+    logits = _logits(5, 13)
+    min_p = torch.tensor([0.0, 0.02, 0.1, 0.5, 1.0])
+    got = apply_min_p(logits, min_p)
+    for i in range(5):
+        probs = logits[i].softmax(-1)
+        want = logits[i].clone()
+        for t in range(V):
+            if probs[t] < min_p[i] * probs.max():
+                want[t] = -math.inf
+        assert torch.equal(got[i], want)
 
 
 def test_min_p_keeps_exactly_the_tokens_above_the_threshold():
