@@ -75,10 +75,10 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     B, V = logits.shape
     dev = logits.device
     biased = [i for i, p in enumerate(params) if p.logit_bias]
-    need_min = history is not None and any(p.min_tokens > 0 for p in params)
+    need_min = any(p.min_tokens > 0 for p in params)
     penal = [i for i, p in enumerate(params) if p.penalizes]
-    if penal and history is None:
-        raise ValueError("presence / frequency / repetition penalties need the rows' token history")
+    if (penal or need_min) and history is None:
+        raise ValueError("penalties and min_tokens need the rows' token history")
     if not biased and not need_min and not penal:
         return logits
     out = logits.clone()
