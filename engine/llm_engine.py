@@ -1,6 +1,7 @@
 """LLMEngine: requests in, token-by-token outputs out (no Ray, no HTTP)."""
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any, Optional, Union
@@ -13,6 +14,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, make_executor
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.request_settings import resolve as resolve_kv_settings
+from engine.logprobs import StepLogprobs
 from engine.model_runner import Batch, InFlight
 from engine.loader import LoadedCheckpoint, load_checkpoint
 from engine.model_settings import apply_model_settings
@@ -91,6 +93,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens needs more KV pages than the whole cache holds "
                 f"({self.mm.num_pages}); raise the KV cache size", "prompt")
+        sampling.check_vocab(V)
+        if sampling.min_tokens and not sampling.ignore_eos:
+            sampling = copy.copy(sampling)  # the caller's object may serve other requests (other tokenizers)
+            sampling.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         kv_settings = resolve_kv_settings(kv_compression, self.config.cache)
         gen = None
         if sampling.seed is not None:
@@ -129,8 +135,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch, stuck = self.scheduler.schedule()
         pending, self._pending = self._pending, None
+        # Teacher-forced rows and top-k logprobs (copied to the host after the step) run synchronously.
         pipelined = (batch is not None and not batch.is_prefill and not stuck and self.executor.async_steps
-                     and not any(s.params.teacher_tokens is not None for s in batch.seqs))
+                     and not any(s.params.teacher_tokens is not None or s.params.logprobs for s in batch.seqs))
         outputs: list[RequestOutput] = []
         try:
             if pipelined:
@@ -183,7 +190,7 @@ class LLMEngine:
         redo = self.scheduler.settle_prefill(batch) if batch.is_prefill else set()
         return outputs + self._process(batch, tokens, logprobs, redo)
 
-    def _process(self, batch: Batch, tokens: list[int], logprobs: Optional[list[float]],
+    def _process(self, batch: Batch, tokens: list[int], logprobs: Optional[StepLogprobs],
                  redo: frozenset[int] | set[int] = frozenset()) -> list[RequestOutput]:
         """Append each row's token, check stops, make outputs. Rows of finished sequences are skipped (async
         scheduling ran them one step past their stop, or they were aborted while the step was in flight)."""
@@ -193,8 +200,8 @@ class LLMEngine:
             if i in redo or seq.finished:  # redo: its prompt did not fit the pool: queued again, no token
                 continue
             seq.output_token_ids.append(tok)
-            if logprobs is not None and seq.params.logprobs:
-                seq.output_logprobs.append(logprobs[i])
+            if logprobs is not None:
+                self._record_logprobs(seq, logprobs, i)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._num_generated += 1
@@ -205,6 +212,16 @@ class LLMEngine:
             outputs.append(self.output(seq))
         return outputs
 
+    @staticmethod
+    def _record_logprobs(seq: Sequence, logprobs: StepLogprobs, row: int) -> None:
+        k = seq.params.logprobs
+        if k is not None and logprobs.chosen is not None:
+            seq.output_logprobs.append(logprobs.chosen[row])
+            if k > 0 and logprobs.top is not None:
+                seq.output_top_logprobs.append(logprobs.top[row])
+        if row in logprobs.prompt and seq.prompt_logprobs is None:
+            seq.prompt_logprobs = logprobs.prompt[row]
+
     def _append_text(self, seq: Sequence, tok: int) -> None:
         # Only recorded: the text is worked out when read (stop strings below, or an output's text).
         if seq.finish_reason is None:
@@ -212,6 +229,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
+        if len(seq.output_token_ids) < p.min_tokens:  # no stop of any kind before min_tokens (vLLM's rule)
+            return "length" if seq.num_tokens >= self.max_model_len else None
         if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:

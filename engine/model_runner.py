@@ -16,12 +16,14 @@ from engine.kv.layout import CacheShape, pages_for_bytes
 from engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
 from engine.kv.request_settings import KVRequestSettings
 from engine.kv.request_settings import resolve as resolve_kv_settings
+from engine.logits_processors import TokenHistory
+from engine.logprobs import PromptLogprobs, StepLogprobs, prompt_logprobs, step_logprobs
 from engine.model import CausalLM
 from engine.model_config import ModelArch
 from engine.model_settings import load_model_settings
 from engine.parallel import SINGLE, ParallelContext
 from engine.profiling import cost_range, costed
-from engine.sampler import sample
+from engine.sampler import sample, with_logprobs
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,8 @@ class ModelRunner:
             self._host_logprobs = [torch.zeros(S, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
             self._host_set = 0
         self._decode_slots: Optional[torch.Tensor] = None  # device slots of the last decode step's rows
+        self._prompt_lp: dict[int, PromptLogprobs] = {}  # the current prefill's prompt logprobs, by row
+        self._samples = True  # this rank samples the current step
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from engine.cuda_graph import DecodeGraphs
@@ -170,10 +174,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch, keep_logits: bool = False,
-                sample_tokens: bool = True) -> tuple[list[int], list[float] | None]:
-        """Run one step; with keep_logits the last positions' fp32 logits stay in self.last_logits.
-        sample_tokens=False (tensor-parallel ranks other than 0) runs the forward and returns no tokens."""
+                sample_tokens: bool = True) -> tuple[list[int], StepLogprobs | None]:
+        """Run one step -> (tokens, log-probabilities if any row asked); with keep_logits the last positions'
+        fp32 logits stay in self.last_logits. sample_tokens=False (tensor-parallel ranks other than 0) runs the
+        forward and returns no tokens."""
         seqs = batch.seqs
+        self._prompt_lp, self._samples = {}, sample_tokens  # only the sampling rank reports prompt logprobs
         logits = self._prefill(seqs) if batch.is_prefill else self._decode(seqs)
         self.last_logits = logits if keep_logits else None
         if batch.is_prefill and self.learned:
@@ -181,11 +187,12 @@ class ModelRunner:
         if batch.overflowed:  # sample the others only: a seeded generator draws nothing for a prompt redone later
             lost = set(batch.overflowed)
             keep = [i for i in range(len(seqs)) if i not in lost]
+            self._prompt_lp = {j: self._prompt_lp[i] for j, i in enumerate(keep) if i in self._prompt_lp}
             tokens, logprobs = ([], None) if not keep else self._sample(
                 Batch(True, [seqs[i] for i in keep]), logits[keep], sample_tokens)
             if not sample_tokens:
                 return [], None
-            return _scatter(tokens, keep, len(seqs), -1), _scatter(logprobs, keep, len(seqs), 0.0)
+            return _scatter(tokens, keep, len(seqs), -1), (logprobs.take(keep, len(seqs)) if logprobs else None)
         return self._sample(batch, logits, sample_tokens)
 
     @torch.inference_mode()
@@ -196,7 +203,9 @@ class ModelRunner:
         seqs = batch.seqs
         logits = self._decode(seqs, snapshot=True)
         with cost_range("model"):
-            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            out = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                         self._history(seqs, decode=True))
+            tokens, logprobs = out.tokens, out.logprobs
             self._remember_tokens(seqs, tokens, decode=True)
         for s in seqs:
             s.num_cached += 1
@@ -215,11 +224,28 @@ class ModelRunner:
         return InFlight(batch, tok_h, lp_h, done)
 
     @costed("model")
-    def collect(self, step: InFlight) -> tuple[list[int], list[float] | None]:
-        """Wait for a launched step's tokens (and logprobs)."""
+    def collect(self, step: InFlight) -> tuple[list[int], StepLogprobs | None]:
+        """Wait for a launched step's tokens (and chosen-token logprobs: rows asking for top-k logprobs are not
+        launched ahead, LLMEngine runs them synchronously)."""
         if step.done is not None:
             step.done.synchronize()
-        return step.tokens.tolist(), (step.logprobs.tolist() if step.logprobs is not None else None)
+        lp = StepLogprobs(step.logprobs.tolist()) if step.logprobs is not None else None
+        return step.tokens.tolist(), lp
+
+    def _history(self, seqs: list[Sequence], decode: bool) -> Optional[TokenHistory]:
+        """What penalties and min_tokens read (None when no row uses them). A decode row has generated
+        num_cached + 1 - prompt tokens (true before the host has the newest one under async scheduling, which is
+        then this step's input id in token_table)."""
+        if not any(s.params.penalizes or s.params.min_tokens for s in seqs):
+            return None
+        if decode:
+            generated = [s.num_cached + 1 - len(s.prompt_token_ids) for s in seqs]
+        else:
+            generated = [len(s.output_token_ids) for s in seqs]
+        last = None
+        if decode and self.token_table is not None and any(s.params.penalizes for s in seqs):
+            last = self.token_table[self._decode_slots]
+        return TokenHistory([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], generated, last)
 
     def _remember_tokens(self, seqs: list[Sequence], tokens: torch.Tensor, decode: bool) -> None:
         """Async scheduling: each row's sampled token into its slot's row of token_table."""
@@ -240,13 +266,14 @@ class ModelRunner:
 
     @costed("model")
     def _sample(self, batch: Batch, logits: torch.Tensor,
-                sample_tokens: bool) -> tuple[list[int], list[float] | None]:
+                sample_tokens: bool) -> tuple[list[int], StepLogprobs | None]:
         seqs = batch.seqs
         if not sample_tokens:
             for s in seqs:
                 s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
             return [], None
         params = [s.params for s in seqs]
+        history = self._history(seqs, decode=not batch.is_prefill)
         forced = [_teacher_token(s) for s in seqs]
         if any(t is not None for t in forced):
             # Teacher forcing: emit the given token, remember whether the greedy choice agreed.
@@ -257,17 +284,16 @@ class ModelRunner:
             tokens = torch.tensor([a if t is None else t for t, a in zip(forced, top1)], device=logits.device)
             greedy_only = all(p.greedy or t is not None for p, t in zip(params, forced))
             if not greedy_only:
-                sampled, _ = sample(logits, params, [s.generator for s in seqs])
+                sampled = sample(logits, params, [s.generator for s in seqs], history).tokens
                 tokens = torch.where(torch.tensor([t is None for t in forced], device=logits.device), sampled, tokens)
-            logprobs = None
-            if any(p.logprobs for p in params):
-                logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            out = with_logprobs(logits, tokens, params)
         else:
-            tokens, logprobs = sample(logits, params, [s.generator for s in seqs])
+            out = sample(logits, params, [s.generator for s in seqs], history)
+        tokens = out.tokens
         self._remember_tokens(seqs, tokens, decode=not batch.is_prefill)
         for s in seqs:
             s.num_cached = s.num_tokens if batch.is_prefill else s.num_cached + 1
-        return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)
+        return tokens.tolist(), step_logprobs(out, params, self._prompt_lp)
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         mm = self.mm
@@ -339,7 +365,24 @@ class ModelRunner:
                 for s in seqs:
                     mm.adopt_blocks(s.slot, len(s.prefix_hits), s.prefix_inserts)
         with cost_range("model"):
+            if self._samples:
+                self._prompt_lp = self._prompt_logprobs(seqs, hit, cu_q.tolist(), hidden, input_ids)
             return self.model.logits(hidden[cu_q_t[1:].long() - 1])
+
+    def _prompt_logprobs(self, seqs: list[Sequence], hit: list[int], cu_q: list[int], hidden: torch.Tensor,
+                         input_ids: torch.Tensor) -> dict[int, PromptLogprobs]:
+        """Prompt log-probabilities of the sequences that ask for them, at their first prefill (a recompute
+        after preemption has outputs, and its prompt's were reported already). The scheduler gave them no
+        prefix-cache hits, so every prompt position was computed here."""
+        out = {}
+        for i, s in enumerate(seqs):
+            k = s.params.prompt_logprobs
+            if k is None or s.output_token_ids:
+                continue
+            assert hit[i] == 0, "prompt_logprobs needs every prompt position computed"
+            a, n = cu_q[i], len(s.prompt_token_ids)
+            out[i] = prompt_logprobs(self.model.logits, hidden[a: a + n - 1], input_ids[a + 1: a + n], k)
+        return out
 
     def _decode(self, seqs: list[Sequence], snapshot: bool = False) -> torch.Tensor:
         """Logits of one decode step. snapshot: copy the memory manager's step state to the host as soon as

@@ -245,7 +245,10 @@ class Scheduler:
             return [], [], 0
         toks = seq.all_token_ids
         n = len(toks)
-        hits, candidates = pc.match(toks, n - max(1, min(n, self.min_computed)))
+        limit = n - max(1, min(n, self.min_computed))
+        if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
+            limit = 0  # its prefill must compute every prompt position's logits
+        hits, candidates = pc.match(toks, limit)
         new = []
         for key in candidates:  # a contiguous run after the hits, up to the first block cached already
             if pc.contains(key[0]):

@@ -31,6 +31,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)  # per token: [(id, logprob)], logprobs > 0
+    prompt_logprobs: Optional[object] = None  # engine.logprobs.PromptLogprobs, once its prefill computed it
     status: Status = Status.WAITING
     slot: Optional[int] = None
     num_cached: int = 0  # tokens whose K/V are in the cache
@@ -159,22 +161,28 @@ class RequestOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "finished", "finish_reason", "arrival_time", "first_token_time",
                  "first_scheduled_time", "finish_time", "kv_usage", "_token_ids", "_text", "_new_token_ids", "_delta_text", "_logprobs",
-                 "_teacher_agree", "_seq", "_n", "_n_before", "_n_logprobs", "_n_agree", "_text_src", "_t0", "_t1")
+                 "_teacher_agree", "_seq", "_n", "_n_before", "_n_logprobs", "_n_agree", "_text_src", "_t0", "_t1",
+                 "_top_logprobs", "_n_top", "prompt_logprobs")
     _FIELDS = ("request_id", "prompt_token_ids", "token_ids", "text", "new_token_ids", "delta_text", "finished",
                "finish_reason", "logprobs", "arrival_time", "first_token_time", "finish_time", "kv_usage",
-               "teacher_agree", "first_scheduled_time")  # __init__'s order: __reduce__ passes them positionally
+               "teacher_agree", "first_scheduled_time", "top_logprobs",
+               "prompt_logprobs")  # __init__'s order: __reduce__ passes them positionally
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int], text: str,
                  new_token_ids: list[int], delta_text: str, finished: bool, finish_reason: Optional[str],
                  logprobs: Optional[list[float]], arrival_time: float, first_token_time: Optional[float],
                  finish_time: Optional[float], kv_usage: Optional[dict] = None,
-                 teacher_agree: Optional[list[bool]] = None, first_scheduled_time: Optional[float] = None):
+                 teacher_agree: Optional[list[bool]] = None, first_scheduled_time: Optional[float] = None,
+                 top_logprobs: Optional[list] = None, prompt_logprobs: Optional[object] = None):
         self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, finished
         self._token_ids, self._text, self._new_token_ids, self._delta_text = token_ids, text, new_token_ids, delta_text
         self.finish_reason, self._logprobs, self.arrival_time = finish_reason, logprobs, arrival_time
         self.first_token_time, self.finish_time, self.kv_usage = first_token_time, finish_time, kv_usage
         self._teacher_agree, self._seq = teacher_agree, None
         self.first_scheduled_time = first_scheduled_time
+        # top_logprobs: per generated token its top-k [(id, logprob)] (logprobs > 0); prompt_logprobs: an
+        # engine.logprobs.PromptLogprobs (prompt_logprobs set), from the prefill on
+        self._top_logprobs, self.prompt_logprobs = top_logprobs, prompt_logprobs
 
     @classmethod
     def snapshot(cls, seq: Sequence, n_before: int, text_src: Optional[str], t0: int, t1: int) -> "RequestOutput":
@@ -188,7 +196,9 @@ class RequestOutput:
                                                                          seq.kv_usage, seq)
         out._token_ids = out._text = out._new_token_ids = out._delta_text = out._logprobs = out._teacher_agree = _LAZY
         out._n, out._n_before = len(seq.output_token_ids), n_before
-        out._n_logprobs = len(seq.output_logprobs) if seq.params.logprobs else -1
+        out._n_logprobs = len(seq.output_logprobs) if seq.params.logprobs is not None else -1
+        out._n_top = len(seq.output_top_logprobs) if seq.params.logprobs else -1
+        out._top_logprobs, out.prompt_logprobs = _LAZY, seq.prompt_logprobs
         out._n_agree = len(seq.teacher_agree) if seq.params.teacher_tokens is not None else -1
         out._text_src, out._t0, out._t1 = text_src, t0, t1
         return out
@@ -207,6 +217,7 @@ class RequestOutput:
     delta_text = _Cut(_cut_delta)
     logprobs = _Cut(lambda o: o._seq.output_logprobs[: o._n_logprobs] if o._n_logprobs >= 0 else None)
     teacher_agree = _Cut(lambda o: o._seq.teacher_agree[: o._n_agree] if o._n_agree >= 0 else None)
+    top_logprobs = _Cut(lambda o: o._seq.output_top_logprobs[: o._n_top] if o._n_top >= 0 else None)
 
     def _values(self) -> tuple:
         return tuple(getattr(self, f) for f in self._FIELDS)

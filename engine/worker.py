@@ -28,6 +28,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv.request_settings import KVRequestSettings
+from engine.logprobs import StepLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -81,7 +82,7 @@ class StepReport:
     growth: list[int] = field(default_factory=list)  # per sequence: pages its next decode step may take here
     overflowed: list[int] = field(default_factory=list)  # learned-reservation prefill: indices that did not fit
     tokens: Optional[list[int]] = None  # rank 0 only
-    logprobs: Optional[list[float]] = None
+    logprobs: Optional[StepLogprobs] = None
     teacher_agree: Optional[list[Optional[bool]]] = None  # rank 0: per sequence, None if not teacher-forced
 
 

@@ -30,8 +30,10 @@ from service.auth import APIKeys
 from service.config import ServiceConfig
 from service.guard import DRAIN_RETRY_AFTER_S, GuardPolicy, RequestGuard
 from service.metrics import Metrics
-from service.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelCard,
-                              ModelList, Usage, error_body, new_id, now_s)
+from service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                              ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                              Usage, error_body, new_id, now_s)
+from service.responses import chat_renderer, completion_renderer
 
 log = logging.getLogger("ray.serve")
 RETRY_AFTER_DEAD_S = 5  # a replica whose engine died is replaced within a few health-check periods
@@ -294,11 +296,12 @@ class _Stream:
             if role is not None:
                 yield _sse(role)
             last = first
-            yield _sse(render("delta", text=first["text"], finish_reason=first["finish_reason"], **kw))
+            yield _sse(render("delta", text=first["text"], finish_reason=first["finish_reason"], item=first, **kw))
             try:
                 async for item in self.rest():
                     last = item
-                    yield _sse(render("delta", text=item["text"], finish_reason=item["finish_reason"], **kw))
+                    yield _sse(render("delta", text=item["text"], finish_reason=item["finish_reason"], item=item,
+                                      **kw))
             except APIError as e:  # headers are sent: report the failure in the stream, as OpenAI does
                 yield _sse(e.body())
                 return
@@ -507,7 +510,11 @@ class OpenAIIngress:
             "request_id": new_id("req"), "max_tokens": max_tokens, "max_tokens_param": param,
             "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list(),
             "kv_compression": body.kv_compression.model_dump(exclude_none=True) if body.kv_compression else None,
+            "sampling": body.sampling_fields(),
         }
+        req["logprobs"], req["prompt_logprobs"] = body.engine_logprobs()
+        if getattr(body, "echo", False):
+            req["echo"] = True
         if isinstance(body, ChatCompletionRequest):
             req["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
         else:
@@ -531,15 +538,16 @@ class OpenAIIngress:
         if body.stream:
             return _SSEResponse(stream, stream.sse(first, render, body.include_usage()))
         try:
-            text, last = first["text"], first
+            text, last, items = first["text"], first, [first]
             async for item in stream.rest():
                 text += item["text"]
                 last = item
+                items.append(item)
         finally:
             await stream.close()
         usage = Usage.of(last["prompt_tokens"], last["completion_tokens"])
         return JSONResponse(render("full", text=text, finish_reason=last["finish_reason"], usage=usage,
-                                   rid=stream.rid))
+                                   rid=stream.rid, items=items))
 
     # ---- routes -----------------------------------------------------------------------------------------------
     @app.get("/openapi.json", include_in_schema=False)
@@ -550,7 +558,7 @@ class OpenAIIngress:
             info = await self._model_info()
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=request.app.routes)
-            for name in ("ChatCompletionRequest", "CompletionRequest"):
+            for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
                 schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [info["model"]]
             self._schema = schema
         return JSONResponse(self._schema)
@@ -568,46 +576,40 @@ class OpenAIIngress:
         info = await self._model_info()
         return ModelList(data=[ModelCard(id=info["model"], created=now_s(), diffkv=info.get("kv_cache"))])
 
+    async def _tokenizer_call(self, model: str, method: str, req: dict) -> dict:
+        """/tokenize, /detokenize: an engine replica holds the tokenizer. The request's keys are not the
+        generate ones, so the prefix router neither matches nor remembers it."""
+        info = await self._model_info()
+        if model != info["model"]:
+            raise APIError(400, f"The model '{model}' does not exist; this server serves '{info['model']}'",
+                           "invalid_request_error", "model", "model_not_found")
+        try:
+            out = await getattr(self.engine, method).remote(req)
+        except Exception as e:
+            raise APIError(503, f"no engine replica answered: {e!r}", "service_unavailable",
+                           retry_after=RETRY_AFTER_DEAD_S) from e
+        if "error" in out:
+            err = out["error"]
+            raise APIError(err["status"], err["message"], err["type"], err.get("param"))
+        return out
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        req = {"add_special_tokens": body.add_special_tokens, "add_generation_prompt": body.add_generation_prompt}
+        if body.messages is not None:
+            req["chat"] = [{"role": m.role, "content": m.text()} for m in body.messages]
+        else:
+            req["text"] = body.prompt
+        return TokenizeResponse(**await self._tokenizer_call(body.model, "tokenize", req))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        return DetokenizeResponse(**await self._tokenizer_call(body.model, "detokenize", {"ids": body.tokens}))
+
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest):
-        model, created = body.model, now_s()
-
-        def render(kind: str, **kw) -> dict:
-            if kind == "full":
-                return {"id": kw["rid"], "object": "chat.completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": kw["text"]},
-                                     "logprobs": None, "finish_reason": kw["finish_reason"]}],
-                        "usage": kw["usage"].model_dump()}
-            chunk = {"id": kw["rid"], "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": []}
-            if kind == "role":
-                chunk["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]
-            elif kind == "delta":
-                delta = {"content": kw["text"]} if kw["text"] else {}
-                chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": kw["finish_reason"]}]
-            if kw.get("usage_field"):
-                chunk["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
-            return chunk
-
-        return await self._run(body, "chat", render)
+        return await self._run(body, "chat", chat_renderer(body, now_s()))
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(self, body: CompletionRequest):
-        model, created = body.model, now_s()
-
-        def render(kind: str, **kw) -> Optional[dict]:
-            if kind == "role":
-                return None  # completions have no role chunk
-            obj = {"id": kw["rid"], "object": "text_completion", "created": created, "model": model, "choices": []}
-            if kind in ("full", "delta"):
-                obj["choices"] = [{"index": 0, "text": kw["text"], "logprobs": None,
-                                   "finish_reason": kw["finish_reason"]}]
-            if kind == "full":
-                obj["usage"] = kw["usage"].model_dump()
-            elif kw.get("usage_field"):
-                obj["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
-            return obj
-
-        return await self._run(body, "completions", render)
+        return await self._run(body, "completions", completion_renderer(body, now_s()))

@@ -17,6 +17,7 @@ from engine.config import PrunePhase
 from engine.kv.request_settings import ALPHA_MAX, check_alpha, check_order, check_prune_phase
 
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's limit; the engine's SamplingParams checks the same)
 
 
 class _Strict(BaseModel):
@@ -87,8 +88,16 @@ class _SamplingFields(_Strict):
     stream_options: Optional[StreamOptions] = None
     n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is supported")
     user: Optional[str] = None
-    presence_penalty: Optional[StrictFloat] = Field(None, ge=0, le=0, description="not supported: only 0")
-    frequency_penalty: Optional[StrictFloat] = Field(None, ge=0, le=0, description="not supported: only 0")
+    presence_penalty: Optional[StrictFloat] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[StrictFloat] = Field(None, ge=-2, le=2)
+    # vLLM's extra sampling parameters (its meanings: engine/sampling_params.py)
+    top_k: Optional[StrictInt] = Field(None, ge=-1, description="-1 or 0: off")
+    min_p: Optional[StrictFloat] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[StrictFloat] = Field(None, gt=0, le=100, description="1: off")
+    min_tokens: Optional[StrictInt] = Field(None, ge=0)
+    stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=64)
+    logit_bias: Optional[dict[str, StrictFloat]] = Field(None, description="token id -> bias in [-100, 100]")
+    ignore_eos: StrictBool = False
     kv_compression: Optional[KVCompression] = Field(
         None, description="DiffKV extension: per-request thresholds (a server whose cache is not diffkv with "
                           "thresholds answers 400)")
@@ -105,11 +114,43 @@ class _SamplingFields(_Strict):
             raise ValueError("stop sequences must be non-empty")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > 1024:
+            raise ValueError("at most 1024 biased tokens")
+        for k, b in v.items():
+            if not k.isdigit() or not k.isascii():
+                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {b} for token {k}")
+        return v
+
     @model_validator(mode="after")
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def sampling_fields(self) -> dict:
+        """The sampling settings the engine replica turns into SamplingParams (unset ones left out)."""
+        fields = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                  "stop_token_ids")
+        out = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        if self.logit_bias:
+            out["logit_bias"] = {int(k): b for k, b in self.logit_bias.items()}
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out
 
     def stop_list(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -122,6 +163,18 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def engine_logprobs(self) -> tuple[Optional[int], Optional[int]]:
+        """(logprobs, prompt_logprobs) for the engine."""
+        return (self.top_logprobs or 0 if self.logprobs else None), None
 
     def requested_max_tokens(self) -> tuple[Optional[int], str]:
         if self.max_completion_tokens is not None:
@@ -132,7 +185,8 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     max_tokens: Optional[StrictInt] = Field(16, ge=1)
-    echo: StrictBool = Field(False, description="not supported: only false")
+    echo: StrictBool = Field(False, description="the prompt before the completion (with logprobs: its tokens' too)")
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
     suffix: Optional[str] = Field(None, description="not supported")
 
     @field_validator("prompt")
@@ -148,13 +202,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt token ids must be non-negative")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v):
@@ -162,8 +209,41 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         return v
 
+    def engine_logprobs(self) -> tuple[Optional[int], Optional[int]]:
+        """(logprobs, prompt_logprobs) for the engine: echo with logprobs reports the prompt's as well."""
+        return self.logprobs, (self.logprobs if self.echo and self.logprobs is not None else None)
+
     def requested_max_tokens(self) -> tuple[Optional[int], str]:
         return self.max_tokens, "max_tokens"
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages through the model's chat template."""
+
+    model: str = Field(min_length=1)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[StrictBool] = Field(None, description="default: true for a prompt, false for "
+                                                                        "messages (the template adds them)")
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str = Field(min_length=1)
+    tokens: list[StrictInt] = Field(max_length=1_000_000)
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
@@ -197,7 +277,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: Optional[dict] = None
 
 
 class ChatCompletion(BaseModel):
@@ -218,7 +298,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: FinishReason = None
-    logprobs: None = None
+    logprobs: Optional[dict] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -234,7 +314,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: Optional[dict] = None
 
 
 class Completion(BaseModel):
@@ -280,6 +360,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorDetail(BaseModel):

@@ -2,7 +2,9 @@
 
 The ingress streams each request through `generate()`, which yields plain dicts:
     {"text": delta, "tokens": new token count, "finish_reason": None | "stop" | "length",
-     "prompt_tokens": n, "completion_tokens": m[, "load": ReplicaLoad as dict on the last one]}
+     "prompt_tokens": n, "completion_tokens": m[, "load": ReplicaLoad as dict on the last one]
+     [, "logprobs": per new token {"token", "logprob", "top": [[token, logprob], ...]}]
+     [, "prompt_text", "prompt_logprobs" (echo, first item only: the prompt and its tokens' entries)]}
 or one {"error": {"status", "message", "type", "param"}} (400 bad request, 503 engine dead). Cancelling the
 stream (the client went away) cancels generate(), and AsyncLLMEngine aborts the request and frees its pages.
 
@@ -143,7 +145,18 @@ class EngineReplica:
         top_p = req.get("top_p")
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, seed=req.get("seed"),
-                              stop=req.get("stop") or [])
+                              stop=req.get("stop") or [], logprobs=req.get("logprobs"),
+                              prompt_logprobs=req.get("prompt_logprobs"), **(req.get("sampling") or {}))
+
+    def _token_str(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprob_entries(self, ids: list[int], lps: list, tops: Optional[list]) -> list[dict]:
+        """Per token: its text, log-probability (None: the prompt's first) and top alternatives."""
+        s = self._token_str
+        return [{"token": s(t), "logprob": lp,
+                 "top": None if tops is None or tops[i] is None else [[s(a), b] for a, b in tops[i]]}
+                for i, (t, lp) in enumerate(zip(ids, lps))]
 
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         if self._dead is not None:
@@ -163,6 +176,7 @@ class EngineReplica:
                 yield _error(400, str(e), "invalid_request_error", e.param)
                 return
             sent = 0
+            echo = req.get("echo", False)
             async for out in self.aeng.generate(req["request_id"], ids, params,
                                                 kv_compression=req.get("kv_compression")):
                 if ttft is None and out.token_ids:
@@ -171,6 +185,16 @@ class EngineReplica:
                 n = len(out.token_ids)
                 item = {"text": out.delta_text, "tokens": n - sent, "finish_reason": None,
                         "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n}
+                if params.logprobs is not None:
+                    item["logprobs"] = self._logprob_entries(out.token_ids[sent:n], out.logprobs[sent:n],
+                                                             out.top_logprobs[sent:n] if params.logprobs else None)
+                if echo:
+                    echo = False  # the prompt goes with the first item
+                    item["prompt_text"] = req["prompt"] if isinstance(req["prompt"], str) else \
+                        self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+                    plp = out.prompt_logprobs
+                    if plp is not None:
+                        item["prompt_logprobs"] = self._logprob_entries(ids, plp.logprobs, plp.top)
                 sent = n
                 if out.finished and out.finish_reason not in ("stop", "length"):
                     # aborted by the replica itself (shutting down): the client gets a clear error, not a
@@ -206,6 +230,34 @@ class EngineReplica:
             self.in_flight -= 1
             if not departed:
                 self.meter.finished(None, None, False)
+
+    def tokenize(self, req: dict) -> dict:
+        """/tokenize: {"text" | "chat", add_special_tokens, add_generation_prompt} -> tokens, count, context."""
+        tok = self.engine.tokenizer
+        try:
+            if "chat" in req:
+                if not getattr(tok, "chat_template", None):
+                    raise InvalidRequestError("this model has no chat template", "messages")
+                try:
+                    text = tok.apply_chat_template(req["chat"], add_generation_prompt=req["add_generation_prompt"])
+                except Exception as e:
+                    raise InvalidRequestError(f"messages: the chat template refused them: {e}", "messages") from e
+                special = req["add_special_tokens"] is True
+            else:
+                text, special = req["text"], req["add_special_tokens"] is not False
+            ids = tok.encode(text, add_special_tokens=special) if text else []
+        except InvalidRequestError as e:
+            return _error(400, str(e), "invalid_request_error", e.param)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, req: dict) -> dict:
+        """/detokenize: {"ids"} -> {"prompt"}, special tokens kept (as vLLM's)."""
+        V = self.engine.arch.vocab_size
+        bad = [t for t in req["ids"] if t >= V]
+        if bad:
+            return _error(400, f"token id {bad[0]} is outside the vocabulary [0, {V})", "invalid_request_error",
+                          "tokens")
+        return {"prompt": self.engine.tokenizer.decode(req["ids"], skip_special_tokens=False)}
 
     def _first_token_metrics(self, out) -> None:
         """Prefill done: its prompt tokens, and how long it waited in the engine's queue."""

@@ -10,12 +10,12 @@ from engine import EngineConfig, SamplingParams
 from engine_helpers import PROMPTS, assert_all_pages_free, run_all
 
 
-def _requests(engine, stop_token):
+def _requests(engine, stop_token, penalties=False):
     """A mix of stops and sampling: greedy to max_tokens, a natural EOS, a stop string, a stop token, seeded
-    sampling with logprobs; (prompt, params) pairs."""
+    sampling with logprobs, and with `penalties` a penalised request; (prompt, params) pairs."""
     tok = engine.tokenizer
     chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi."}]), add_special_tokens=False)
-    return [
+    reqs = [
         (PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
         (chat, SamplingParams(temperature=0, max_tokens=40)),  # ends with EOS well before 40
         (PROMPTS[3], SamplingParams(temperature=0, max_tokens=16, stop=[" blue"])),
@@ -24,6 +24,11 @@ def _requests(engine, stop_token):
                                     logprobs=True)),
         (PROMPTS[5], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
     ]
+    if penalties:  # they read every generated token, the newest still on the device when a step is launched
+        reqs.append((PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                                                frequency_penalty=0.8, presence_penalty=0.4, min_tokens=3,
+                                                logit_bias={13: 2.0})))
+    return reqs
 
 
 def _run(engine, reqs):
@@ -54,8 +59,9 @@ def test_async_steps_give_the_same_outputs(make_engine, mode, pages):
     asyn = make_engine(cache=cache, scheduler={"async_scheduling": "on"})
     assert asyn.executor.async_steps and not sync.executor.async_steps
     stop_token = run_all(sync, [PROMPTS[4]], SamplingParams(temperature=0, max_tokens=8))[0].token_ids[5]
-    want, none = _run(sync, _requests(sync, stop_token))
-    got, pipelined = _run(asyn, _requests(asyn, stop_token))
+    # diffkv: a seventh request changes the batch shapes enough to flip a near-tie of the chat request
+    want, none = _run(sync, _requests(sync, stop_token, penalties=mode == "fp16"))
+    got, pipelined = _run(asyn, _requests(asyn, stop_token, penalties=mode == "fp16"))
     assert none == 0 and pipelined > 10  # steps really were launched ahead
     assert [g[:3] for g in got] == [w[:3] for w in want]
     assert want[1][2] == "stop" and want[2][2] == "stop" and want[3][2] == "stop"  # the stops were exercised

@@ -517,3 +517,13 @@ def test_throughput_qwen_annotate_refreshes_accuracy(throughput_qwen_json, tmp_p
     best = json.loads(path.read_text())["best_within"]
     assert best in ("fp16", "int8")
     assert got["int8"]["vs_best_within"] == pytest.approx(int8_row["tokens_per_s"] / got[best]["tokens_per_s"])
+
+
+def test_sampler_cost_smoke(tmp_path):
+    out = tmp_path / "sampler.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.sampler_cost", "--smoke", "--out", str(out)], check=True,
+                   cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["sampler"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(set(r["ms"]) == {"greedy", "sampled", "penalties", "greedy_penalties", "all", "logprobs5", "one_row"} for r in rows)
+    assert all(t > 0 for r in rows for t in r["ms"].values())

@@ -208,7 +208,7 @@ class EagerText:
         st["chars"], st["tokens"] = visible, len(seq.output_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text[:visible],
                              new_ids, delta, seq.finished, seq.finish_reason,
-                             list(seq.output_logprobs) if seq.params.logprobs else None,
+                             list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                              seq.arrival_time, seq.first_token_time, seq.finish_time, seq.kv_usage,
                              list(seq.teacher_agree) if seq.params.teacher_tokens is not None else None,
                              seq.first_scheduled_time)

@@ -111,6 +111,12 @@ def test_tp2_prompt_logits_and_seeded_sampling_equal_tp1(engines):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+    # top-k and prompt logprobs: rank 0 computes them from the all-reduced hidden states
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    g, w = run_all(eng, [PROMPTS[1]], sp)[0], run_all(local, [PROMPTS[1]], sp)[0]
+    assert g.token_ids == w.token_ids and [[t for t, _ in x] for x in g.top_logprobs] == \
+        [[t for t, _ in x] for x in w.top_logprobs]
+    assert g.prompt_logprobs.logprobs[1:] == pytest.approx(w.prompt_logprobs.logprobs[1:], abs=1e-3)
     assert_all_pages_free(eng)
 
 
@@ -155,13 +161,17 @@ def test_tp2_diffkv_equals_tp1_and_abort_frees_every_rank(engines):
 
 
 def test_ray_executor_with_one_rank_equals_local_bit_for_bit(engines):
-    """One rank on a Ray actor runs the same arithmetic as in-process: tokens and logprobs are identical."""
+    """One rank on a Ray actor runs the same arithmetic as in-process: tokens and logprobs (top-k and the
+    prompt's, which rank 0 reports to the driver) are identical, penalties included."""
     tiny = {"model": "random:tiny", "cache": {"num_pages": 500}}
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                        repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=2)
     want = run_all(engines("tiny-local", **tiny), PROMPTS, sp)
     eng = engines("tiny-ray1", distributed_executor="ray", **tiny)
     got = run_all(eng, PROMPTS, sp)
-    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+    fields = lambda o: (o.token_ids, o.logprobs, o.top_logprobs, o.prompt_logprobs)  # noqa: E731
+    assert [fields(o) for o in got] == [fields(o) for o in want]
+    assert all(o.prompt_logprobs is not None and len(o.top_logprobs) == 10 for o in got)
     assert [r["rank"] for r in eng.stats()["ranks"]] == [0]
     assert_all_pages_free(eng)
 

@@ -176,6 +176,22 @@ BAD = [
     ("token id outside the vocabulary", "completions", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("two prompts", "completions", {"prompt": ["a", "b"]}, "prompt"),
     ("negative seed", "completions", {"seed": -1}, "seed"),
+    ("n > 1 unsupported", "completions", {"n": 2}, "n"),
+    ("response_format unsupported", "chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("tools unsupported", "chat", {"tools": []}, "tools"),
+    ("suffix unsupported", "completions", {"suffix": "x"}, "suffix"),
+    ("presence_penalty out of range", "chat", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("repetition_penalty zero", "completions", {"repetition_penalty": 0.0}, "repetition_penalty"),
+    ("min_p above one", "chat", {"min_p": 1.5}, "min_p"),
+    ("top_k below -1", "chat", {"top_k": -2}, "top_k"),
+    ("logit_bias key not a token id", "chat", {"logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ("logit_bias too large", "completions", {"logit_bias": {"5": 150.0}}, "logit_bias"),
+    ("logit_bias outside the vocabulary", "completions", {"logit_bias": {"999999": 1.0}}, "logit_bias"),
+    ("stop_token_ids outside the vocabulary", "chat", {"stop_token_ids": [10**7]}, "stop_token_ids"),
+    ("min_tokens above max_tokens", "completions", {"min_tokens": 9}, "min_tokens"),
+    ("completion logprobs above 20", "completions", {"logprobs": 21}, "logprobs"),
+    ("top_logprobs without logprobs", "chat", {"top_logprobs": 2}, None),
+    ("top_logprobs above 20", "chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ]
 
 
@@ -198,6 +214,32 @@ def test_bad_input_is_a_400_with_an_openai_error_body(service, name, endpoint, b
         assert err["param"] == param, err
     if name == "kv_compression NaN":
         assert "a finite number >= 0" in err["message"], err
+
+
+def test_tokenize_and_detokenize(service):
+    base, model = service["base"], service["model"]
+    post = lambda path, body: httpx.post(base + path, json={"model": model, **body}, timeout=60)  # noqa: E731
+    r = post("/tokenize", {"prompt": "The quick brown fox"})
+    assert r.status_code == 200, r.text
+    tok = r.json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == CONFIG["max_model_len"]
+    assert post("/detokenize", {"tokens": tok["tokens"]}).json() == {"prompt": "The quick brown fox"}
+    # the ids a completion of the same prompt reports as its prompt tokens
+    c = client(service).completions.create(model=model, prompt="The quick brown fox", max_tokens=1)
+    assert c.usage.prompt_tokens == tok["count"]
+    chat = post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    out = client(service).chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=1)
+    assert chat["count"] == out.usage.prompt_tokens
+    assert "hi" in post("/detokenize", {"tokens": chat["tokens"]}).json()["prompt"]
+    for path, body, param in (("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": [
+            {"role": "user", "content": "b"}]}, None), ("/tokenize", {"prompt": "a", "model": "gpt-17"}, "model"),
+            ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, "tokens"), ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate")):
+        r = post(path, body)
+        assert r.status_code == 400, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and (param is None or err["param"] == param), err
 
 
 def test_service_keeps_serving_after_bad_input(service):
