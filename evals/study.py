@@ -24,7 +24,7 @@ import torch
 
 from engine import key_centering
 from evals.calibrate import calibrate, measured_points, write_settings
-from evals.configs import baseline_configs, diffkv_config, prune_config
+from evals.configs import baseline_configs, diffkv_config, parse_config, prune_config
 from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
 from evals.harness import DEFAULT_MAX_TOKENS, evaluate_config
 from evals.key_center import center_summary, measure_key_centers
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.01, help="calibration by agreement: tolerance per stage")
     ap.add_argument("--no-calibrate", action="store_true", help="use the model's settings file instead")
     ap.add_argument("--write-settings", action="store_true", help="write the calibrated alphas to engine/model_settings")
-    ap.add_argument("--configs", nargs="+", default=None, help="only these configurations (fp16 always runs)")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="only these configurations (fp16 always runs); besides the built-in names, uniform:KxVy and "
+                         "diffkv:alpha_high=A,alpha_low=B[,high=KxVy][,low=KxVy] (evals.configs.parse_config)")
     ap.add_argument("--task-configs", nargs="+", default=None,
                     help="configurations that also run task accuracy (default: all; fp16 always does)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
@@ -160,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="reuse configs/<name>.json already in --out")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline end to end in minutes")
     args = ap.parse_args(argv)
+    builtin = {c.name for c in baseline_configs(attention_bias=True)} | {"diffkv", "prune_eq"}
+    for name in set(args.configs or ()) - builtin:
+        try:
+            parse_config(name)  # a misspelled configuration fails here, not after the references are made
+        except ValueError as e:
+            ap.error(str(e))
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v if k != "max_tokens" else {**v, **args.max_tokens})
@@ -246,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     run(diffkv_config(calib["alpha_high"], calib["alpha_low"], low=calib.get("low"), high=calib.get("high")))
     for kvc in baseline_configs(model.ckpt.arch.attention_bias)[1:]:
         run(kvc)
+    for name in sorted((wanted or set()) - set(results) - {"prune_eq"}):  # frontier points named on the command line
+        run(parse_config(name))
     if "diffkv" in results:
         # Equal-budget pruning at DiffKV's own memory: keep the share of 16-bit tokens that costs as much.
         fp16_share = token_bytes(16, 16, model.head_dim) / fp16_token_bytes(model.head_dim)
