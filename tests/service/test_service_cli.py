@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from _cluster import free_port, wait_for
-from service.cli import _serve_config, build_parser
+from service.cli import build_parser
+from service.serve_command import _serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +101,7 @@ def test_busy_port_fails_at_once_naming_it(tmp_path, busy_flag):
 
 
 def test_metrics_port_binds_to_host():
-    from service.cli import _local_ray_env
+    from service.serve_command import _local_ray_env
 
     assert _local_ray_env(parse("--host", "127.0.0.1")) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     assert _local_ray_env(parse("--host", "localhost")) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -108,7 +109,7 @@ def test_metrics_port_binds_to_host():
 
 
 def test_startup_line_says_where_the_metrics_are():
-    from service.cli import _metrics_banner
+    from service.serve_command import _metrics_banner
 
     assert _metrics_banner(parse()) == ""
     assert _metrics_banner(parse("--metrics-port", "8080")) == ", Prometheus metrics on 127.0.0.1:8080/metrics"
@@ -126,7 +127,7 @@ def test_startup_line_says_where_the_metrics_are():
 def test_joining_a_cluster_whose_serve_holds_the_port(cluster):
     """A second `diffkv serve --address` on a cluster: Serve's proxy (left up by the first run's serve.delete)
     listens on --port, and the app joins it instead of failing as if a stranger held the port."""
-    from service.cli import _check_joined_port, _check_ports_free
+    from service.serve_command import _check_joined_port, _check_ports_free
 
     with pytest.raises(ValueError, match="already in use"):  # the port is taken, by Serve
         _check_ports_free("127.0.0.1", {"--port": cluster.http_port})

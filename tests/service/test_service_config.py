@@ -10,7 +10,8 @@ import pytest
 
 from engine import CacheConfig, EngineConfig
 from engine.model_settings import apply_model_settings, load_model_settings
-from service.api import APIError, _check_kv_compression
+from service.api import _check_kv_compression
+from service.api_error import APIError
 from service.app import build_app
 from service.cli import _engine_config, build_parser
 from service.config import ServiceConfig
@@ -51,7 +52,7 @@ def test_serve_yaml_args_and_flags_resolve_the_calibrated_thresholds():
     """`serve run` / a Serve config YAML (Serve validates args into ServiceConfig) and `diffkv serve`'s flags."""
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
-    from service.cli import _serve_config
+    from service.serve_command import _serve_config
 
     settings = load_model_settings(SMOLLM)
     apps = [call_user_app_builder_with_args_if_necessary(build_app, {"kv_mode": "diffkv", "device": "cpu"}),

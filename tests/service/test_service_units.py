@@ -373,7 +373,8 @@ def _dead(status=503):
 
 
 def test_ingress_resends_a_request_whose_replica_fails_before_any_output():
-    from service.api import APIError, _Stream
+    from service.api_error import APIError
+    from service.streaming import _Stream
 
     req = {"request_id": "req-abc"}
     # the replica's actor dies (an exception from the handle), then a survivor answers
@@ -407,7 +408,8 @@ def test_ingress_resends_a_request_whose_replica_fails_before_any_output():
 
 
 def test_ingress_never_resends_after_output():
-    from service.api import APIError, _Stream
+    from service.api_error import APIError
+    from service.streaming import _Stream
 
     ing = _FakeIngress([[_token("partial"), RuntimeError("ActorDiedError: node lost")]], 3)
     stream = _Stream(ing, {"request_id": "req-x"}, "completions", 0.0)
@@ -424,7 +426,8 @@ def test_ingress_never_resends_after_output():
 
 
 def test_drain_timeout_ends_a_request_with_503_and_never_resends_it():
-    from service.api import APIError, _Stream
+    from service.api_error import APIError
+    from service.streaming import _Stream
 
     async def run(stream, waiting_for_first):
         async def end_soon():
