@@ -106,6 +106,12 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # 
     return APIError(500, f"internal error: {exc!r}", "internal_error").response()
 
 
+def _replica_stopping(e: BaseException) -> bool:
+    """A background poll failed because Serve is stopping this replica: its event loop's thread pool was shut
+    down and takes no more work (nothing to report, and no traceback for the operator to read)."""
+    return isinstance(e, RuntimeError) and "after shutdown" in str(e)
+
+
 def _check_kv_compression(info: dict) -> None:
     """Per-request thresholds need a diffkv cache that classifies by thresholds; anywhere else they would be
     ignored, so the request is refused rather than served as if they applied."""
@@ -166,7 +172,9 @@ class OpenAIIngress:
             await asyncio.sleep(replica_deaths.WATCH_PERIOD_S)
             try:
                 deaths = await asyncio.to_thread(watcher.new_deaths)
-            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: look again
+            except Exception as e:  # noqa: BLE001 - the GCS briefly unreachable: look again
+                if _replica_stopping(e):
+                    return
                 log.warning("reading engine replica deaths failed", exc_info=True)
                 continue
             for d in deaths:
@@ -205,7 +213,9 @@ class OpenAIIngress:
                                                    f"timeout {timeout_s:g}s); retry it", "service_unavailable",
                                               retry_after=DRAIN_RETRY_AFTER_S))
                 await asyncio.to_thread(drain.report, app_name, replica, self.admission.in_flight)
-            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: try again at the next poll
+            except Exception as e:  # noqa: BLE001 - the GCS briefly unreachable: try again at the next poll
+                if _replica_stopping(e):
+                    return
                 log.warning("ingress %s: drain check failed", replica, exc_info=True)
 
     async def _refresh_gauges(self) -> None:

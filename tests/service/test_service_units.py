@@ -450,3 +450,13 @@ def test_drain_timeout_ends_a_request_with_503_and_never_resends_it():
         assert len(ing.sent) == 1  # ended by the server: not sent to another replica
         asyncio.run(stream.close())
         assert ing._streams == set() and ing.calls[0].cancelled
+
+
+def test_background_polls_end_quietly_when_the_replica_stops():
+    """A poll that fails because the replica's thread pool was shut down (Serve stopping it) ends the watcher
+    without a traceback; any other failure is logged and retried."""
+    from service.api import _replica_stopping
+
+    assert _replica_stopping(RuntimeError("cannot schedule new futures after shutdown"))
+    assert not _replica_stopping(RuntimeError("GCS unreachable"))
+    assert not _replica_stopping(ConnectionError("after shutdown"))
