@@ -22,11 +22,9 @@ def series(result: dict, row: dict) -> dict[str, list[float]]:
     run = next(r for r in row["runs"] if not r["cut"] and r.get("trace"))
     fields = result["trace_fields"]
     cols = {f: [t[i] for t in run["trace"]] for i, f in enumerate(fields)}
-    heads = None
     out = {**cols, "pages_per_token_head": [], "high": [], "low": [], "pruned": []}
     for i, tokens in enumerate(cols["cached_tokens"]):
         entries = cols["tokens_high"][i] + cols["tokens_low"][i] + cols["tokens_pruned"][i]
-        heads = entries / tokens if tokens else heads
         out["pages_per_token_head"].append(cols["pages_running"][i] / entries if entries else float("nan"))
         for k in ("high", "low", "pruned"):
             out[k].append(cols[f"tokens_{k}"][i] / entries if entries else float("nan"))

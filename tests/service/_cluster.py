@@ -85,6 +85,21 @@ def wait_for(pred, timeout: float, interval: float = 0.5, what: str = "condition
         time.sleep(interval)
 
 
+def wait_serve_healthy(proc, base: str, log_path, interval: float = 0.5, timeout: float = 180) -> str:
+    """Wait until a `diffkv serve` subprocess answers /health (failing with its log's tail if it exits), then
+    return the served model's name."""
+    import httpx
+
+    def healthy():
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            return httpx.get(base + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_for(healthy, timeout, interval=interval, what="diffkv serve to come up")
+    return httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def values(samples, name, **labels):
     """Values of the samples of one series whose labels include `labels`."""
     return [v for n, lab, v in samples if n == name and all(lab.get(k) == val for k, val in labels.items())]

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from _cluster import free_port, wait_for
+from _cluster import free_port, wait_for, wait_serve_healthy
 from service.cli import build_parser
 from service.serve_command import _serve_config
 
@@ -48,14 +48,7 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        def healthy():
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                return httpx.get(base + "/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_for(healthy, 180, interval=1.0, what="diffkv serve to come up")
-        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        model = wait_serve_healthy(proc, base, tmp_path / "serve.log", interval=1.0)
         r = httpx.post(base + "/v1/completions", timeout=60,
                        json={"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from _cluster import free_port, wait_for
+from _cluster import free_port, wait_for, wait_serve_healthy
 
 DRAIN_TIMEOUT_S = 6.0
 SHORT, LONG = 16, 400  # max_tokens: done within the drain / still generating at its timeout
@@ -50,14 +50,7 @@ def test_sigterm_drains_streams_then_exits_cleanly(tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     base = f"http://127.0.0.1:{port}"
     try:
-        def healthy():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                return httpx.get(base + "/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_for(healthy, 180, interval=0.5, what="diffkv serve to come up")
-        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        model = wait_serve_healthy(proc, base, log_path, interval=0.5)
 
         out, threads, started = {}, [], []
         for i in range(8):  # 6 that finish within the drain, 2 that are cut at its timeout
