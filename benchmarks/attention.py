@@ -62,15 +62,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
 
-from kernels.decode_attention import paged_decode_attention  # noqa: E402
-from kernels.decode_attention.dispatch import pick_kernel  # noqa: E402
-from kernels.kv_write import write_kv  # noqa: E402
-from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
+from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel  # noqa: E402
+from diffkv_serve.kernels.kv_write import write_kv  # noqa: E402
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
 PRECISIONS = {"fp16": "K16V16", "K8V8": "K8V8", "fp8": "K8V8-e4m3", "K8V4": "K8V4", "K4V2": "K4V2",
               "mix": "K8V4+K4V2"}
 SDPA_MODES = ("gqa", "fold")  # enable_gqa=True on q [B,Hq,1,D]; or q folded to [B,Hkv,G,D] (G rows per KV head)
-# Head layouts (query heads, KV heads, head_dim) of engine/loader/presets.py's models (tests check they agree;
+# Head layouts (query heads, KV heads, head_dim) of diffkv_serve/engine/loader/presets.py's models (tests check they agree;
 # this script imports no engine code, so it runs where only torch and Triton are installed).
 HEADS = {"llama3-8b": (32, 8, 128), "qwen2.5-1.5b": (12, 2, 128)}
 CHECK_TOL = 4e-3  # atol and rtol: Triton vs impl="ref" (same dequantized data, fp16 dots); fp16 ref vs SDPA

@@ -1,4 +1,4 @@
-"""The CUDA decode kernel (kernels/decode_attention/decode_mma.cu) against the Triton kernel the dispatcher would
+"""The CUDA decode kernel (diffkv_serve/kernels/decode_attention/decode_mma.cu) against the Triton kernel the dispatcher would
 pick without it (quartered; q8 for K8V8 pages, integer or e4m3) on the same calls, side by side in one run:
 CUDA-graph time per call for each precision they both serve, at the Llama-3-8B (32 / 8 heads) and Qwen2.5-1.5B
 (12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's K8V4 + K4V2 call (half the tokens
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import parse_spec, section_lengths  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
-from kernels.decode_attention import decode_kernel, paged_decode_attention_triton  # noqa: E402
-from kernels.page_layout import page_bytes_for  # noqa: E402
+from diffkv_serve.kernels.decode_attention import decode_kernel, paged_decode_attention_triton  # noqa: E402
+from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 
 HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
 

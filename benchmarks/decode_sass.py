@@ -1,7 +1,7 @@
 """SASS instruction counts of the decode-attention kernels, compiled for an H100 (sm_90) on any machine.
 
 Triton's wheel bundles ptxas and cuobjdump, so the kernels can be compiled for the GPU without one: this script
-calls kernels/decode_attention/dispatch.py's launcher on small CPU tensors with Triton's launch intercepted, compiles
+calls diffkv_serve/kernels/decode_attention/dispatch.py's launcher on small CPU tensors with Triton's launch intercepted, compiles
 each kernel it would have launched the way Triton's runtime does (same argument specialization), and counts
 the instructions of the kernel's main loop (its longest backward branch): per tile and per token
 (x warps / tile), by opcode, and the instructions laid out before that loop (a program's setup: what a short
@@ -13,7 +13,7 @@ GPU time; times still need the GPU (benchmarks/attention.py).
     python benchmarks/decode_sass.py --precisions K4V2 --min-rows 16 8
 
 With NVRTC at hand (the nvidia-cuda-nvrtc-cu12 wheel, or NVRTC_LIBRARY=/path/libnvrtc.so.12), the CUDA decode
-kernel (kernels/decode_attention/decode_mma.cu) is compiled for sm_90 too and counted the same way, one row per
+kernel (diffkv_serve/kernels/decode_attention/decode_mma.cu) is compiled for sm_90 too and counted the same way, one row per
 precision it serves (mix: DiffKV's call, with the logits; its main loop is the high section's, `loop_low` the
 low section's).
 """
@@ -42,11 +42,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-import kernels.decode_attention as da  # noqa: E402
-import kernels.decode_attention.dispatch as dispatch  # noqa: E402
-from kernels.decode_attention import mma_cuda  # noqa: E402
+import diffkv_serve.kernels.decode_attention as da  # noqa: E402
+import diffkv_serve.kernels.decode_attention.dispatch as dispatch  # noqa: E402
+from diffkv_serve.kernels.decode_attention import mma_cuda  # noqa: E402
 from attention import PRECISIONS, build_paged, make_kv, parse_spec  # noqa: E402
-from kernels.page_layout import page_bytes_for  # noqa: E402
+from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

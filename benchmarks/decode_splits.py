@@ -6,7 +6,7 @@ automatic choice, per precision and (batch, seq), so the heuristic can be checke
 (SmolLM2: 9 query / 3 KV heads, head_dim 64), where batch * KV heads alone leaves most SMs idle.
 Times are do_bench_cudagraph medians (a graph of back-to-back calls rotating among cache copies, as in a
 CUDA-graph decode step); diffkv rows also write per-token logits and the lse, as the engine's decode does,
-and (--score-splits) time the score update that reads them (kernels/score_update.py) per split count.
+and (--score-splits) time the score update that reads them (diffkv_serve/kernels/score_update.py) per split count.
 
 Usage (GPU):  python benchmarks/decode_splits.py --hq 9 --hkv 3 --head-dim 64 --batches 16 64 --seqs 1024 4096
 Smoke (CPU):  python benchmarks/decode_splits.py --smoke
@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
 
-from kernels.decode_attention import choose_num_splits, launch_config, paged_decode_attention  # noqa: E402
-from kernels.page_layout import page_bytes_for  # noqa: E402
-from kernels.score_update import BLOCK_N as SCORE_BLOCK_N  # noqa: E402
-from kernels.score_update import accumulate_scores_ref, accumulate_scores_triton, choose_score_splits  # noqa: E402
+from diffkv_serve.kernels.decode_attention import choose_num_splits, launch_config, paged_decode_attention  # noqa: E402
+from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
+from diffkv_serve.kernels.score_update import BLOCK_N as SCORE_BLOCK_N  # noqa: E402
+from diffkv_serve.kernels.score_update import accumulate_scores_ref, accumulate_scores_triton, choose_score_splits  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,7 +52,7 @@ def parse_args(argv=None):
 
 
 def score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, lse, B, S, dev, cuda) -> dict:
-    """Score-update time per split count (kernels/score_update.py) on the logits the decode call just wrote."""
+    """Score-update time per split count (diffkv_serve/kernels/score_update.py) on the logits the decode call just wrote."""
     block_n = SCORE_BLOCK_N
     auto = choose_score_splits(B, args.hkv, S, dev, block_n)
     times = {}

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.config import KV_MODES  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
+from diffkv_serve.engine.config import KV_MODES  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 
 
 def run_batch(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:

@@ -33,13 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.config import KV_MODES  # noqa: E402
+from diffkv_serve.engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
 from step_breakdown import abort_all, add_prompts, build_engine  # noqa: E402
-from engine.cuda_graph import DecodeGraphs  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from diffkv_serve.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine.model_runner import ModelRunner  # noqa: E402
+from diffkv_serve.engine.scheduler import Scheduler  # noqa: E402
 
 # (class, method, timer): the time inside each call is added to its timer.
 TIMED = ((Scheduler, "schedule", "schedule"), (ModelRunner, "_decode", "decode"), (DecodeGraphs, "run", "graphs"),

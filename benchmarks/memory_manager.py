@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
-from engine.config import CacheConfig  # noqa: E402
-from engine.kv.layout import CacheShape  # noqa: E402
-from engine.kv.policy import KVCache  # noqa: E402
-from engine.kv.request_settings import KVRequestSettings  # noqa: E402
-from engine.kv.reservation import worst_case_pages  # noqa: E402
-from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
+from diffkv_serve.engine.config import CacheConfig  # noqa: E402
+from diffkv_serve.engine.kv.layout import CacheShape  # noqa: E402
+from diffkv_serve.engine.kv.policy import KVCache  # noqa: E402
+from diffkv_serve.engine.kv.request_settings import KVRequestSettings  # noqa: E402
+from diffkv_serve.engine.kv.reservation import worst_case_pages  # noqa: E402
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
 
 def progress(msg: str) -> None:
@@ -143,10 +143,10 @@ def engine_pool_gb(arch, batch: int, tokens: int, itemsize: int = 2) -> float:
 def engine_steps(batches: list[int], seq: int, steps: int, deadline: float, preset: str = "llama3-8b",
                  device: str = "auto") -> list[dict]:
     """Full diffkv decode steps of a random-weight model at each batch, and their memory-management time."""
-    from engine import EngineConfig, SamplingParams
-    from engine.llm_engine import LLMEngine
-    from engine.loader import load_checkpoint
-    from engine.model_runner import resolve_device, resolve_dtype
+    from diffkv_serve.engine import EngineConfig, SamplingParams
+    from diffkv_serve.engine.llm_engine import LLMEngine
+    from diffkv_serve.engine.loader import load_checkpoint
+    from diffkv_serve.engine.model_runner import resolve_device, resolve_dtype
 
     if time.perf_counter() > deadline:  # no model build for nothing
         progress(f"engine batches {batches}: skipped, --time-limit reached")

@@ -16,9 +16,9 @@ import time
 import torch
 
 from benchmarks._results import write_result
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
 
 
 def prompts(scenario: str, n: int, length: int, seed: int) -> list[list[int]]:

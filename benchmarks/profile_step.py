@@ -14,9 +14,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 
 
 def main() -> None:

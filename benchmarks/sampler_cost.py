@@ -20,9 +20,9 @@ import time
 import torch
 
 from benchmarks._results import write_result
-from engine import SamplingParams
-from engine.logits_processors import TokenHistory
-from engine.sampler import sample
+from diffkv_serve.engine import SamplingParams
+from diffkv_serve.engine.logits_processors import TokenHistory
+from diffkv_serve.engine.sampler import sample
 
 SCENARIOS = {
     "greedy": dict(temperature=0),
@@ -72,9 +72,9 @@ def time_sampler(device: str, vocab: int, batches: list[int], iters: int, prompt
 
 
 def time_engine(device: str, num_requests: int, max_tokens: int) -> dict:
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.loader import load_checkpoint
+    from diffkv_serve.engine import EngineConfig
+    from diffkv_serve.engine.llm_engine import LLMEngine
+    from diffkv_serve.engine.loader import load_checkpoint
 
     eng = LLMEngine(EngineConfig(device=device, cache={"kv_mode": "fp16", "num_pages": 6000}),
                     checkpoint=load_checkpoint(None))

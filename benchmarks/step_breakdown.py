@@ -2,7 +2,7 @@
 model execution, attention, compression policy, memory management, other device work, and the host.
 
 Every device kernel (or, on CPU, every top-level torch op) of a profiled step gets one category: by its name
-when KERNEL_CATEGORIES knows it, else by the innermost engine cost range (engine/profiling.py, "diffkv::<category>")
+when KERNEL_CATEGORIES knows it, else by the innermost engine cost range (diffkv_serve/engine/profiling.py, "diffkv::<category>")
 that was open on the host when it was launched. A CUDA-graph replay launches its kernels from inside the
 range around the replay, so captured steps are covered too; kernels outside every range count as "other"
 (input copies, the scheduler's reads). Host overhead = step wall time - device busy time (the union of the
@@ -36,24 +36,24 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.config import KV_MODES  # noqa: E402
+from diffkv_serve.engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
-from engine.profiling import CATEGORIES as RANGE_CATEGORIES, PREFIX as RANGE_PREFIX  # noqa: E402
+from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine.profiling import CATEGORIES as RANGE_CATEGORIES, PREFIX as RANGE_PREFIX  # noqa: E402
 
 # Kernel name -> category, checked before the launching range: the memory-management graph replays the
 # policy's Algorithm 1 and the forward graph the attention and score-update kernels. Triton kernels by their
-# function names in kernels/*.py; vendor attention kernels in case a backend brings them.
+# function names in diffkv_serve/kernels/*.py; vendor attention kernels in case a backend brings them.
 KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
     (r"\b_?decode_\w*kernel|decode_attention|paged_attention", "attention"),
     (r"\b_prefill_kernel|flash|fmha", "attention"),
     (r"\b_write_kv_kernel|\b_write_sections_kernel", "attention"),  # the layer's new K/V into its pages (and diffkv's prefix-cache copies)
-    (r"\b_plan_kernel", "policy"),  # Algorithm 1 (kernels/compression_plan.py)
-    (r"\b_score_kernel", "policy"),  # decode attention added to token scores (kernels/score_update.py)
+    (r"\b_plan_kernel", "policy"),  # Algorithm 1 (diffkv_serve/kernels/compression_plan.py)
+    (r"\b_score_kernel", "policy"),  # decode attention added to token scores (diffkv_serve/kernels/score_update.py)
     (r"\b_lse_kernel|\b_sig_kernel", "policy"),  # prompt significance
-    (r"\b_move_kernel", "memory"),  # token moves between sections (kernels/kv_move.py)
+    (r"\b_move_kernel", "memory"),  # token moves between sections (diffkv_serve/kernels/kv_move.py)
 )
 _KERNEL_PATTERNS = [(re.compile(p), c) for p, c in KERNEL_CATEGORIES]
 CATEGORIES = (*RANGE_CATEGORIES, "other")  # device time; host time is the rest of the step

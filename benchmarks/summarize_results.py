@@ -41,10 +41,10 @@ MEASURED_ALTERNATIVES = {
                                                 "cached tokens (the 1,024-token run is in docs/PERFORMANCE.md)",
     "attention_triton_kernels_H100.json": "benchmarks/attention.py on an H100 with the quartered Triton kernel serving K8V4, K4V2 and "
                            "mix (before decode_mma.cu): of the floor K8V4 0.72-1.01, K4V2 0.65-1.02, mix 0.66-0.80",
-    "decode_variants_H100.json": "decode-attention kernel variants tried for kernels/decode_attention/launch.py launch_config",
+    "decode_variants_H100.json": "decode-attention kernel variants tried for diffkv_serve/kernels/decode_attention/launch.py launch_config",
     "decode_mma_vs_triton_H200.json": "an earlier decode_mma.cu against the Triton kernels on an H200: 1.02-1.32x",
     "decode_kernel_variants_H200.json": "element-wise against quartered PTX unpacking in the decode kernel",
-    "decode_splits_H200.json": "decode attention time per split count (kernels/decode_attention/launch.py)",
+    "decode_splits_H200.json": "decode attention time per split count (diffkv_serve/kernels/decode_attention/launch.py)",
     "decode_splits_gqa6_H100.json": "decode attention time per split count at Qwen2.5-1.5B's heads (GQA 6): the "
                                     "automatic split count within 8% of the best at every shape",
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
@@ -131,7 +131,7 @@ def kernel_ab_section() -> list[str]:
         return []
     shapes = list(dict.fromkeys((r["B"], r["S"]) for r in d["rows"]))
     out = ["## Decode attention: the CUDA kernel against the Triton kernel", "", *provenance(d),
-           "The same calls timed with `kernel=\"mma_cuda\"` (kernels/decode_attention/decode_mma.cu) and with the "
+           "The same calls timed with `kernel=\"mma_cuda\"` (diffkv_serve/kernels/decode_attention/decode_mma.cu) and with the "
            "Triton kernel the dispatcher picks otherwise (`quartered`, or `q8` for K8V8 pages) in one run, "
            "CUDA-graph microseconds per call (CUDA / Triton, and the speedup), head_dim 128, 16-token fp16 page "
            "size. `K8V4+K4V2` is DiffKV's call (half the tokens in each section); `+logits` adds the per-token "

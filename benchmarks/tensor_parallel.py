@@ -25,11 +25,11 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.config import KV_MODES  # noqa: E402
+from diffkv_serve.engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
 from decode_throughput import timed_batch  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def build(args, tp: int, dtype: str, max_len: int, max_seqs: int) -> LLMEngine:

@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.config import KV_MODES, SchedulerConfig, parse_settings  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine.config import KV_MODES, SchedulerConfig, parse_settings  # noqa: E402
+from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
 MODES = KV_MODES
@@ -149,7 +149,7 @@ def _reservations(spec: str, args) -> list[str]:
 
 def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
     """transformers generate, greedy, left-padded static batches, on the checkpoint's weights."""
-    from engine.loader.hf_reference import hf_llama
+    from diffkv_serve.engine.loader.hf_reference import hf_llama
 
     dev = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

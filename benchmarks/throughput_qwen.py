@@ -51,16 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import gpu_tag, write_result  # noqa: E402
 from study_accuracy import accuracy_vs_fp16, fastest_within, find_study, load_study  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.config import KVMode  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
-from engine.kv.reservation import worst_case_pages  # noqa: E402
-from engine.model_runner import resolve_device, resolve_dtype  # noqa: E402
+from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
+from diffkv_serve.engine.config import KVMode  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine.kv.reservation import worst_case_pages  # noqa: E402
+from diffkv_serve.engine.model_runner import resolve_device, resolve_dtype  # noqa: E402
 from evals.configs import baseline_configs, diffkv_config, parse_config  # noqa: E402
 from evals.problems import load_problems  # noqa: E402
 from evals.tasks import task_prompt  # noqa: E402
-from kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 
 KV_MODES = typing.get_args(KVMode)
 # Benchmark mode -> the accuracy study's configuration of the same cache (evals/configs.py names).
@@ -363,8 +363,8 @@ def default_name(ckpt_name: str, args) -> str:
 def annotate(path: Path, args) -> int:
     """Re-read the accuracy study for a recorded run: each row's accuracy as the study now has it (matched on the
     cache settings the run resolved, as a live run does), then the ratios that depend on it."""
-    from engine import EngineConfig
-    from engine.model_settings import apply_model_settings
+    from diffkv_serve.engine import EngineConfig
+    from diffkv_serve.engine.model_settings import apply_model_settings
 
     d = json.loads(path.read_text())
     study_path = Path(args.study) if args.study else find_study(d["model"])

@@ -3,7 +3,7 @@
 For each precision and shape it times `paged_decode_attention_triton` under every configuration (do_bench
 median, L2 flushed, caches rotated like benchmarks/attention.py), checks every configuration's output against
 the torch reference once, and prints the fastest configuration per precision (geomean time over the shapes).
-The winners go into kernels/decode_attention/launch.py:launch_config by hand, with the JSON kept in results/.
+The winners go into diffkv_serve/kernels/decode_attention/launch.py:launch_config by hand, with the JSON kept in results/.
 
 Usage (GPU): python benchmarks/tune_decode_attention.py [--shapes 32x4096 8x16384 128x4096] [--out PATH]
 Smoke (CPU): python benchmarks/tune_decode_attention.py --smoke   (interpreter, two configurations, tiny shape)
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
 
-from kernels.decode_attention import launch_config, paged_decode_attention, paged_decode_attention_triton  # noqa: E402
-from kernels.page_layout import page_bytes_for  # noqa: E402
+from diffkv_serve.kernels.decode_attention import launch_config, paged_decode_attention, paged_decode_attention_triton  # noqa: E402
+from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 
 TOL = 4e-3  # atol = rtol vs impl="ref" (fp16 dots on the same dequantized data)
 

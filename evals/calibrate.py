@@ -1,6 +1,6 @@
 """Per-model calibration of alpha_high / alpha_low (paper §7.2) on the `calib` split, disjoint from the
 evaluation: sweep alpha_high over 0..5 with alpha_low = 0, fix the chosen alpha_high, then sweep alpha_low
-over 0..0.1, and write the result where the engine finds it (engine/model_settings/<model id>.json).
+over 0..0.1, and write the result where the engine finds it (diffkv_serve/engine/model_settings/<model id>.json).
 
 As in the paper, alpha_high is chosen among 1..5 (alpha_high = 0 keeps every token high: it is measured as
 the uncompressed reference of the sweep, not a candidate) and alpha_low among 0..0.1. The paper picks the
@@ -18,8 +18,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from engine.config import CacheConfig
-from engine.model_settings import SETTINGS_DIR, settings_path
+from diffkv_serve.engine.config import CacheConfig
+from diffkv_serve.engine.model_settings import SETTINGS_DIR, settings_path
 from evals.fidelity import score_fidelity, teacher_forced_requests
 from evals.harness import DEFAULT_MAX_TOKENS
 from evals.runner import run_requests
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     """Install a recorded calibration (e.g. a study's calibration.json from a GPU run) as the model's settings."""
     import argparse
 
-    ap = argparse.ArgumentParser(description="write engine/model_settings/<model id>.json from a calibration.json")
+    ap = argparse.ArgumentParser(description="write diffkv_serve/engine/model_settings/<model id>.json from a calibration.json")
     ap.add_argument("calibration", type=Path, help="calibration.json written by evals.study")
     ap.add_argument("--settings-dir", type=Path, default=SETTINGS_DIR)
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`diffkv eval` and `diffkv calibrate`: argument parsing and the two commands (service/cli.py registers them)."""
+"""`diffkv eval` and `diffkv calibrate`: argument parsing and the two commands (diffkv_serve/service/cli.py registers them)."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +22,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    from engine.config import KV_MODES
+    from diffkv_serve.engine.config import KV_MODES
     from evals.configs import baseline_configs
 
     p.add_argument("--config", default=None, choices=[c.name for c in baseline_configs(True)] + ["diffkv"],
@@ -42,7 +42,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def _threads(args) -> None:
-    from engine.threads import set_threads
+    from diffkv_serve.engine.threads import set_threads
 
     set_threads(args.threads, args.device)
 
@@ -154,12 +154,12 @@ def cmd_calibrate(args) -> int:
     if args.criterion == "tasks" and not tasks:
         raise ValueError("--criterion tasks needs at least one task (--tasks)")
     problems = load_problems(split="calib", tasks=tuple(tasks), limit=args.limit) if tasks else []
-    from engine.model_settings import SETTINGS_DIR, load_model_settings
+    from diffkv_serve.engine.model_settings import SETTINGS_DIR, load_model_settings
 
     settings_dir = args.settings_dir or SETTINGS_DIR
     result = load_model_settings(model.name, settings_dir) if args.per_layer else None
     if result is None:
-        from engine import key_centering
+        from diffkv_serve.engine import key_centering
         from evals.key_center import center_summary, measure_key_centers
 
         # Keys are centered on what the calibration sequences measure, for the sweep and in the settings file.

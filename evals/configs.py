@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig, parse_precision, parse_settings
+from diffkv_serve.engine.config import CacheConfig, parse_precision, parse_settings
 
 UNREACHABLE = 1e9  # an alpha_high no significance reaches (KIVI-like: only the window stays high)
 

@@ -5,7 +5,7 @@ log-probability it gave the fp16 token (NLL). Both compare whole distributions s
 small differences apart with far fewer samples than task accuracy."""
 from __future__ import annotations
 
-from engine import SamplingParams
+from diffkv_serve.engine import SamplingParams
 from evals.memory import memory_fraction
 from evals.runner import Request, run_requests
 from evals.stats import mean, paired_diff

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from engine import key_centering
+from diffkv_serve.engine import key_centering
 
 
 def measure_key_centers(model, sequences: list[list[int]]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import SamplingParams
+from diffkv_serve.engine import SamplingParams
 
 
 @dataclass

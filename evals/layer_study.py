@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = EvalModel(args.model, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
-    from engine.model_settings import load_model_settings
+    from diffkv_serve.engine.model_settings import load_model_settings
 
     settings = load_model_settings(model.name)
     if settings is None:

@@ -8,8 +8,8 @@ head; the fp16 cache itself costs slightly more (its score and position rows).
 """
 from __future__ import annotations
 
-from engine.config import CacheConfig
-from kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.engine.config import CacheConfig
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
 HALF = 2  # bytes of a 16-bit element
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from engine.kv.policy import KEPT_LOW, PRUNED
+from diffkv_serve.engine.kv.policy import KEPT_LOW, PRUNED
 from evals.harness import DEFAULT_MAX_TOKENS
 from evals.problems import load_problems
 from evals.runner import EvalModel, run_requests

@@ -27,7 +27,7 @@ python3 -m evals.study $A --smoke --out /tmp/smoke --configs fp16 diffkv kivi2 p
 python3 -m evals.study $A --max-tokens '{"gsm_symbolic": 512}' --configs fp16 diffkv
 python3 -m evals.study $A --max-tokens '{"gsm_symbolic": 512}' --resume --configs k8v8 k4v4 k8v4 k4v8 k4v2
 python3 -m evals.study $A --max-tokens '{"gsm_symbolic": 512}' --resume --configs k2v4 kivi2 prune50 prune_eq
-python3 -m evals.calibrate $O/calibration.json   # ships the thresholds: engine/model_settings/<model id>.json
+python3 -m evals.calibrate $O/calibration.json   # ships the thresholds: diffkv_serve/engine/model_settings/<model id>.json
 python3 -m evals.report"""
 PENDING = {"Qwen2.5-Coder-1.5B-Instruct-Q4_K_M": GPU_STUDY}
 
@@ -219,7 +219,7 @@ def per_layer_section(r: dict) -> list[str]:
             "| multiplier | " + " | ".join(f"{x:.2f}" for x in r["layer_alpha_scale"]) + " |",
             "| kept, global alpha | " + " | ".join(str(x) for x in b["kept_global_alpha"]) + " |",
             "| kept, allocated | " + " | ".join(str(x) for x in b["kept_allocated"]) + " |", ""]
-    from engine.model_settings import load_model_settings, settings_path
+    from diffkv_serve.engine.model_settings import load_model_settings, settings_path
 
     shipped = (load_model_settings(r["model"]) or {}).get("layer_alpha_scale")
     out += [f"The shipped settings file (`{settings_path(r['model']).relative_to(ROOT)}`) "
@@ -412,10 +412,10 @@ def main(argv: list[str] | None = None) -> int:
              "K2V2 (per-token quantization in our pages, unlike KIVI's per-channel keys); prune = equal per-head "
              "budget (H2O/SnapKV-style static sparsity) at 16 bits, at 50% and at DiffKV's measured memory.",
              "- **Key centering**: every quantized configuration subtracts a per-(layer, KV head) mean of the "
-             "post-RoPE keys before quantizing them (`engine/key_centering.py`; exact under softmax), measured on the "
+             "post-RoPE keys before quantizing them (`diffkv_serve/engine/key_centering.py`; exact under softmax), measured on the "
              "calibration sequences; `k4v4_bias` centers on the rotated k_proj bias instead (no calibration).",
              "- **KV rotation**: every quantized configuration then multiplies queries, keys and values by one "
-             "randomized Hadamard matrix (`engine/kv_rotation.py`; exact: dot products are kept, o_proj turns the "
+             "randomized Hadamard matrix (`diffkv_serve/engine/kv_rotation.py`; exact: dot products are kept, o_proj turns the "
              "values back), so a channel outlier no longer sets a token's low-bit scale. `k4v4_norot` / "
              "`k4v2_norot` turn the rotation off, `k4v4_raw` turns off both centering and rotation.",
              "- High / low / pruned: shares of (token, layer, KV head) entries at the end of each request. Short "

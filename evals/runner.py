@@ -10,9 +10,9 @@ from typing import Iterator, Optional
 import torch
 from tqdm.auto import tqdm
 
-from engine import EngineConfig, SamplingParams
-from engine.loader import LoadedCheckpoint, load_checkpoint
-from engine.sequence import RequestOutput
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.loader import LoadedCheckpoint, load_checkpoint
+from diffkv_serve.engine.sequence import RequestOutput
 
 
 @dataclass
@@ -45,7 +45,7 @@ class EvalModel:
 
     @contextmanager
     def engine(self, cache: dict) -> Iterator["object"]:
-        from engine.llm_engine import LLMEngine
+        from diffkv_serve.engine.llm_engine import LLMEngine
 
         cache = dict(cache)
         if self.kv_cache_memory_gb is not None:

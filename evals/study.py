@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine import key_centering
+from diffkv_serve.engine import key_centering
 from evals.calibrate import calibrate, measured_points, write_settings
 from evals.configs import baseline_configs, diffkv_config, parse_config, prune_config
 from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration by tasks: the chosen point's top-1 agreement floor (0 turns it off)")
     ap.add_argument("--tolerance", type=float, default=0.01, help="calibration by agreement: tolerance per stage")
     ap.add_argument("--no-calibrate", action="store_true", help="use the model's settings file instead")
-    ap.add_argument("--write-settings", action="store_true", help="write the calibrated alphas to engine/model_settings")
+    ap.add_argument("--write-settings", action="store_true", help="write the calibrated alphas to diffkv_serve/engine/model_settings")
     ap.add_argument("--configs", nargs="+", default=None,
                     help="only these configurations (fp16 always runs); besides the built-in names, uniform:KxVy and "
                          "diffkv:alpha_high=A,alpha_low=B[,high=KxVy][,low=KxVy] (evals.configs.parse_config)")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         _dump(ref_path, refs)
 
     if args.no_calibrate:
-        from engine.model_settings import load_model_settings
+        from diffkv_serve.engine.model_settings import load_model_settings
 
         settings = load_model_settings(model.name)
         if settings is None:

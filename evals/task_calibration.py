@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from engine import kv_rotation
-from engine.config import CacheConfig
+from diffkv_serve.engine import kv_rotation
+from diffkv_serve.engine.config import CacheConfig
 from evals.fidelity import score_fidelity, teacher_forced_requests
 from evals.harness import DEFAULT_MAX_TOKENS
 from evals.runner import run_requests

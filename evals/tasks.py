@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from engine import SamplingParams
+from diffkv_serve.engine import SamplingParams
 from evals.memory import memory_fraction
 from evals.runner import Request
 

@@ -5,7 +5,7 @@ For each overlay, `kubectl kustomize` renders the objects, then:
     checked against Kubernetes' own schemas (kubernetes-validate, strict: unknown fields are errors);
   * the RayService and the PodMonitor are checked against the JSON schemas in k8s/schemas/ (check-jsonschema);
   * serveConfigV2 is parsed as a Serve config (Ray's ServeDeploySchema, unknown keys rejected) and every
-    application of service.app:build_app gets its `args` validated by the service's own ServiceConfig;
+    application of diffkv_serve.service.app:build_app gets its `args` validated by the service's own ServiceConfig;
   * cross-references: the GPUs of a worker pod hold a tensor-parallel engine, the PodMonitor selects the Ray
     pods and names a port they expose, Ray's metrics export port is that port;
   * node failure (docs/RELIABILITY.md): at least two engine replicas on at least two worker pods, one per pod,
@@ -33,7 +33,7 @@ REPO = K8S_DIR.parent
 SCHEMAS = {("ray.io/v1", "RayService"): K8S_DIR / "schemas" / "rayservice.schema.json",
            ("monitoring.coreos.com/v1", "PodMonitor"): K8S_DIR / "schemas" / "podmonitor.schema.json"}
 KUBERNETES_VERSION = "1.33.0"  # the API version the core objects are checked against
-SERVICE_IMPORT_PATH = "service.app:build_app"
+SERVICE_IMPORT_PATH = "diffkv_serve.service.app:build_app"
 METRICS_PORT_PARAM = "metrics-export-port"
 
 
@@ -170,8 +170,8 @@ def check_service_args(app: dict, where: str):
     per-deployment overrides by the service's own deployment names."""
     from pydantic import ValidationError
 
-    from service.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
-    from service.config import ServiceConfig
+    from diffkv_serve.service.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
+    from diffkv_serve.service.config import ServiceConfig
 
     errors = []
     for j, d in enumerate(app.get("deployments") or []):
@@ -196,7 +196,7 @@ def check_rayservice(rs: dict, objs: list[dict]) -> list[str]:
     cfg, errors = parse_serve_config(spec.get("serveConfigV2", ""), f"{where} serveConfigV2")
     if cfg is None:
         return errors
-    from service.app import build_app
+    from diffkv_serve.service.app import build_app
 
     service_apps = []
     for i, app in enumerate(cfg.get("applications") or []):
@@ -302,7 +302,7 @@ def check_node_failure(svc, cluster: dict, where: str) -> list[str]:
 def check_api_key_source(svc, cluster: dict, where: str) -> list[str]:
     """The ingress reads API keys from API_KEY_ENV: every pod that can host it gets that variable from a
     Secret (secretKeyRef), and no container holds a key written into the manifest, nor do the args."""
-    from service.config import API_KEY_ENV
+    from diffkv_serve.service.config import API_KEY_ENV
 
     errors = []
     if svc.api_keys:
@@ -341,7 +341,7 @@ def check_drain(svc, cluster: dict, where: str) -> list[str]:
              for c in head.get("containers", [])]
     drains = [cmd for cmd in hooks if "drain" in cmd and "--follow" not in cmd]
     if not drains:
-        return [f"headGroupSpec.template: no container drains in a preStop hook (service.cli drain): stopping "
+        return [f"headGroupSpec.template: no container drains in a preStop hook (diffkv_serve.service.cli drain): stopping "
                 f"the head would cut every request in flight"]
     cmd = drains[0]
     timeout = float(cmd[cmd.index("--timeout") + 1]) if "--timeout" in cmd else svc.drain_timeout_s
@@ -416,7 +416,7 @@ def default_targets(root: Path = K8S_DIR) -> list[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    sys.path.insert(0, str(REPO))  # service.config, service.app
+    sys.path.insert(0, str(REPO))  # diffkv_serve.service.config, diffkv_serve.service.app
     targets = [Path(a) for a in (argv if argv is not None else sys.argv[1:])] or default_targets()
     failed = 0
     for t in targets:

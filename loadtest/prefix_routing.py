@@ -102,7 +102,7 @@ def _pct(values: list[float], q: float) -> float:
 def run_config(port: int, kv_mode: str, router: str, args, chats: list, warm: list) -> dict:
     from ray import serve
 
-    from service.app import ENGINE_DEPLOYMENT, build_app
+    from diffkv_serve.service.app import ENGINE_DEPLOYMENT, build_app
 
     cfg = {"device": "cpu", "num_replicas": args.replicas, "kv_mode": kv_mode, "replica_cpus": args.replica_cpus,
            "cache": {"enable_prefix_caching": True, **({"num_pages": args.num_pages} if args.num_pages else {})},

@@ -355,7 +355,7 @@ def service_config(args) -> dict:
         if not isinstance(extra, dict):
             raise ValueError("--service-config must be a JSON object of ServiceConfig fields")
         cfg.update(extra)
-    from service.config import ServiceConfig
+    from diffkv_serve.service.config import ServiceConfig
 
     ServiceConfig.model_validate(cfg)  # a bad field fails here, naming it
     return cfg

@@ -60,7 +60,7 @@ def start_local(config: dict, app: str = "diffkv", num_cpus: int = 8) -> Target:
     import ray
     from ray import serve
 
-    from service.app import build_app
+    from diffkv_serve.service.app import build_app
 
     http_port, metrics_port = free_port(), free_port()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port,

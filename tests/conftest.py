@@ -12,7 +12,7 @@ from engine_helpers import TEST_DEVICE, assert_all_pages_free  # noqa: E402
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2 checkpoint, loaded (and converted, once per cache dir) for the whole session."""
-    from engine.loader import load_checkpoint
+    from diffkv_serve.engine.loader import load_checkpoint
 
     return load_checkpoint(None)
 
@@ -20,8 +20,8 @@ def smollm():
 @pytest.fixture
 def make_engine(smollm):
     """Build engines on the embedded model; after the test, every one must have all its pages free."""
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from diffkv_serve.engine import EngineConfig
+    from diffkv_serve.engine.llm_engine import LLMEngine
 
     engines = []
 

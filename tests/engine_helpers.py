@@ -43,8 +43,8 @@ def apply_op(engine, ids: list, op: str, n: int, prompt=None, max_tokens: int = 
     """One operation of a random interleaving (property tests): "add" the prompt (greedy, max_tokens, EOS
     ignored; a prompt the engine refuses is skipped), "step" n times, "abort" the n-th request added (mod), or
     "preempt" the latest admitted sequence. ids collects the request ids added."""
-    from engine import SamplingParams
-    from engine.errors import InvalidRequestError
+    from diffkv_serve.engine import SamplingParams
+    from diffkv_serve.engine.errors import InvalidRequestError
 
     if op == "add":
         rid = f"r{len(ids)}"

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from engine import InvalidRequestError, SamplingParams
-from engine.async_engine import AsyncLLMEngine
+from diffkv_serve.engine import InvalidRequestError, SamplingParams
+from diffkv_serve.engine.async_engine import AsyncLLMEngine
 
 from engine_helpers import run_all
 

@@ -5,7 +5,7 @@ async steps: tests/test_diffkv.py)."""
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
+from diffkv_serve.engine import EngineConfig, SamplingParams
 
 from engine_helpers import PROMPTS, assert_all_pages_free, run_all
 

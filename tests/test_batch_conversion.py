@@ -4,8 +4,8 @@ import statistics
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from diffkv_serve.engine import LLMEngine, SamplingParams
+from diffkv_serve.engine.config import EngineConfig
 from engine_helpers import TEST_DEVICE, assert_all_pages_free
 
 POOL = 60  # pages: memory-bound for 16 sequences of 16 + 64 tokens in every mode below

@@ -67,7 +67,7 @@ def test_head_layouts_match_the_model_presets():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from attention import HEADS
 
-    from engine.loader.presets import ARCH_PRESETS
+    from diffkv_serve.engine.loader.presets import ARCH_PRESETS
 
     for name, (hq, hkv, d) in HEADS.items():
         arch = ARCH_PRESETS[name]

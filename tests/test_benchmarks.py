@@ -452,8 +452,8 @@ def test_study_accuracy_lookup():
 
 def test_committed_qwen_study_covers_the_throughput_modes():
     """Every mode of the Qwen throughput benchmark has its accuracy in the committed study."""
-    from engine import EngineConfig
-    from engine.model_settings import apply_model_settings
+    from diffkv_serve.engine import EngineConfig
+    from diffkv_serve.engine.model_settings import apply_model_settings
 
     tq, sa = _load_script("throughput_qwen"), _load_script("study_accuracy")
     name = "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M"
@@ -495,8 +495,8 @@ def test_throughput_qwen_annotate_refreshes_accuracy(throughput_qwen_json, tmp_p
     fp16_row = next(r for r in d["rows"] if r["mode"] == "fp16")
     int8_row = next(r for r in d["rows"] if r["mode"] == "int8")
     assert int8_row["accuracy"]["diff_points"] is None  # the tiny random model has no study
-    from engine import EngineConfig
-    from engine.model_settings import apply_model_settings
+    from diffkv_serve.engine import EngineConfig
+    from diffkv_serve.engine.model_settings import apply_model_settings
 
     tq = _load_script("throughput_qwen")
 

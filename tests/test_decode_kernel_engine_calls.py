@@ -1,4 +1,4 @@
-"""The CUDA decode kernel (kernels/decode_attention/decode_mma.cu) on the calls an engine really makes: a random
+"""The CUDA decode kernel (diffkv_serve/kernels/decode_attention/decode_mma.cu) on the calls an engine really makes: a random
 model with the Qwen2.5-1.5B attention heads (12 query / 2 KV heads, head_dim 128) runs diffkv (its memory manager
 keeps high and low sections, prunes and compacts) and int4 on the CPU, and every decode-attention call is also run
 through the kernel's CPU emulation (tests/kernels/_cuda_emu.py) and compared with the reference the engine uses:
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.kv.policy as policy
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
+import diffkv_serve.engine.kv.policy as policy
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
 from engine_helpers import assert_all_pages_free, run_all
-from kernels.decode_attention import mma_cuda
-from kernels.decode_attention.tiles import LOG2E
+from diffkv_serve.kernels.decode_attention import mma_cuda
+from diffkv_serve.kernels.decode_attention.tiles import LOG2E
 
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))
 import _cuda_emu  # noqa: E402

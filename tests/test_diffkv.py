@@ -5,9 +5,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, InvalidRequestError, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
+from diffkv_serve.engine import EngineConfig, InvalidRequestError, SamplingParams
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
 
 from engine_helpers import TEST_DEVICE, apply_op, assert_all_pages_free, run_all
 

@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("benchmarks", "docs", "engine", "evals", "kernels", "loadtest", "scripts", "service")
+SOURCE_DIRS = ("benchmarks", "diffkv_serve", "docs", "evals", "loadtest", "scripts")
 
 
 def _code_and_docs():
@@ -16,9 +16,10 @@ def _code_and_docs():
 
 def test_design_page_cites_existing_files_and_is_linked():
     design = (ROOT / "docs" / "DESIGN.md").read_text()
-    cited = set(re.findall(r"`((?:engine|kernels|service)/[\w/]+\.py)`", design))
-    cited |= {f"kernels/{name}" for name in re.findall(r"`(\w+\.py)`", design)
-              if not (ROOT / "engine" / name).exists() and not (ROOT / "service" / name).exists()}
+    pkg = ROOT / "diffkv_serve"
+    cited = set(re.findall(r"`(diffkv_serve/(?:engine|kernels|service)/[\w/]+\.py)`", design))
+    cited |= {f"diffkv_serve/kernels/{name}" for name in re.findall(r"`(\w+\.py)`", design)
+              if not (pkg / "engine" / name).exists() and not (pkg / "service" / name).exists()}
     assert len(cited) >= 20
     assert [c for c in sorted(cited) if not (ROOT / c).is_file()] == []
     readme = (ROOT / "README.md").read_text()

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine import InvalidRequestError, SamplingParams
+from diffkv_serve.engine import InvalidRequestError, SamplingParams
 
 from engine_helpers import PROMPTS, run_all
 
@@ -157,7 +157,7 @@ def test_generation_stops_at_context_end(make_engine):
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path):
-    from engine.loader import load_checkpoint
+    from diffkv_serve.engine.loader import load_checkpoint
 
     with pytest.raises((FileNotFoundError, ValueError), match="no_such_model"):
         load_checkpoint(str(tmp_path / "no_such_model"))

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.llm_engine import LLMEngine
+from diffkv_serve.engine import SamplingParams
+from diffkv_serve.engine.llm_engine import LLMEngine
 
 PROMPTS = [
     "What is the capital of France?",
@@ -22,7 +22,7 @@ LOGIT_ATOL = {torch.float32: 2e-3, torch.float16: 0.15, torch.bfloat16: 0.5}
 
 
 def hf_model(ckpt):
-    from engine.loader.hf_reference import hf_llama
+    from diffkv_serve.engine.loader.hf_reference import hf_llama
 
     return hf_llama(ckpt)
 

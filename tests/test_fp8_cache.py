@@ -4,12 +4,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine import EngineConfig, SamplingParams
-from engine.config import KV_MODES, CacheConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
-from kernels.kv_write_sections import write_sections
-from kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.config import KV_MODES, CacheConfig
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
+from diffkv_serve.kernels.kv_write_sections import write_sections
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
 from engine_helpers import TEST_DEVICE, assert_all_pages_free, run_all
 

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine import key_centering
-from engine.layers import RotaryEmbedding
-from engine.llm_engine import LLMEngine
-from engine.loader import LoadedCheckpoint, random_weights
-from engine.model_config import ModelArch
-from engine.tokenizer import Tokenizer
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine import key_centering
+from diffkv_serve.engine.layers import RotaryEmbedding
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import LoadedCheckpoint, random_weights
+from diffkv_serve.engine.model_config import ModelArch
+from diffkv_serve.engine.tokenizer import Tokenizer
 from engine_helpers import TEST_DEVICE
 
 # A Qwen2-like tiny shape (k_proj bias, rope base 1e6): head_dim 32, 2 KV heads, GQA 2.
@@ -145,7 +145,7 @@ def test_centering_is_exact_under_softmax(planted):
 def test_auto_resolution():
     """'auto': off for the fp16 cache, the rotated bias for a quantized cache of a model with a k_proj bias,
     off for a model without one; explicit choices the model cannot honour are errors naming the field."""
-    from engine.config import CacheConfig
+    from diffkv_serve.engine.config import CacheConfig
 
     no_bias = ARCH.model_copy(update={"attention_bias": False})
     assert key_centering.resolve_mode(CacheConfig(kv_mode="fp16"), ARCH, None) == "off"
@@ -165,7 +165,7 @@ def test_auto_resolution():
 def test_measured_centers_from_settings(planted, monkeypatch):
     """Centers measured from the model's own keys (evals.key_center) find the planted offset, survive the
     settings file's JSON, and the engine runs them ('calibrated') with K4 agreement as good as the bias's."""
-    from engine import model_runner
+    from diffkv_serve.engine import model_runner
     from evals.key_center import measure_key_centers
     from evals.runner import EvalModel
 

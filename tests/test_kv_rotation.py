@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig
-from engine import kv_rotation
-from engine.config import CacheConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import LoadedCheckpoint, random_weights
-from engine.model import CausalLM
-from engine.model_config import ModelArch
-from engine.tokenizer import Tokenizer
-from kernels.quant import dequantize_ref, quantize_ref
+from diffkv_serve.engine import EngineConfig
+from diffkv_serve.engine import kv_rotation
+from diffkv_serve.engine.config import CacheConfig
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import LoadedCheckpoint, random_weights
+from diffkv_serve.engine.model import CausalLM
+from diffkv_serve.engine.model_config import ModelArch
+from diffkv_serve.engine.tokenizer import Tokenizer
+from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref
 from test_key_centering import assert_same_logprobs, prompts_and_references, teacher_forced
 from engine_helpers import TEST_DEVICE
 

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.model_settings import SETTINGS_DIR, apply_model_settings, load_model_settings, settings_path
+from diffkv_serve.engine.config import CacheConfig, EngineConfig
+from diffkv_serve.engine.model_settings import SETTINGS_DIR, apply_model_settings, load_model_settings, settings_path
 from evals.layer_budget import SCALE_MAX, allocate_top_n, plan_layer_budgets
 
 SMOLLM = "SmolLM2-135M-Instruct-Q4_1"
@@ -117,7 +117,7 @@ def test_settings_round_trip(tmp_path):
 
 def test_calibrate_per_layer_cli(tmp_path):
     # Tiny run: the model's alphas stay, 30 multipliers are written, and an engine loads and uses them.
-    from service.cli import main
+    from diffkv_serve.service.cli import main
 
     shutil.copy(settings_path(SMOLLM, SETTINGS_DIR), tmp_path)
     before = json.loads(settings_path(SMOLLM, tmp_path).read_text())
@@ -137,7 +137,7 @@ def test_calibrate_per_layer_cli(tmp_path):
 def test_engine_uniform_scale_equals_scaled_alphas(make_engine):
     # Prompt classification and the decode plan both use alpha * scale[l]: scale 2 everywhere is alpha doubled;
     # uneven scales move tokens between layers.
-    from engine import SamplingParams
+    from diffkv_serve.engine import SamplingParams
     from engine_helpers import PROMPTS, run_all
 
     prompts = [PROMPTS[-1] * 4]  # 92 tokens: past the 64-token window, so prompt and decode plans both classify
@@ -181,4 +181,4 @@ def test_equal_memory_alpha_and_report_section():
     assert "top-1 agreement +2.00 pts [+1.00, +3.00] (per-layer better)" in text
     assert "NLL -0.0700 [-0.1000, -0.0400] (per-layer better)" in text
     assert "| multiplier | 0.50 | 2.00 |" in text and "| kept, allocated | 1 | 3 |" in text
-    assert "The shipped settings file (`engine/model_settings/smollm2-135m-instruct-q4_1.json`)" in text
+    assert "The shipped settings file (`diffkv_serve/engine/model_settings/smollm2-135m-instruct-q4_1.json`)" in text

@@ -7,10 +7,10 @@ from typing import Optional
 
 import pytest
 
-from engine.loader import embedded_model_path
-from engine.loader.gguf_loader import open_gguf, read_metadata
-from engine.loader.gguf_tokenizer import tokenizer_from_gguf
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from diffkv_serve.engine.loader import embedded_model_path
+from diffkv_serve.engine.loader.gguf_loader import open_gguf, read_metadata
+from diffkv_serve.engine.loader.gguf_tokenizer import tokenizer_from_gguf
+from diffkv_serve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class ReferenceDetokenizer:
@@ -197,7 +197,7 @@ class EagerText:
         return None
 
     def _output(self, seq):
-        from engine.sequence import RequestOutput
+        from diffkv_serve.engine.sequence import RequestOutput
 
         st = self._state(seq)
         text = st["text"]
@@ -248,7 +248,7 @@ def run_scripted(make_engine, tok, pools, seed: int, read: str):
     """Twelve requests of random (mostly multi-byte) tokens, with and without stop strings and skipping special
     tokens, batched 4 at a time; `read`: every output read right after its step, only at the end (in random
     order), or some fields at once and the rest at the end."""
-    from engine import SamplingParams
+    from diffkv_serve.engine import SamplingParams
 
     rng = random.Random(seed)
     engine = make_engine(scheduler={"max_num_seqs": 4})
@@ -302,7 +302,7 @@ def test_outputs_of_a_real_run_equal_eager(make_engine):
     cache so that requests are preempted and recomputed; outputs read after all steps ran."""
     from engine_helpers import PROMPTS
 
-    from engine import SamplingParams
+    from diffkv_serve.engine import SamplingParams
 
     prompts = ["Write the word café and an emoji 🎉 three times:", "日本語で自己紹介してください。"] + PROMPTS[2:]
     # stop strings the greedy continuations hold ("アネ" in the Japanese one, "Celsius", "Elara"), or at least "."
@@ -329,7 +329,7 @@ def test_outputs_of_a_real_run_equal_eager(make_engine):
 def test_unread_text_costs_no_decode(make_engine, tok, pools, monkeypatch):
     """Outputs whose text nobody reads: step() never decodes; reading the final texts decodes a few windows per
     request, not every token (stop-string requests excepted: they decode every step, as before)."""
-    from engine import SamplingParams
+    from diffkv_serve.engine import SamplingParams
 
     engine = make_engine()
     rng = random.Random(5)
@@ -371,7 +371,7 @@ def test_long_stream_read_backwards_then_from_another_thread(make_engine, tok, p
     import queue
     import threading
 
-    from engine import SamplingParams
+    from diffkv_serve.engine import SamplingParams
 
     rng = random.Random(11)
     for run in ("backwards", "threaded"):

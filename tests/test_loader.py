@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import ARCH_PRESETS, LoadedCheckpoint, embedded_model_path, load_checkpoint, random_weights
-from engine.loader import embedded as embedded_mod
-from engine.loader import gguf_loader
-from engine.loader.gguf_loader import load_gguf
-from engine.loader.weights import check_weights, expected_shapes
-from engine.model_config import ModelArch
-from engine.tokenizer import Tokenizer
+from diffkv_serve.engine.loader import ARCH_PRESETS, LoadedCheckpoint, embedded_model_path, load_checkpoint, random_weights
+from diffkv_serve.engine.loader import embedded as embedded_mod
+from diffkv_serve.engine.loader import gguf_loader
+from diffkv_serve.engine.loader.gguf_loader import load_gguf
+from diffkv_serve.engine.loader.weights import check_weights, expected_shapes
+from diffkv_serve.engine.model_config import ModelArch
+from diffkv_serve.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)

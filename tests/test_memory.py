@@ -3,8 +3,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv.layout import CacheShape
-from engine.kv.pool import MemoryManager
+from diffkv_serve.engine.kv.layout import CacheShape
+from diffkv_serve.engine.kv.pool import MemoryManager
 
 SHAPE = CacheShape(num_layers=2, num_kv_heads=3, head_dim=16, max_seqs=4, max_model_len=64, block_size=4)
 

@@ -1,4 +1,4 @@
-"""Prefix caching (engine/kv/prefix_cache.py): the index alone (LRU order, refcounts, chain keys), greedy outputs
+"""Prefix caching (diffkv_serve/engine/kv/prefix_cache.py): the index alone (LRU order, refcounts, chain keys), greedy outputs
 equal with it on and off (fp16 and diffkv, a shared prefix read by one request while another demotes and
 prunes its own copy), a repeated 1,000-token prefix computed once, and a property test of shared-prefix
 requests, aborts, preemptions and evictions that checks every page and reference after each operation."""
@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
-from engine.kv.prefix_cache import PrefixCache, chain_keys
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
+from diffkv_serve.engine.kv.prefix_cache import PrefixCache, chain_keys
 
 from engine_helpers import TEST_DEVICE, apply_op, assert_all_pages_free
 
@@ -130,7 +130,7 @@ def test_second_request_with_a_1000_token_prefix_computes_only_its_suffix(make_e
 
 
 def test_auto_turns_caching_on_for_single_precision_modes_only():
-    from engine.config import CacheConfig
+    from diffkv_serve.engine.config import CacheConfig
 
     assert CacheConfig(kv_mode="int4").prefix_caching() and CacheConfig().prefix_caching()
     assert not CacheConfig(kv_mode="diffkv").prefix_caching()

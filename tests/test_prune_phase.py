@@ -5,11 +5,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine import EngineConfig, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.kv.policy import KEPT_HIGH, KEPT_LOW, PRUNED
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.errors import InvalidRequestError
+from diffkv_serve.engine.kv.policy import KEPT_HIGH, KEPT_LOW, PRUNED
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
 from engine_helpers import TEST_DEVICE, assert_all_pages_free, run_all
 
 WINDOW = 4
@@ -179,7 +179,7 @@ def test_config_rejects_an_unknown_phase():
 
 
 def test_http_body_rejects_an_unknown_phase():
-    from service.protocol import KVCompression
+    from diffkv_serve.service.protocol import KVCompression
 
     assert KVCompression(prune_phase="prompt").prune_phase == "prompt"
     with pytest.raises(ValidationError) as e:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.kv.policy import KEPT_HIGH, KEPT_LOW, PRUNED
+from diffkv_serve.engine.kv.policy import KEPT_HIGH, KEPT_LOW, PRUNED
 from evals import pruning_analysis as pa
 from evals.runner import EvalModel
 
@@ -18,7 +18,7 @@ def model(smollm_module):
 
 @pytest.fixture(scope="module")
 def smollm_module():
-    from engine.loader import load_checkpoint
+    from diffkv_serve.engine.loader import load_checkpoint
 
     return load_checkpoint(None)
 

@@ -1,4 +1,4 @@
-"""Per-request compression settings (engine/kv/request_settings.py): checked and resolved once, when a request is
+"""Per-request compression settings (diffkv_serve/engine/kv/request_settings.py): checked and resolved once, when a request is
 added; the HTTP request model runs the same checks; a prefill writes them into the policy's per-slot table and
 decode steps read them there, copying nothing per step."""
 import dataclasses
@@ -8,15 +8,15 @@ import pydantic
 import pytest
 import torch
 
-from engine import CacheConfig, EngineConfig, SamplingParams, model_runner
-from engine.errors import InvalidRequestError
-from engine.kv import policy
-from engine.kv.request_settings import KVRequestSettings, resolve
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
+from diffkv_serve.engine import CacheConfig, EngineConfig, SamplingParams, model_runner
+from diffkv_serve.engine.errors import InvalidRequestError
+from diffkv_serve.engine.kv import policy
+from diffkv_serve.engine.kv.request_settings import KVRequestSettings, resolve
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
 from engine_helpers import TEST_DEVICE, assert_all_pages_free
-from kernels.compression_plan import BIG
-from service.protocol import KVCompression
+from diffkv_serve.kernels.compression_plan import BIG
+from diffkv_serve.service.protocol import KVCompression
 
 _TINY = None
 # Two requests whose thresholds differ enough to keep different tokens (the second prunes only its prompt).

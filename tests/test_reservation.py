@@ -4,13 +4,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine import EngineConfig, SamplingParams
-from engine.config import SchedulerConfig
-from engine.kv.footprint import FootprintEstimator, length_bucket, quantile
-from engine.kv.layout import CacheShape
-from engine.kv.pool import MemoryManager
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.config import SchedulerConfig
+from diffkv_serve.engine.kv.footprint import FootprintEstimator, length_bucket, quantile
+from diffkv_serve.engine.kv.layout import CacheShape
+from diffkv_serve.engine.kv.pool import MemoryManager
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
 
 from engine_helpers import TEST_DEVICE, assert_all_pages_free
 

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.logits_processors import TokenHistory, adjust_logits, apply_min_p
-from engine.sampler import sample, with_logprobs
-from engine.sampling_params import SamplingParams
+from diffkv_serve.engine.errors import InvalidRequestError
+from diffkv_serve.engine.logits_processors import TokenHistory, adjust_logits, apply_min_p
+from diffkv_serve.engine.sampler import sample, with_logprobs
+from diffkv_serve.engine.sampling_params import SamplingParams
 
 V = 50
 EOS = (2,)

@@ -4,11 +4,11 @@ generated tokens' logprobs against the engine's teacher-forced prompt logprobs (
 import pytest
 import torch
 
-from engine import SamplingParams
+from diffkv_serve.engine import SamplingParams
 
 from engine_helpers import PROMPTS, run_all
 from test_sampler_ops import _reference
-from engine.logits_processors import TokenHistory
+from diffkv_serve.engine.logits_processors import TokenHistory
 
 # Generated-token logprobs (decode steps, reading the request's cache) against a prefill of prompt + output
 # (prompt_logprobs, attention over the same tokens unquantized). fp16: the same arithmetic up to rounding;

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.errors import EngineDeadError
-from engine.llm_engine import LLMEngine
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.errors import EngineDeadError
+from diffkv_serve.engine.llm_engine import LLMEngine
 
 from engine_helpers import PROMPTS, assert_all_pages_free, run_all
 
@@ -231,9 +231,9 @@ def test_tp2_prefix_caching_gives_the_same_tokens_and_ranks_cache_the_same_block
 def test_tp2_hf_folder_with_biases_and_tied_embeddings_loaded_lazily(tmp_path):
     """Qwen2 shape (q/k/v biases, tied embeddings), 3 KV heads split 2 + 1; ranks read the folder lazily."""
     transformers = pytest.importorskip("transformers")
-    from engine.loader import load_checkpoint
-    from engine.loader.hf_loader import LazySafetensors
-    from engine.tokenizer import Tokenizer
+    from diffkv_serve.engine.loader import load_checkpoint
+    from diffkv_serve.engine.loader.hf_loader import LazySafetensors
+    from diffkv_serve.engine.tokenizer import Tokenizer
 
     cfg = transformers.Qwen2Config(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                                    num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512,
@@ -270,7 +270,7 @@ def test_engine_inside_a_placement_group_puts_its_ranks_in_bundles_1_to_n(engine
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from engine.ray_executor import RayExecutor
+    from diffkv_serve.engine.ray_executor import RayExecutor
 
     want = run_all(engines("tiny-local", model="random:tiny", cache={"num_pages": 500}), PROMPTS[:2], GREEDY)
 
@@ -340,7 +340,7 @@ def test_killed_rank_mid_generation_raises_engine_dead_and_releases_the_rest():
 
 
 def test_async_streams_get_engine_dead_when_a_worker_is_killed():
-    from engine.async_engine import AsyncLLMEngine
+    from diffkv_serve.engine.async_engine import AsyncLLMEngine
 
     eng = LLMEngine(EngineConfig(model="random:tiny", device="cpu", distributed_executor="ray",
                                  cache={"num_pages": 500}))
@@ -391,10 +391,10 @@ def test_bad_tensor_parallel_sizes_name_the_field(smollm):
 @pytest.mark.parametrize("kv_mode", ["fp16", "diffkv"])
 def test_driver_page_rules_match_the_memory_manager(kv_mode):
     """DistributedPages restates MemoryManager's worst-case page rules for the rank with the most heads."""
-    from engine.config import CacheConfig
-    from engine.kv.distributed import DistributedPages
-    from engine.kv.layout import CacheShape
-    from engine.kv.pool import MemoryManager
+    from diffkv_serve.engine.config import CacheConfig
+    from diffkv_serve.engine.kv.distributed import DistributedPages
+    from diffkv_serve.engine.kv.layout import CacheShape
+    from diffkv_serve.engine.kv.pool import MemoryManager
 
     high, low = CacheConfig(kv_mode=kv_mode).precisions()
     mm = MemoryManager(CacheShape(4, 2, 32, 8, 256, 16), 64, torch.float32, "cpu", high=high, low=low)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.loader import embedded_model_path
-from engine.loader.gguf_loader import open_gguf, read_metadata
-from engine.loader.gguf_tokenizer import tokenizer_from_gguf
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from diffkv_serve.engine.loader import embedded_model_path
+from diffkv_serve.engine.loader.gguf_loader import open_gguf, read_metadata
+from diffkv_serve.engine.loader.gguf_tokenizer import tokenizer_from_gguf
+from diffkv_serve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello world",

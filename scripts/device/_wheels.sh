@@ -2,7 +2,7 @@
 # triton and numpy, no network, no Ray). It installs the carried wheels once into $DIFFKV_SITE (see
 # scripts/device/carry_wheels.py: one device command carries one .carry/ray* folder; the wheels add up in a
 # stash until a group is complete) and puts the site and the repository on PYTHONPATH (the project is not
-# pip-installed there, so `diffkv` runs as `python3 -m service.cli`).
+# pip-installed there, so `diffkv` runs as `python3 -m diffkv_serve.service.cli`).
 #   DIFFKV_SKIP_WHEELS=1   use the packages this Python already has (CPU dry runs on a dev machine)
 #   DIFFKV_SITE            install target (default /tmp/site); PYTHON (default python3)
 

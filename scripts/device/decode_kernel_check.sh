@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device command (under its 600 s limit) that checks and times the CUDA decode kernel
-# (kernels/decode_attention/decode_mma.cu), each stage under its own timeout, logs and JSONs in $OUT:
+# (diffkv_serve/kernels/decode_attention/decode_mma.cu), each stage under its own timeout, logs and JSONs in $OUT:
 #   tests           its CUDA tests against float64 loops (every served precision) and the dispatcher's
 #   kernel_ab       benchmarks/decode_kernel_ab.py: against the Triton kernel the dispatcher would pick, same calls
 #   attention       benchmarks/attention.py --repeats 2: every precision against the floor (the decode targets)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import parse_settings
+from diffkv_serve.engine.config import parse_settings
 from evals.configs import KVConfig
 from evals.fidelity import fidelity_prompts
 from evals.harness import DEFAULT_MAX_TOKENS, evaluate_config

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
+from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def main() -> None:

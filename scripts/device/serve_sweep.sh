@@ -97,7 +97,7 @@ if model:
 json.dump(cfg, open(path, "w"), indent=2)
 PY
   echo "== $mode: starting the service (share of the budget: $share s)"
-  args=(-m service.cli serve --config "$cfg" --host 127.0.0.1 --port "$PORT")
+  args=(-m diffkv_serve.service.cli serve --config "$cfg" --host 127.0.0.1 --port "$PORT")
   [ -n "$NUM_CPUS" ] && args+=(--num-cpus "$NUM_CPUS")
   "$PYTHON" "${args[@]}" > "$RUNS/$mode.serve.log" 2>&1 &
   SERVE_PID=$!

@@ -1,4 +1,4 @@
-"""Runs the hand-written CUDA decode kernel (kernels/decode_attention/decode_mma.cu) on the CPU: g++ compiles it
+"""Runs the hand-written CUDA decode kernel (diffkv_serve/kernels/decode_attention/decode_mma.cu) on the CPU: g++ compiles it
 with cuda_emu/warp_emu.h (one-warp blocks as 32 lanes on ucontext stacks, warp-collective operations done with the
 PTX fragment layouts) and a C wrapper per variant; `compiled` stands in for mma_cuda._compiled and takes CPU
 tensors. Builds are cached by the hash of their sources."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.decode_attention import mma_cuda
+from diffkv_serve.kernels.decode_attention import mma_cuda
 
 HEADER = Path(__file__).with_name("cuda_emu") / "warp_emu.h"
 CACHE = Path(os.environ.get("DIFFKV_EMU_CACHE", Path(tempfile.gettempdir()) / "diffkv_cuda_emu"))

@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from kernels.decode_attention import launch_config, mma_cuda, paged_decode_attention, paged_decode_attention_triton
-from kernels.quant import dequantize_fp8_ref, dequantize_ref
+from diffkv_serve.kernels.decode_attention import launch_config, mma_cuda, paged_decode_attention, paged_decode_attention_triton
+from diffkv_serve.kernels.quant import dequantize_fp8_ref, dequantize_ref
 
 from _paged_cache import build_cache, formats
 

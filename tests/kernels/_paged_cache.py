@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_write import write_kv
-from kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.kernels.kv_write import write_kv
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
 LAYERS = 2
 BLOCK = 16  # page size: a K16V16 page of BLOCK tokens

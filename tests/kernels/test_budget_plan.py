@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
-from kernels.compression_plan import FIELDS, compression_plan_ref, compression_plan_triton
-from kernels.prompt_significance import budget_keep_mask
+from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.loader import load_checkpoint
+from diffkv_serve.kernels.compression_plan import FIELDS, compression_plan_ref, compression_plan_triton
+from diffkv_serve.kernels.prompt_significance import budget_keep_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")

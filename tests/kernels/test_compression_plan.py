@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from kernels.compression_plan import FIELDS, compression_plan, compression_plan_triton
-from kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.kernels.compression_plan import FIELDS, compression_plan, compression_plan_triton
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
 # The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

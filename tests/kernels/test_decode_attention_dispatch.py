@@ -1,10 +1,10 @@
-"""The decode-attention entry points (kernels/decode_attention/dispatch.py): every kernel behind one launcher with
+"""The decode-attention entry points (diffkv_serve/kernels/decode_attention/dispatch.py): every kernel behind one launcher with
 a LaunchConfig override, and the validation of a call (a low section without its format, a forced kernel that
 cannot serve the pages)."""
 import pytest
 import torch
 
-from kernels.decode_attention import decode_kernel, paged_decode_attention, paged_decode_attention_triton
+from diffkv_serve.kernels.decode_attention import decode_kernel, paged_decode_attention, paged_decode_attention_triton
 
 from _decode_check import DEVICE, DTYPES, run_sections
 from _paged_cache import formats

@@ -1,4 +1,4 @@
-"""The 16-bit decode kernel (kernels/decode_attention/f16.py: K16V16 pages, no low section) against the torch
+"""The 16-bit decode kernel (diffkv_serve/kernels/decode_attention/f16.py: K16V16 pages, no low section) against the torch
 reference and float64 loops over the cache: outputs, per-token logits and lse; lengths 0, 1, T, T + 1 per head,
 one split and several, GQA groups 1 to 8, head_dim 32 to 128."""
 import math
@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from kernels.decode_attention import (choose_num_splits, decode_kernel, paged_decode_attention,
+from diffkv_serve.kernels.decode_attention import (choose_num_splits, decode_kernel, paged_decode_attention,
                                       paged_decode_attention_ref, paged_decode_attention_triton)
-from kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
 from _paged_cache import build_cache, formats
 

@@ -1,8 +1,8 @@
-"""Launch rules of decode attention (kernels/decode_attention/launch.py): which kernel serves which pages and how
+"""Launch rules of decode attention (diffkv_serve/kernels/decode_attention/launch.py): which kernel serves which pages and how
 many ways a launch splits the sequence."""
 import torch
 
-from kernels.decode_attention import choose_num_splits, decode_kernel
+from diffkv_serve.kernels.decode_attention import choose_num_splits, decode_kernel
 
 from _paged_cache import formats
 

@@ -1,4 +1,4 @@
-"""The hand-written CUDA decode kernel (kernels/decode_attention/mma_cuda.py, decode_mma.cu): which calls it serves,
+"""The hand-written CUDA decode kernel (diffkv_serve/kernels/decode_attention/mma_cuda.py, decode_mma.cu): which calls it serves,
 that the launcher passes what the kernel's signature takes, and its outputs, logits and lse against float64 loops
 over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py, every CI run), on CUDA through the
 dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8, e4m3 K8V8 / K8V4 pages, DiffKV's
@@ -11,10 +11,10 @@ import re
 import pytest
 import torch
 
-from kernels.decode_attention import decode_kernel, mma_cuda, paged_decode_attention_triton
-from kernels.decode_attention.dispatch import pick_kernel
-from kernels.decode_attention.merge import merge_splits
-from kernels.decode_attention.tiles import LOG2E
+from diffkv_serve.kernels.decode_attention import decode_kernel, mma_cuda, paged_decode_attention_triton
+from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel
+from diffkv_serve.kernels.decode_attention.merge import merge_splits
+from diffkv_serve.kernels.decode_attention.tiles import LOG2E
 
 import _cuda_emu
 from _decode_check import DEVICE, NMAX_PAD, QTOL, naive_sections

@@ -1,4 +1,4 @@
-"""The full-width 8-bit decode kernel (kernels/decode_attention/q8.py, K8V8 pages without a low section, integer
+"""The full-width 8-bit decode kernel (diffkv_serve/kernels/decode_attention/q8.py, K8V8 pages without a low section, integer
 codes or e4m3 codes) against the torch reference: outputs, per-token logits and lse, one split and several, GQA
 group 4."""
 import math
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kernels.decode_attention import decode_kernel, paged_decode_attention_ref, paged_decode_attention_triton
+from diffkv_serve.kernels.decode_attention import decode_kernel, paged_decode_attention_ref, paged_decode_attention_triton
 
 from _paged_cache import build_cache, formats
 

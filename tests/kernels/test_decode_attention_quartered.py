@@ -1,11 +1,11 @@
-"""The quartered decode kernel (kernels/decode_attention/quartered.py: quantized pages, high + low sections) against
+"""The quartered decode kernel (diffkv_serve/kernels/decode_attention/quartered.py: quantized pages, high + low sections) against
 the torch reference and float64 loops: outputs, per-token logits and lse, every way of splitting and tiling, both
 row-reduction modes, key codes as byte pairs."""
 import pytest
 import torch
 
-from kernels.decode_attention import WIDE_SPLIT_TOKENS, choose_num_splits, launch_config, tile_tokens
-from kernels.decode_attention.dispatch import paged_decode_attention_triton
+from diffkv_serve.kernels.decode_attention import WIDE_SPLIT_TOKENS, choose_num_splits, launch_config, tile_tokens
+from diffkv_serve.kernels.decode_attention.dispatch import paged_decode_attention_triton
 
 from _decode_check import DEVICE, DTYPES, run_sections
 from _paged_cache import formats

@@ -1,4 +1,4 @@
-"""kernels/decode_pages.py: the fused decode-step page work equals the torch reference on random states.
+"""diffkv_serve/kernels/decode_pages.py: the fused decode-step page work equals the torch reference on random states.
 
 A state is a small memory manager whose heads hold random section lengths (some exactly at a page boundary, so
 they need a page), pages filled with random tokens, a free list wrapped around its end, and padding rows on
@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
-from engine.kv.layout import CacheShape
-from engine.kv.pool import MemoryManager
-from kernels.compression_plan import compression_plan
-from kernels.decode_pages import decode_pages
-from kernels.kv_write import write_kv
+from diffkv_serve.engine.kv.layout import CacheShape
+from diffkv_serve.engine.kv.pool import MemoryManager
+from diffkv_serve.kernels.compression_plan import compression_plan
+from diffkv_serve.kernels.decode_pages import decode_pages
+from diffkv_serve.kernels.kv_write import write_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")

@@ -3,10 +3,10 @@ import os
 import pytest
 import torch
 
-from kernels.kv_move import move_tokens
-from kernels.kv_write import write_kv
-from kernels.page_layout import PageFormat, page_bytes_for
-from kernels.quant import dequantize_ref, quantize_ref
+from diffkv_serve.kernels.kv_move import move_tokens
+from diffkv_serve.kernels.kv_write import write_kv
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")

@@ -3,9 +3,9 @@ import os
 import pytest
 import torch
 
-from kernels.kv_write import write_kv
-from kernels.page_layout import PageFormat, page_bytes_for
-from kernels.quant import quantize_fp8_ref, quantize_ref, read_rows_ref
+from diffkv_serve.kernels.kv_write import write_kv
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.kernels.quant import quantize_fp8_ref, quantize_ref, read_rows_ref
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # A write is a cast + copy: every implementation must produce identical bytes.

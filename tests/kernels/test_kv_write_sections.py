@@ -3,9 +3,9 @@ import os
 import pytest
 import torch
 
-from kernels.kv_write_sections import write_sections
-from kernels.sections import section_targets
-from kernels.page_layout import PageFormat, page_bytes_for
+from diffkv_serve.kernels.kv_write_sections import write_sections
+from diffkv_serve.kernels.sections import section_targets
+from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # A write is a cast (or the same min-max quantization in both) + copy: identical bytes in every dtype.

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from kernels.prefill_attention import prefill_attention, prefill_attention_triton
+from diffkv_serve.kernels.prefill_attention import prefill_attention, prefill_attention_triton
 
 # The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from kernels.prompt_classify import classify_prompt
+from diffkv_serve.kernels.prompt_classify import classify_prompt
 
 # The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from kernels.prompt_page_fit import fit_prompt_pages
+from diffkv_serve.kernels.prompt_page_fit import fit_prompt_pages
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from kernels.prompt_significance import (prompt_significance, prompt_significance_count, significance_count)
+from diffkv_serve.kernels.prompt_significance import (prompt_significance, prompt_significance_count, significance_count)
 
 # The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

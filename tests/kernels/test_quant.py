@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import (FP8_MAX, MIN_FP8_SCALE, codes_as_f16, dequantize_fp8_ref, dequantize_ref, e4m3_codes,
+from diffkv_serve.kernels.quant import (FP8_MAX, MIN_FP8_SCALE, codes_as_f16, dequantize_fp8_ref, dequantize_ref, e4m3_codes,
                            e4m3_values, quantize_fp8_ref, quantize_fp8_tile, quantize_ref, quantize_tile, unpack_ref,
                            unpack_tile)
 
@@ -19,7 +19,7 @@ BITS = (8, 4, 2)
 # fp8 (e4m3): |x - dequant(quant(x))| <= 2^-4 |x| (half a 3-bit mantissa step) + scale * 2^-10 (half of the
 # smallest subnormal step 2^-9) + FP8_SCALE_SLACK * max|x| (the fp16 rounding of the scale can push the row
 # maximum just past 448, where it saturates), for every input dtype. Triton's codes come from integer rounding
-# (kernels/quant.py e4m3_codes), not the interpreter's fp32 -> fp8 cast: bit-identical to torch's cast.
+# (diffkv_serve/kernels/quant.py e4m3_codes), not the interpreter's fp32 -> fp8 cast: bit-identical to torch's cast.
 FP8_SCALE_SLACK = {torch.float32: 2.0 ** -10, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -10}
 FP8_CODE_TOL = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0}  # triton vs torch, in e4m3 steps
 

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from diffkv_serve.kernels.rms_norm import rms_norm, rms_norm_ref
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # fp32: same operations, summation order differs; 16-bit: the reference rounds the same places, so the outputs

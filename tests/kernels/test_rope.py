@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from kernels.rope import apply_rope, rope_ref
+from diffkv_serve.kernels.rope import apply_rope, rope_ref
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # The kernel rotates in fp32 and rounds once; the reference rounds after each multiply in x's dtype.

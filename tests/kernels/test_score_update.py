@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from _paged_cache import build_cache, formats
-from kernels.decode_attention import paged_decode_attention
-from kernels.score_update import accumulate_scores, accumulate_scores_triton
+from diffkv_serve.kernels.decode_attention import paged_decode_attention
+from diffkv_serve.kernels.score_update import accumulate_scores, accumulate_scores_triton
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")

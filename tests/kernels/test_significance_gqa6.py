@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from _paged_cache import build_cache, formats
-from kernels.decode_attention import paged_decode_attention
-from kernels.prompt_significance import prompt_significance
-from kernels.quant import read_rows_ref
-from kernels.score_update import accumulate_scores
+from diffkv_serve.kernels.decode_attention import paged_decode_attention
+from diffkv_serve.kernels.prompt_significance import prompt_significance
+from diffkv_serve.kernels.quant import read_rows_ref
+from diffkv_serve.kernels.score_update import accumulate_scores
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")

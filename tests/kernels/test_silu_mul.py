@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from kernels.silu_mul import silu_mul, silu_mul_ref
+from diffkv_serve.kernels.silu_mul import silu_mul, silu_mul_ref
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 # 16-bit: silu is rounded to the dtype before the product in both; exp implementations differ by an ulp.

@@ -174,7 +174,7 @@ def _stream(base: str, body: dict, out: dict, t_kill: dict) -> None:
 def test_node_loss_retries_errors_cleanly_and_recovers(service):
     from ray import serve
 
-    from service.app import ENGINE_DEPLOYMENT
+    from diffkv_serve.service.app import ENGINE_DEPLOYMENT
 
     nodes = service["nodes"]
     before = check_layout(service)
@@ -235,7 +235,7 @@ def test_node_loss_retries_errors_cleanly_and_recovers(service):
         retried = sum(values(scrape(nodes), "ray_diffkv_requests_retried_total"))
         return retried >= 1
     wait_for(counted_retries, 15, interval=0.5, what="the ingress's count of re-sent requests")
-    # The lost replica's death is named once, with its cause (service/replica_deaths.py).
+    # The lost replica's death is named once, with its cause (diffkv_serve/service/replica_deaths.py).
     wait_for(lambda: sum(values(scrape(nodes), "ray_diffkv_replica_deaths_total", cause="node_lost")) == 1, 30,
              interval=0.5, what="the replica's death counted as node_lost")
     assert sum(values(scrape(nodes), "ray_diffkv_replica_deaths_total")) == 1

@@ -1,4 +1,4 @@
-"""The Grafana dashboard is generated from service/metrics.py, shows every metric the service defines, and its
+"""The Grafana dashboard is generated from diffkv_serve/service/metrics.py, shows every metric the service defines, and its
 queries are PromQL naming only those series and their labels; a broken copy fails. (The check against a live
 scrape of the running service is in test_live_service.py.)"""
 import copy
@@ -24,7 +24,7 @@ def test_committed_json_is_generated_and_valid(dashboard):
 
 
 def test_panels_cover_the_operations_views(dashboard):
-    from service.metrics import PROMETHEUS_PREFIX as P
+    from diffkv_serve.service.metrics import PROMETHEUS_PREFIX as P
 
     exprs = {title: [] for title, _ in dash.panel_queries(dashboard)}
     for title, expr in dash.panel_queries(dashboard):

@@ -26,7 +26,7 @@ def test_base_and_overlays_validate():
     assert {t.name for t in targets} == {"base", "cpu-demo", "gpu"}
     rendered = {t.name: validate.validate_dir(t) for t in targets}
 
-    from service.config import ServiceConfig
+    from diffkv_serve.service.config import ServiceConfig
 
     demo = rendered["cpu-demo"]
     (rs,) = _by_kind(demo, "RayService")
@@ -75,7 +75,7 @@ BROKEN = [
                  ["args", "kv_mode"], id="serve-arg-value"),
     pytest.param("overlays/gpu/rayservice-patch.yaml", "route_prefix: /", "route_prefx: /", "gpu",
                  ["applications[0]", "route_prefx"], id="serve-config-key"),
-    pytest.param("overlays/cpu-demo/rayservice-patch.yaml", "service.app:build_app", "service.app:build_ap",
+    pytest.param("overlays/cpu-demo/rayservice-patch.yaml", "diffkv_serve.service.app:build_app", "diffkv_serve.service.app:build_ap",
                  "cpu-demo", ["import_path", "build_ap"], id="import-path"),
     pytest.param("overlays/gpu/rayservice-patch.yaml", "name: EngineReplica", "name: EngineReplika", "gpu",
                  ["deployments[0].name", "EngineReplika"], id="serve-deployment-name"),
@@ -116,8 +116,8 @@ BROKEN = [
     pytest.param("base/rayservice.yaml", "          terminationGracePeriodSeconds: 45",
                  "          terminationGracePeriodSeconds: 35", "gpu",
                  ["terminationGracePeriodSeconds is 35", "at least 40"], id="drain-grace-too-short"),
-    pytest.param("base/rayservice.yaml", '"service.cli", "drain", "--address", "auto"]',
-                 '"service.cli", "serve", "--address", "auto"]', "cpu-demo", ["preStop", "drain"],
+    pytest.param("base/rayservice.yaml", '"diffkv_serve.service.cli", "drain", "--address", "auto"]',
+                 '"diffkv_serve.service.cli", "serve", "--address", "auto"]', "cpu-demo", ["preStop", "drain"],
                  id="head-does-not-drain"),
     pytest.param("overlays/gpu/models-pvc.yaml", "  accessModes:", "  accessMode:", "gpu",
                  ["PersistentVolumeClaim/diffkv-models", "accessMode"], id="core-object-field"),

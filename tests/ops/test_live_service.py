@@ -253,7 +253,7 @@ def test_prometheus_scrapes_the_service_and_answers_the_dashboard(service, prome
         time.sleep(1.0)
     client_ttft = sorted(r.ttft for r in results)
     assert scalar(prometheus, 'up{job="diffkv-serve"}') == 1.0
-    s = dash.series  # scraped names from service/metrics.py
+    s = dash.series  # scraped names from diffkv_serve/service/metrics.py
     queries = {
         "batch size (mean)": f"sum(rate({s('diffkv_batch_size_exact_sum_total')}[1m])) / "
                              f"sum(rate({s('diffkv_batch_size', '_count')}[1m]))",

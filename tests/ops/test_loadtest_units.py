@@ -306,7 +306,7 @@ def test_soak_mix_parses_and_refuses_bad_input():
 
 
 def test_soak_bad_bodies_are_each_refused_by_the_ingress_schema():
-    from service.protocol import ChatCompletionRequest
+    from diffkv_serve.service.protocol import ChatCompletionRequest
 
     cases = soak_requests.bad_bodies("m", max_model_len=512)
     assert len({name for name, _ in cases}) == len(cases) >= 10

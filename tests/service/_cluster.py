@@ -52,7 +52,7 @@ def deploy(config: dict, name: str, route_prefix: str):
     """Deploy build_app(config) as app `name` under route_prefix; returns the engine deployment's handle."""
     from ray import serve
 
-    from service.app import ENGINE_DEPLOYMENT, build_app
+    from diffkv_serve.service.app import ENGINE_DEPLOYMENT, build_app
 
     serve.run(build_app(config), name=name, route_prefix=route_prefix)
     return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=name)

@@ -42,7 +42,7 @@ def engine_idle(service) -> dict:
 
 
 def test_models_and_health(service):
-    from engine.model_settings import load_model_settings
+    from diffkv_serve.engine.model_settings import load_model_settings
 
     c = client(service)
     assert [m.id for m in c.models.list().data] == [service["model"]]

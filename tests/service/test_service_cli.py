@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from _cluster import free_port, wait_for, wait_serve_healthy
-from service.cli import build_parser
-from service.serve_command import _serve_config
+from diffkv_serve.service.cli import build_parser
+from diffkv_serve.service.serve_command import _serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
     port, metrics = free_port(), free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "diffkv_serve.service.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--metrics-port", str(metrics), "--num-cpus", "4", "--max-model-len", "128"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -68,7 +68,7 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
 def _serve(tmp_path, name, port, metrics):
     log = open(tmp_path / name, "w")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--model", "random:tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "diffkv_serve.service.cli", "serve", "--device", "cpu", "--model", "random:tiny",
                              "--port", str(port), "--metrics-port", str(metrics), "--num-cpus", "4"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, log
@@ -94,7 +94,7 @@ def test_busy_port_fails_at_once_naming_it(tmp_path, busy_flag):
 
 
 def test_metrics_port_binds_to_host():
-    from service.serve_command import _local_ray_env
+    from diffkv_serve.service.serve_command import _local_ray_env
 
     assert _local_ray_env(parse("--host", "127.0.0.1")) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     assert _local_ray_env(parse("--host", "localhost")) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -102,7 +102,7 @@ def test_metrics_port_binds_to_host():
 
 
 def test_startup_line_says_where_the_metrics_are():
-    from service.serve_command import _metrics_banner
+    from diffkv_serve.service.serve_command import _metrics_banner
 
     assert _metrics_banner(parse()) == ""
     assert _metrics_banner(parse("--metrics-port", "8080")) == ", Prometheus metrics on 127.0.0.1:8080/metrics"
@@ -120,7 +120,7 @@ def test_startup_line_says_where_the_metrics_are():
 def test_joining_a_cluster_whose_serve_holds_the_port(cluster):
     """A second `diffkv serve --address` on a cluster: Serve's proxy (left up by the first run's serve.delete)
     listens on --port, and the app joins it instead of failing as if a stranger held the port."""
-    from service.serve_command import _check_joined_port, _check_ports_free
+    from diffkv_serve.service.serve_command import _check_joined_port, _check_ports_free
 
     with pytest.raises(ValueError, match="already in use"):  # the port is taken, by Serve
         _check_ports_free("127.0.0.1", {"--port": cluster.http_port})
@@ -279,7 +279,7 @@ def test_install_script_says_which_torch_it_installs(tmp_path, torch_installed, 
 def test_version_comes_from_the_package_metadata():
     from importlib.metadata import version
 
-    p = subprocess.run([sys.executable, "-m", "service.cli", "--version"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "diffkv_serve.service.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == f"diffkv {version('diffkv-serve')}"
 
 
@@ -295,15 +295,15 @@ def test_help_shows_defaults():
 
 
 def test_serving_imports_no_evaluation_code():
-    """service.cli, engine and a parsed serve command leave the evals package unimported; eval loads it."""
-    code = ("import sys, engine, service.cli as c; c.build_parser().parse_args(['serve']); "
+    """diffkv_serve.service.cli, engine and a parsed serve command leave the evals package unimported; eval loads it."""
+    code = ("import sys, diffkv_serve.engine, diffkv_serve.service.cli as c; c.build_parser().parse_args(['serve']); "
             "before = sorted(m for m in sys.modules if m.split('.')[0] == 'evals'); "
             "args = c.build_parser().parse_args(['eval', '--limit', '3']); "
             "print(before, args.func.__module__, args.limit)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["[]", "evals.cli", "3"]
-    plain = subprocess.run([sys.executable, "-c", "import sys, service.cli; "
+    plain = subprocess.run([sys.executable, "-c", "import sys, diffkv_serve.service.cli; "
                             "print([m for m in sys.modules if m.split('.')[0] == 'evals'])"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert plain.returncode == 0 and plain.stdout.strip() == "[]", plain.stderr
@@ -312,7 +312,7 @@ def test_serving_imports_no_evaluation_code():
 def test_cpu_threads_default_and_flag(monkeypatch):
     import torch
 
-    from engine.threads import MAX_DEFAULT_THREADS, default_threads, set_threads
+    from diffkv_serve.engine.threads import MAX_DEFAULT_THREADS, default_threads, set_threads
 
     assert default_threads(cores=2, busy=0.2) == 2
     assert default_threads(cores=2, busy=1.0) == 1 and default_threads(cores=2, busy=3.5) == 1  # a busy box: 1
@@ -337,7 +337,7 @@ def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys)
     request reads) match its tokens uncompressed in that dtype, up to page rounding."""
     import torch
 
-    from service.cli import main
+    from diffkv_serve.service.cli import main
 
     argv = ["generate", "--prompt", "Explain KV caches in one sentence.", "--max-tokens", "24", "--ignore-eos",
             "--json", "--device", "cpu", "--kv-mode", "fp16", "--threads", str(torch.get_num_threads())]
@@ -354,7 +354,7 @@ def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys)
 def test_every_command_takes_each_kv_mode():
     """--kv-mode of generate, chat, eval and serve offers engine.config.KV_MODES (fp8 included); an
     unknown mode is refused by argparse."""
-    from engine.config import KV_MODES
+    from diffkv_serve.engine.config import KV_MODES
 
     assert "fp8" in KV_MODES
     for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["serve"]):
@@ -370,7 +370,7 @@ def test_generate_json_with_the_fp8_cache(capsys):
     """kv_mode fp8 end to end from the command line: e4m3 K8V8 pages, a quarter of the float32 cache's bytes."""
     import torch
 
-    from service.cli import main
+    from diffkv_serve.service.cli import main
 
     argv = ["generate", "--prompt", "Explain KV caches in one sentence.", "--max-tokens", "8", "--ignore-eos",
             "--json", "--device", "cpu", "--kv-mode", "fp8", "--threads", str(torch.get_num_threads())]

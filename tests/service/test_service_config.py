@@ -8,14 +8,14 @@ import httpx
 import pydantic
 import pytest
 
-from engine import CacheConfig, EngineConfig
-from engine.model_settings import apply_model_settings, load_model_settings
-from service.api import _check_kv_compression
-from service.api_error import APIError
-from service.app import build_app
-from service.cli import _engine_config, build_parser
-from service.config import ServiceConfig
-from service.protocol import ErrorResponse, KVCompression, ModelCard
+from diffkv_serve.engine import CacheConfig, EngineConfig
+from diffkv_serve.engine.model_settings import apply_model_settings, load_model_settings
+from diffkv_serve.service.api import _check_kv_compression
+from diffkv_serve.service.api_error import APIError
+from diffkv_serve.service.app import build_app
+from diffkv_serve.service.cli import _engine_config, build_parser
+from diffkv_serve.service.config import ServiceConfig
+from diffkv_serve.service.protocol import ErrorResponse, KVCompression, ModelCard
 
 SMOLLM = "SmolLM2-135M-Instruct-Q4_1"  # the embedded model; it ships a settings file
 
@@ -52,7 +52,7 @@ def test_serve_yaml_args_and_flags_resolve_the_calibrated_thresholds():
     """`serve run` / a Serve config YAML (Serve validates args into ServiceConfig) and `diffkv serve`'s flags."""
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
-    from service.serve_command import _serve_config
+    from diffkv_serve.service.serve_command import _serve_config
 
     settings = load_model_settings(SMOLLM)
     apps = [call_user_app_builder_with_args_if_necessary(build_app, {"kv_mode": "diffkv", "device": "cpu"}),
@@ -65,11 +65,11 @@ def test_serve_yaml_args_and_flags_resolve_the_calibrated_thresholds():
 
 def test_serve_generate_eval_and_the_python_api_run_the_same_cache():
     """Real engines on the embedded model, built the way each entry point builds them."""
-    from engine import LLM
-    from engine.llm_engine import LLMEngine
+    from diffkv_serve.engine import LLM
+    from diffkv_serve.engine.llm_engine import LLMEngine
     from evals.cli import _kv_config
     from evals.runner import EvalModel
-    from service.cli import _build_engine
+    from diffkv_serve.service.cli import _build_engine
 
     serve = LLMEngine(_replica_engine_config(_payloads(build_app({"kv_mode": "diffkv", "device": "cpu"}))[0]))
     generate = _build_engine(build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode", "diffkv",

@@ -1,7 +1,7 @@
-"""The README documents every metric of service/metrics.py, and the admission page states its formulas."""
+"""The README documents every metric of diffkv_serve/service/metrics.py, and the admission page states its formulas."""
 from pathlib import Path
 
-from service.metrics import SPECS
+from diffkv_serve.service.metrics import SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
 

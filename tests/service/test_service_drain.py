@@ -44,7 +44,7 @@ def test_sigterm_drains_streams_then_exits_cleanly(tmp_path):
     port = free_port()
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "diffkv_serve.service.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--num-cpus", "4", "--max-model-len", "512", "--no-admission",
                              "--drain-timeout", str(DRAIN_TIMEOUT_S)],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
@@ -109,11 +109,11 @@ def test_diffkv_drain_reaches_every_ingress_replica_and_can_be_withdrawn(cluster
 
     from _cluster import served
 
-    from service import drain
+    from diffkv_serve.service import drain
 
     app = "drain2"
     config = {"device": "cpu", "max_model_len": 256, "ingress_replicas": 2, "admission": {"ttft_target_s": 60.0}}
-    cli = [sys.executable, "-m", "service.cli", "drain", "--address", ray.get_runtime_context().gcs_address,
+    cli = [sys.executable, "-m", "diffkv_serve.service.cli", "drain", "--address", ray.get_runtime_context().gcs_address,
            "--app", app]
     with served(cluster, config, app, "/" + app) as s:
         drain.clear(app)

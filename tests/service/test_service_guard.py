@@ -94,7 +94,7 @@ def test_health_is_open_and_the_key_is_nowhere(service, cluster):
 
 
 def test_config_repr_and_dump_hide_the_keys():
-    from service.config import ServiceConfig
+    from diffkv_serve.service.config import ServiceConfig
 
     cfg = ServiceConfig.model_validate(CONFIG)
     for text in (repr(cfg), str(cfg), cfg.model_dump_json()):

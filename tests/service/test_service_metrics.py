@@ -4,7 +4,7 @@ start."""
 import pytest
 
 from _cluster import parse_metrics, served, values, wait_for
-from service.metrics import EXACT_SUM_SUFFIX, PROMETHEUS_PREFIX as P, Metrics
+from diffkv_serve.service.metrics import EXACT_SUM_SUFFIX, PROMETHEUS_PREFIX as P, Metrics
 
 
 def _scraped(cluster, name, **labels):
@@ -42,7 +42,7 @@ def test_every_counter_is_exported_at_zero_from_the_start(cluster):
     """A fresh app, before any request: each counter of both deployments is in the scrape, at 0 (not "No
     data" until its first event), for every label value known up front; prefix-cache counters only with
     prefix caching on (here: fp16, whose 'auto' turns it on)."""
-    from service.metrics import ENDPOINTS, FINISH_REASONS, REJECT_REASONS, SPECS
+    from diffkv_serve.service.metrics import ENDPOINTS, FINISH_REASONS, REJECT_REASONS, SPECS
 
     config = {"device": "cpu", "model": "random:tiny", "kv_mode": "fp16", "default_max_tokens": 8}
     with served(cluster, config, "zero-counters", "/zero-counters") as s:

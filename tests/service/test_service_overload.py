@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from _cluster import parse_metrics, served, values, wait_for
-from service.metrics import PROMETHEUS_PREFIX, SPECS
+from diffkv_serve.service.metrics import PROMETHEUS_PREFIX, SPECS
 
 APP = "overload"
 PREFIX = "/overload"

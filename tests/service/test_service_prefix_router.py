@@ -1,4 +1,4 @@
-"""Prefix-aware routing (service/prefix_router.py): the policy's pure parts against brute-force references on
+"""Prefix-aware routing (diffkv_serve/service/prefix_router.py): the policy's pure parts against brute-force references on
 random prompts, the Serve RequestRouter on stub replicas, its config, and two engine replicas behind it where
 requests sharing a long prefix land on the replica that cached it."""
 import asyncio
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pydantic
 import pytest
 
-from service.prefix_router import PrefixIndex, block_keys, prompt_of, rank_by_prefix
+from diffkv_serve.service.prefix_router import PrefixIndex, block_keys, prompt_of, rank_by_prefix
 
 IDLE = {"pages_total": 1000, "pages_used": 0, "num_running": 0, "max_num_seqs": 64, "pages_per_request": 10}
 
@@ -141,7 +141,7 @@ def test_an_unheld_prompt_goes_to_the_replica_remembering_least():
 def test_router_learns_where_it_sent_each_prefix():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-    from service.prefix_router import PrefixAwareRouter
+    from diffkv_serve.service.prefix_router import PrefixAwareRouter
 
     router = PrefixAwareRouter(DeploymentID(name="EngineReplica", app_name="t"), DeploymentHandleSource.UNKNOWN,
                                use_replica_queue_len_cache=True)
@@ -167,8 +167,8 @@ def test_router_learns_where_it_sent_each_prefix():
 
 
 def test_router_config_selects_the_prefix_router():
-    from service.app import engine_deployment_options
-    from service.config import ServiceConfig
+    from diffkv_serve.service.app import engine_deployment_options
+    from diffkv_serve.service.config import ServiceConfig
 
     cfg = ServiceConfig(device="cpu", router={"policy": "prefix", "prefix": {"imbalance_threshold": 0.5}})
     router = engine_deployment_options(cfg)["request_router_config"]
@@ -228,7 +228,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_cached_it(service):
 def test_headroom_counts_evictable_prefix_pages_as_free():
     """An idle replica whose pool is full of cached prefix blocks nobody reads has room: they are evicted on
     demand. Reference: the page room computed by hand on random pool states."""
-    from service.router import headroom
+    from diffkv_serve.service.router import headroom
 
     rng = random.Random(13)
     for _ in range(50):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from _cluster import parse_metrics, served, values, wait_for
-from service.metrics import PROMETHEUS_PREFIX as P
-from service.replica_deaths import classify
+from diffkv_serve.service.metrics import PROMETHEUS_PREFIX as P
+from diffkv_serve.service.replica_deaths import classify
 
 APP = "deaths"
 
@@ -126,7 +126,7 @@ def test_a_graceful_stop_is_recorded_as_a_stop(cluster):
     from ray import serve
 
     from _cluster import deploy
-    from service import replica_deaths
+    from diffkv_serve.service import replica_deaths
 
     app = "deaths_stop"
     deploy({"device": "cpu", "model": "random:tiny"}, app, "/" + app)

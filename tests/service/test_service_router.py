@@ -22,7 +22,7 @@ def service(cluster):
 def test_requests_spread_over_both_replicas(service):
     from ray import serve
 
-    from service.app import ENGINE_DEPLOYMENT
+    from diffkv_serve.service.app import ENGINE_DEPLOYMENT
 
     status = serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]
     assert status.replica_states.get("RUNNING") == 2

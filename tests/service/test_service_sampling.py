@@ -6,7 +6,7 @@ import openai
 import pytest
 import torch
 
-from engine import SamplingParams
+from diffkv_serve.engine import SamplingParams
 
 from _cluster import served, wait_for
 from engine_helpers import run_all
@@ -58,8 +58,8 @@ def requests_done(service) -> None:
 @pytest.fixture(scope="module")
 def local_engines(smollm):
     """The replicas' engine configurations, in this process: the engine's own teacher-forced logprobs."""
-    from engine.llm_engine import LLMEngine
-    from service.config import ServiceConfig
+    from diffkv_serve.engine.llm_engine import LLMEngine
+    from diffkv_serve.service.config import ServiceConfig
 
     made = {}
 

@@ -39,8 +39,8 @@ def complete(service, prompt, max_tokens=12, timeout=120):
 
 
 def test_tp2_replica_gives_the_greedy_tokens_of_tp1(service, smollm):
-    from engine import EngineConfig, SamplingParams
-    from engine.llm_engine import LLMEngine
+    from diffkv_serve.engine import EngineConfig, SamplingParams
+    from diffkv_serve.engine.llm_engine import LLMEngine
 
     st = service["engine"].stats.remote().result()
     assert st["tensor_parallel_size"] == 2 and [r["rank"] for r in st["ranks"]] == [0, 1]

@@ -8,10 +8,10 @@ import types
 
 import pytest
 
-from service.admission import (AdmissionController, ArrivalRateEstimator, ReplicaLoad, ServiceMeter,
+from diffkv_serve.service.admission import (AdmissionController, ArrivalRateEstimator, ReplicaLoad, ServiceMeter,
                                conditional_wait, erlang_c, max_sustainable_rate, mmc_mean_wait)
-from service.config import AdmissionConfig
-from service.router import headroom, rank_by_headroom
+from diffkv_serve.service.config import AdmissionConfig
+from diffkv_serve.service.router import headroom, rank_by_headroom
 
 
 class Clock:
@@ -242,7 +242,7 @@ def test_kv_headroom_router_ranks_serve_candidates():
 
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from service.router import KVHeadroomRouter
+    from diffkv_serve.service.router import KVHeadroomRouter
 
     router = KVHeadroomRouter(DeploymentID(name="EngineReplica", app_name="t"), DeploymentHandleSource.UNKNOWN,
                               use_replica_queue_len_cache=True)
@@ -260,9 +260,9 @@ def test_kv_headroom_router_ranks_serve_candidates():
 
 
 def test_engine_deployment_options():
-    from service.app import engine_deployment_options, ingress_actor_options
-    from service.config import ServiceConfig
-    from service.router import KVHeadroomRouter
+    from diffkv_serve.service.app import engine_deployment_options, ingress_actor_options
+    from diffkv_serve.service.config import ServiceConfig
+    from diffkv_serve.service.router import KVHeadroomRouter
 
     tp2 = engine_deployment_options(ServiceConfig(device="cpu", tensor_parallel_size=2, num_replicas=3))
     assert tp2["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}]
@@ -305,7 +305,7 @@ def test_serve_builds_the_app_from_typed_args():
     from ray.serve import Application
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
-    from service.app import build_app
+    from diffkv_serve.service.app import build_app
 
     app = call_user_app_builder_with_args_if_necessary(build_app, {"kv_mode": "diffkv", "num_replicas": 2,
                                                                    "admission": {"ttft_target_s": 2.0}})
@@ -341,7 +341,7 @@ class _FakeIngress:
     """What _Stream uses of OpenAIIngress: the engine handle (one scripted call per send), config, metrics."""
 
     def __init__(self, scripts, max_retries):
-        from service.config import ServiceConfig
+        from diffkv_serve.service.config import ServiceConfig
 
         self.cfg = ServiceConfig(retry={"max_retries": max_retries, "backoff_s": 0})
         self.scripts, self.sent, self.calls, self.counted = list(scripts), [], [], []
@@ -373,8 +373,8 @@ def _dead(status=503):
 
 
 def test_ingress_resends_a_request_whose_replica_fails_before_any_output():
-    from service.api_error import APIError
-    from service.streaming import _Stream
+    from diffkv_serve.service.api_error import APIError
+    from diffkv_serve.service.streaming import _Stream
 
     req = {"request_id": "req-abc"}
     # the replica's actor dies (an exception from the handle), then a survivor answers
@@ -408,8 +408,8 @@ def test_ingress_resends_a_request_whose_replica_fails_before_any_output():
 
 
 def test_ingress_never_resends_after_output():
-    from service.api_error import APIError
-    from service.streaming import _Stream
+    from diffkv_serve.service.api_error import APIError
+    from diffkv_serve.service.streaming import _Stream
 
     ing = _FakeIngress([[_token("partial"), RuntimeError("ActorDiedError: node lost")]], 3)
     stream = _Stream(ing, {"request_id": "req-x"}, "completions", 0.0)
@@ -426,8 +426,8 @@ def test_ingress_never_resends_after_output():
 
 
 def test_drain_timeout_ends_a_request_with_503_and_never_resends_it():
-    from service.api_error import APIError
-    from service.streaming import _Stream
+    from diffkv_serve.service.api_error import APIError
+    from diffkv_serve.service.streaming import _Stream
 
     async def run(stream, waiting_for_first):
         async def end_soon():
@@ -455,7 +455,7 @@ def test_drain_timeout_ends_a_request_with_503_and_never_resends_it():
 def test_background_polls_end_quietly_when_the_replica_stops():
     """A poll that fails because the replica's thread pool was shut down (Serve stopping it) ends the watcher
     without a traceback; any other failure is logged and retried."""
-    from service.api import _replica_stopping
+    from diffkv_serve.service.api import _replica_stopping
 
     assert _replica_stopping(RuntimeError("cannot schedule new futures after shutdown"))
     assert not _replica_stopping(RuntimeError("GCS unreachable"))

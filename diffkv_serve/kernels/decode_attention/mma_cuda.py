@@ -1,0 +1,165 @@
+"""The hand-written CUDA decode kernel (decode_mma.cu) for quantized pages with 4- or 8-bit keys and 2-, 4- or
+8-bit values (K4V2, K4V4, K8V4, K8V8, ...; integer codes, or e4m3 codes in the 8-bit sides of a high section:
+kv_mode fp8), with or without a low section of another such precision (DiffKV's K8V4 + K4V2), with or without the
+per-token logits / lse outputs DiffKV's significance update reads: when it serves a call (usable), how it is
+compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched (launch_mma).
+
+It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
+the quartered Triton kernel wherever it can serve the call (dispatch.pick_kernel; 1.05-1.37x faster on an H100,
+benchmarks/results/decode_mma_vs_triton_H100.json); K8V8 pages (integer or e4m3) stay with the q8 kernel, which is
+faster there (the CUDA kernel takes 0.81-0.96x its speed), unless a caller forces kernel="mma_cuda". With several
+splits the partials are merged by merge.py's kernel.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from diffkv_serve.kernels.page_layout import PageFormat
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_mma.cu")
+TILE = 64  # tokens per tile (decode_mma.cu)
+MAX_PAGES = 4  # pages one tile may span (decode_mma.cu's MAXPAGES): pages must hold MIN_TOKENS or more
+MIN_TOKENS = -(-(TILE - 1) // (MAX_PAGES - 1))  # 21: then TILE tokens touch at most MAX_PAGES pages
+KEY_BITS, VALUE_BITS = (4, 8), (2, 4, 8)
+MAX_GROUP = 8  # query heads per KV head: the mma's N
+STAGES = 2  # cp.async tiles in flight
+MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
+SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
+HEAD_DIM = 128
+
+
+class Variant(NamedTuple):
+    """What a compiled instance of decode_mma.cu is specialized to (its #defines)."""
+
+    kb_hi: int
+    vb_hi: int
+    kb_lo: int  # 0: no low section
+    vb_lo: int
+    maxpages: int
+    bf16: bool
+    logits: bool  # writes each token's logit (stored from the mma fragments)
+    f8: bool = False  # the high section's 8-bit sides are e4m3 codes (PageFormat.float8)
+
+    @property
+    def stage_bytes(self) -> int:
+        sizes = [TILE * (16 * self.kb_hi + 16 * self.vb_hi + 8)]
+        if self.kb_lo:
+            sizes.append(TILE * (16 * self.kb_lo + 16 * self.vb_lo + 8))
+        return max(sizes)
+
+    @property
+    def shared_bytes(self) -> int:
+        return STAGES * self.stage_bytes
+
+    @property
+    def min_programs(self) -> int:
+        """Programs per SM the registers must allow: as many as shared memory lets reside, at most MAX_PROGRAMS
+        (K4V2: 12 -> 170 registers; K8V4: 8, no cap)."""
+        return max(1, min(MAX_PROGRAMS, SHARED_PER_SM // (self.shared_bytes + 1024)))
+
+    def defines(self) -> str:
+        d = dict(KB_HI=self.kb_hi, VB_HI=self.vb_hi, KB_LO=self.kb_lo, VB_LO=self.vb_lo, MAXPAGES=self.maxpages,
+                 STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
+                 F8_HI=int(self.f8))
+        return "".join(f"#define {k} {v}\n" for k, v in d.items())
+
+
+def _format_reason(fmt: PageFormat, which: str) -> str | None:
+    if fmt.key_bits not in KEY_BITS or fmt.value_bits not in VALUE_BITS or (fmt.float8 and which == "low"):
+        return (f"{fmt.name} {which} pages (serves keys of {KEY_BITS} bits, values of {VALUE_BITS}, integer codes; "
+                "e4m3 codes in a high section)")
+    if fmt.tokens < MIN_TOKENS:
+        return f"{fmt.tokens} tokens per {which} page (needs {MIN_TOKENS} or more)"
+    return None
+
+
+def usable(fmt: PageFormat, fmt_low: PageFormat | None, q: torch.Tensor, group: int) -> str | None:
+    """None if the CUDA kernel can serve this call, else why not (tests and benchmarks print it)."""
+    if not q.is_cuda or torch.version.hip:
+        return "not a CUDA device"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability < (8, 0):
+        return "needs sm_80 or newer (cp.async, m16n8k16 mma, movmatrix)"
+    for f, which in ((fmt, "high"), (fmt_low, "low")):
+        why = _format_reason(f, which) if f is not None else None
+        if why:
+            return why
+    if fmt.float8 and capability < (8, 9):
+        return "e4m3 pages need sm_89 or newer (cvt.f16x2.e4m3x2)"
+    if fmt_low is not None and (fmt.value_bits == 8) != (fmt_low.value_bits == 8):
+        return f"{fmt.value_bits}- and {fmt_low.value_bits}-bit values in one call (8-bit values only with 8-bit)"
+    if fmt.head_dim != HEAD_DIM:
+        return f"head_dim {fmt.head_dim} (serves {HEAD_DIM})"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"q dtype {q.dtype}"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head (serves up to {MAX_GROUP})"
+    return _toolchain_reason(q.device)
+
+
+@functools.cache
+def _toolchain_reason(device: torch.device) -> str | None:
+    """None if this torch can compile and load the kernel here (torch.cuda._compile_kernel, NVRTC), else why
+    not; checked once per device by compiling one variant, so that a missing toolchain sends every call to the
+    Triton kernels instead of failing at the first decode step."""
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    try:
+        _compiled(device, Variant(4, 2, 0, 2, 2, False, False))
+    except Exception as e:  # noqa: BLE001 - any failure to build means: use the Triton kernels
+        log.warning("the CUDA decode kernel cannot be compiled here (%s); the Triton kernels serve every call", e)
+        return f"compile failed: {e}"[:300]
+    return None
+
+
+def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: bool) -> Variant:
+    tokens = min(fmt.tokens, fmt_low.tokens if fmt_low else fmt.tokens)
+    pages = 1 + -(-(TILE - 1) // tokens)  # most pages TILE consecutive tokens can touch
+    return Variant(fmt.key_bits, fmt.value_bits, fmt_low.key_bits if fmt_low else 0,
+                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits, fmt.float8)
+
+
+@functools.cache
+def _compiled(device: torch.device, var: Variant):
+    with torch.cuda.device(device):
+        # Settings as #defines: _compile_kernel's option list differs between torch versions.
+        return torch.cuda._compile_kernel(var.defines() + SOURCE.read_text(), "decode_mma")
+
+
+def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table, len_hi, len_lo, slots, out,
+               mid_acc, mid_ml, logits, lse, layer: int, qk_scale: float, num_splits: int,
+               compiled=None) -> None:
+    """One warp per (batch entry, KV head, split) over the split's tiles of the high then the low section. With
+    num_splits > 1 it writes mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] (log2-domain max,
+    sum) for merge.merge_splits, else the normalized output into out (and lse, when given). qk_scale is in the
+    log2 domain. logits (optional, f32 [B, Hq, >= max_len]) receives each token's natural-domain logit (high
+    token j at j, low token j at len_hi + j). compiled: a stand-in for _compiled (the CPU emulation in tests)."""
+    B, Hq, _ = q.shape
+    Hkv = page_table.shape[2]
+    group = Hq // Hkv
+    if group > MAX_GROUP:
+        raise ValueError(f"launch_mma: {group} query heads per KV head (at most {MAX_GROUP})")
+    if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
+        q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
+    var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
+    kernel = (compiled or _compiled)(q.device, var)
+    lo = fmt_low or fmt
+    len_lo = len_lo if fmt_low is not None else len_hi
+    logits_t = logits if logits is not None else mid_ml
+    lse_t = lse if lse is not None else mid_ml
+    kernel(grid=(B, Hkv, num_splits), block=(32, 1, 1), shared_mem=var.shared_bytes, args=[
+        q, pool, page_table, len_hi, len_lo, slots, out, mid_acc, mid_ml, logits_t, lse_t, int(lse is not None),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), page_table.stride(1), page_table.stride(2), page_table.shape[3] - 1,
+        len_hi.stride(0), len_hi.stride(1), len_hi.stride(2), len_lo.stride(0), len_lo.stride(1), len_lo.stride(2),
+        logits_t.stride(0), logits_t.stride(1), lse_t.stride(0), lse_t.stride(1),
+        layer, float(qk_scale), Hq, group, num_splits, fmt.page_bytes,
+        fmt.tokens, fmt.k_off, fmt.k_meta_off, fmt.v_off, fmt.v_meta_off,
+        lo.tokens, lo.k_off, lo.k_meta_off, lo.v_off, lo.v_meta_off])

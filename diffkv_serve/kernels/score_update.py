@@ -1,0 +1,159 @@
+"""DiffKV generation-phase significance: add each cached token's attention probability to its score.
+
+For every cached token of every (batch entry b, KV head h) the score segment (f32) of its page row gets
+    max over the query heads g of h's GQA group of exp(logits[b, g, idx] - lse[b, g])
+where idx = j for high token j and len_high + j for low token j, and logits / lse come from
+paged_decode_attention(..., logits_out=, lse_out=) of the same step.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from diffkv_serve.kernels._common import next_pow2, num_sms, use_triton
+from diffkv_serve.kernels.page_layout import PageFormat
+from diffkv_serve.kernels.sections import section_columns, section_page, split_range
+
+MAX_SPLITS = 64
+# Programs per SM the split count aims for. A program's loop is a chain of dependent loads (page id, then the
+# score row) with little work per tile, so it is latency-bound: one program per (sequence, KV head), as at
+# batch x KV heads >= SMs before, left ~1.5 programs per SM and made this update 10-16 us per layer at
+# SmolLM2's shape (benchmarks/decode_splits.py --score-splits sweeps it).
+TARGET_PROGRAMS_PER_SM = 16
+# Tokens per loop iteration. Each iteration waits on its page ids, then on its score words, so the tile is what
+# keeps loads in flight: 512-token tiles made the update 2.3x faster than 64 at the 8B shape after a mix decode
+# call (H100, CUDA-graph us, .carry/gpu/score_bench.py: B=64 S=4096 45.9 -> 20.1, 2.5 TB/s on the logits and
+# score bytes; B=8 7.4 -> 4.2; B=128 80.5 -> 43.9); 256 gave 24.6 at B=64, 8 warps or one stage no better.
+BLOCK_N = 512
+
+
+def choose_score_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
+    """Splits per (sequence, KV head): about TARGET_PROGRAMS_PER_SM programs per SM, at least one BLOCK_N tile
+    of max_len tokens per split, at most MAX_SPLITS."""
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms(device), max(1, batch * kv_heads))
+    return max(1, min(wanted, triton.cdiv(max(max_len, 1), block_n), MAX_SPLITS))
+
+
+@triton.jit
+def _score_section(
+    pool_f32, pt_row, col0, lo, hi, logit_rows, logit_base, lse, gmask, page_words, score_off,
+    T: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < hi
+        page = section_page(pt_row, col0, t, tmask, T, LOW)
+        logit = tl.load(logit_rows[:, None] + (logit_base + t)[None, :], mask=gmask[:, None] & tmask[None, :],
+                        other=float("-inf"))
+        p = tl.max(tl.exp(logit - lse[:, None]), 0)  # [BLOCK_N]: max over the group's query heads
+        ptr = pool_f32 + page * page_words + score_off + t % T
+        tl.store(ptr, tl.load(ptr, mask=tmask, other=0.0) + p, mask=tmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
+def _score_kernel(
+    pool_f32, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, logits_ptr, lse_ptr,
+    stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, stride_lls, stride_lll, stride_llh,
+    stride_gb, stride_gh, stride_eb, stride_eh,
+    layer, low_col0, page_words, score_off, lscore_off, num_splits,  # runtime: one variant for every length
+    GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per (batch entry, KV head, split); each split takes its share of both sections.
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
+    hq = h * GROUP + g
+    lse = tl.load(lse_ptr + b * stride_eb + hq * stride_eh, mask=gmask, other=0.0)
+    logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
+
+    length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
+    lo, hi = split_range(length, split, num_splits, BLOCK_N)
+    _score_section(pool_f32, pt_row, 0, lo, hi, logit_rows, 0, lse, gmask,
+                   page_words, score_off, T, False, BLOCK_N)
+    if HAS_LOW:
+        length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
+        lo, hi = split_range(length_lo, split, num_splits, BLOCK_N)
+        _score_section(pool_f32, pt_row, low_col0, lo, hi, logit_rows,
+                       length, lse, gmask, page_words, lscore_off, T_LO, True, BLOCK_N)
+
+
+def _sections(fmt, fmt_low, lengths, len_low):
+    if len_low is not None and fmt_low is None:
+        raise ValueError("len_low needs fmt_low (the low section's page format)")
+    has_low = len_low is not None
+    if has_low and fmt_low.page_bytes != fmt.page_bytes:
+        raise ValueError("the high and low formats must share one page size")
+    return has_low
+
+
+def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
+                          fmt_low=None, len_low=None):
+    has_low = _sections(fmt, fmt_low, lengths, len_low)
+    pf = pool.view(torch.float32)
+    B, Hq, NMAX = logits.shape
+    Hkv = page_table.shape[2]
+    group = Hq // Hkv
+    sl = slots.long()
+    lens = lengths[sl, layer].long()  # [B, Hkv]
+    lg = logits.float().unflatten(1, (Hkv, group))  # [B, Hkv, G, NMAX]
+    ls = lse.float().view(B, Hkv, group, 1)
+    sections = [(fmt, lens, torch.zeros_like(lens), False)]
+    if has_low:
+        sections.append((fmt_low, len_low[sl, layer].long(), lens, True))
+    for f, n_tok, base, low in sections:
+        T = f.tokens
+        n = int(n_tok.max()) if n_tok.numel() else 0
+        if n == 0:
+            continue
+        j = torch.arange(n, device=pool.device)
+        cols = section_columns(j, T, low, page_table.shape[3])
+        pages = page_table[sl, layer][:, :, cols].long()  # [B, Hkv, n]
+        valid = j < n_tok[..., None]
+        idx = (base[..., None] + j).clamp(max=NMAX - 1)
+        x = lg.gather(3, idx[:, :, None, :].expand(B, Hkv, group, n))
+        p = torch.exp(x - ls).amax(2)  # [B, Hkv, n]
+        rows = (j % T).expand_as(pages)
+        pf.index_put_((pages[valid], f.score_off // 4 + rows[valid]), p[valid], accumulate=True)
+
+
+def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
+                             fmt_low=None, len_low=None, num_splits=None, block_n=BLOCK_N, num_warps=4,
+                             num_stages=None):
+    has_low = _sections(fmt, fmt_low, lengths, len_low)
+    B, Hq, NMAX = logits.shape
+    Hkv = page_table.shape[2]
+    if B == 0:
+        return
+    assert logits.stride(2) == 1 and page_table.stride(3) == 1 and Hq % Hkv == 0
+    low = fmt_low if has_low else fmt
+    lenlo = len_low if has_low else lengths
+    if num_splits is None:
+        num_splits = choose_score_splits(B, Hkv, NMAX, logits.device, block_n)
+    group = Hq // Hkv
+    _score_kernel[(B, Hkv, num_splits)](
+        pool.view(torch.float32), page_table, lengths, lenlo, slots, logits, lse,
+        page_table.stride(0), page_table.stride(1), page_table.stride(2),
+        lengths.stride(0), lengths.stride(1), lengths.stride(2), lenlo.stride(0), lenlo.stride(1), lenlo.stride(2),
+        logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1),
+        layer, page_table.shape[3] - 2, fmt.page_bytes // 4, fmt.score_off // 4, low.score_off // 4,
+        num_splits, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low,
+        BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=num_warps,
+        **({} if num_stages is None else dict(num_stages=num_stages)),
+    )
+
+
+def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: int, logits, lse,
+                      fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None, impl: str = "auto"):
+    """In place: score[token] += max_g exp(logits[b, g, idx] - lse[b, g]) for every cached token of every
+    (batch entry b, KV head h); g over h's query heads. Sections and idx as in paged_decode_attention
+    (high token j: idx j, page_table[.., j // T]; low token j: idx lengths + j, page_table[.., P - 1 - j // T_lo]).
+
+    logits f32 [B, Hq, NMAX] (NMAX >= len_high + len_low of every head), lse f32 [B, Hq]; the batch entries'
+    slots must be distinct.
+    """
+    fn = accumulate_scores_triton if use_triton(impl, pool, logits, page_table) else accumulate_scores_ref
+    fn(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low, len_low=len_low)

@@ -1,0 +1,306 @@
+"""`diffkv` command line: serve (the OpenAI API on Ray Serve), generate (one prompt), chat (interactive), and
+eval / calibrate (accuracy, evals/), on the embedded model by default."""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import sys
+from typing import Optional
+
+from diffkv_serve.engine.config import KV_MODES
+from diffkv_serve.service.config import API_KEY_ENV
+from diffkv_serve.service.serve_command import cmd_drain, cmd_serve
+
+
+PACKAGE = "diffkv-serve"
+THREADS_HELP = "torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, also for options without help text; options whose default is
+    None or off say nothing (their help says what None means)."""
+
+    _NO_HELP = "\0"  # stands in for a missing help text: argparse prints no help line for an empty one
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        d = action.default
+        return bool(action.option_strings) and not (d is None or d is False or d == [] or d is argparse.SUPPRESS)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = self._NO_HELP
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").replace(self._NO_HELP, "")
+        if "%(default)" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version(PACKAGE)
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded SmolLM2)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and unquantized cache values; auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kv-mode", default="fp16", choices=KV_MODES,
+                   help="fp16: uncompressed, in --dtype; fp8: e4m3 with a scale per token and KV head")
+    p.add_argument("--alpha-high", type=float, default=None,
+                   help="diffkv: high-precision threshold (default: the model's calibrated value)")
+    p.add_argument("--alpha-low", type=float, default=None,
+                   help="diffkv: low-precision threshold (default: the model's calibrated value)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _engine_config(args):
+    """The flags' EngineConfig; thresholds left out stay unset, for the engine to take the model's."""
+    from diffkv_serve.engine import EngineConfig
+
+    cache = {"kv_mode": args.kv_mode}
+    cache.update({k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None})
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        cache=cache)
+
+
+def _build_engine(args):
+    from diffkv_serve.engine.llm_engine import LLMEngine
+    from diffkv_serve.engine.threads import set_threads
+
+    set_threads(args.threads, args.device)
+    return LLMEngine(_engine_config(args))
+
+
+def _sampling(args):
+    from diffkv_serve.engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _prompt_ids(engine, text: str, raw: bool, history: Optional[list] = None) -> list[int]:
+    tok = engine.tokenizer
+    if raw or not getattr(tok, "chat_template", None):
+        return tok.encode(text)
+    messages = (history or []) + [{"role": "user", "content": text}]
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+
+
+def _run(engine, ids: list[int], sampling, stream) -> "object":
+    engine.add_request("cli", ids, sampling)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if stream is not None and out.delta_text:
+                stream.write(out.delta_text)
+                stream.flush()
+            if out.finished:
+                final = out
+    return final
+
+
+def cmd_generate(args) -> int:
+    from diffkv_serve.engine.errors import InvalidRequestError
+
+    engine = _build_engine(args)
+    try:
+        ids = _prompt_ids(engine, args.prompt, args.raw)
+        out = _run(engine, ids, _sampling(args), None if args.json else sys.stdout)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        kv = out.kv_usage or {}
+        counts = ("bytes_used", "bytes_fp16", "bytes_uncompressed", "pages_used", "pages_shared", "tokens_high",
+                  "tokens_low", "tokens_pruned")
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "prompt_tokens": len(out.prompt_token_ids),
+                          "kv": {"kv_mode": engine.config.cache.kv_mode, "cache_dtype": engine.cache_dtype,
+                                 **{k: kv.get(k, 0) for k in counts}, "pages_total": engine.mm.num_pages,
+                                 "mm_seconds": engine.runner.kv.mm_seconds()}}))
+    else:
+        print()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from diffkv_serve.engine.errors import InvalidRequestError
+
+    engine = _build_engine(args)
+    history: list[dict] = []
+    print("Chat with the model (empty line or Ctrl-D to quit).", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ").strip()
+        except EOFError:
+            break
+        if not text:
+            break
+        try:
+            out = _run(engine, _prompt_ids(engine, text, False, history), _sampling(args), sys.stdout)
+        except InvalidRequestError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print()
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": out.text}]
+    return 0
+
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose arguments may be added only when it is used (parsed or its help shown):
+    eval / calibrate live in the evaluation package, which the serving commands should not import."""
+
+    def __init__(self, *args, populate=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _ensure_populated(self) -> None:
+        if self._populate is not None:
+            populate, self._populate = self._populate, None
+            populate(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._ensure_populated()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._ensure_populated()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._ensure_populated()
+        return super().format_help()
+
+
+def _eval_command(p: argparse.ArgumentParser) -> None:
+    from evals import cli as evals_cli
+
+    evals_cli.add_eval_args(p)
+    p.set_defaults(func=evals_cli.cmd_eval)
+
+
+def _calibrate_command(p: argparse.ArgumentParser) -> None:
+    from evals import cli as evals_cli
+
+    evals_cli.add_calibrate_args(p)
+    p.set_defaults(func=evals_cli.cmd_calibrate)
+
+
+def _service_default(field: str):
+    """ServiceConfig's default of a field (serve's flags default to None: --config's value comes first)."""
+    from diffkv_serve.service.config import ServiceConfig
+
+    return ServiceConfig.model_fields[field].get_default(call_default_factory=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffkv", description="DiffKV Serve: LLM serving with a compressed KV cache",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
+    g = add("generate", help="generate a completion for one prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, kv)")
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = add("chat", help="interactive chat in the terminal")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    s = add("serve", help="serve the OpenAI-compatible API on Ray Serve (Ctrl-C stops)",
+            description="Engine flags left out take --config's value, else ServiceConfig's default.")
+    s.add_argument("--config", default=None, help="YAML/JSON of ServiceConfig fields (or a Serve config file)")
+    s.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded)")
+    s.add_argument("--device", default=None, help=f"auto | cpu | cuda (default: {_service_default('device')})")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    s.add_argument("--kv-mode", default=None, choices=KV_MODES,
+                   help=f"(default: {_service_default('cache').kv_mode})")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--num-replicas", type=int, default=None,
+                   help=f"engine replicas (default: {_service_default('num_replicas')})")
+    s.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help=f"worker actors per engine replica (default: {_service_default('tensor_parallel_size')})")
+    s.add_argument("--ttft-target", type=float, default=None,
+                   help=f"admission control's TTFT target in seconds (default: "
+                        f"{_service_default('admission').ttft_target_s})")
+    s.add_argument("--no-admission", action="store_true", help="admit every request (no 429s)")
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat it to accept several keys while "
+                        f"rotating; {API_KEY_ENV}, comma-separated, adds keys without putting them on the command "
+                        f"line)")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"largest request body; larger ones get 413 before they are parsed (default: "
+                        f"{_service_default('limits').max_body_bytes})")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help=f"seconds requests in flight get to finish on SIGTERM / Ctrl-C (default: "
+                        f"{_service_default('drain_timeout_s')})")
+    s.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus export port of the local Ray (on loopback when --host is)")
+    s.set_defaults(func=cmd_serve)
+    d = add("drain", help="drain a running app before its cluster stops (a KubeRay preStop hook)",
+            description="New requests get 503, requests in flight get the drain timeout to finish, the rest end "
+                        "with 503 / an SSE error event; returns once every ingress replica has none left.")
+    d.add_argument("--address", default="auto", help="the Ray cluster")
+    d.add_argument("--app", default="diffkv", help="the Serve application")  # service.app.APP_NAME
+    d.add_argument("--timeout", type=float, default=None,
+                   help="seconds requests in flight get (default: the app's ServiceConfig.drain_timeout_s)")
+    d.add_argument("--max-wait", type=float, default=300.0, help="give up waiting after this many seconds")
+    d.add_argument("--cancel", action="store_true", help="withdraw a drain: the ingress replicas serve again")
+    d.add_argument("--follow", action="store_true",
+                   help="announce nothing: wait for a drain another process announces within --follow-s (a worker "
+                        "pod's preStop: its engine replica keeps serving while the head drains)")
+    d.add_argument("--follow-s", type=float, default=15.0)
+    d.set_defaults(func=cmd_drain)
+    # the evaluation package is imported only when one of these is parsed or its help shown
+    add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)",
+        populate=_eval_command)
+    add("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file",
+        populate=_calibrate_command)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
