@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 APP_NAME = "diffkv"
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+# A stopping engine replica's time beyond drain_timeout_s: its __del__ (stop record, engine shutdown).
+ENGINE_STOP_MARGIN_S = 5.0
+# A stopping ingress replica outlives the engine replicas' stop by this much, so that a request whose engine
+# replica was killed at the end of its stop still ends with an SSE error event or a 503, never a cut stream.
+INGRESS_STOP_MARGIN_S = ENGINE_STOP_MARGIN_S + 10.0
 
 
 def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
@@ -39,7 +44,9 @@ def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": 10,
+        # A replica Serve stops (redeploy, scale-down) gets no new requests and runs those it holds to their
+        # end for up to drain_timeout_s, as a drained server does; then Serve kills it.
+        "graceful_shutdown_timeout_s": cfg.drain_timeout_s + ENGINE_STOP_MARGIN_S,
         # how often a stopping replica looks for requests still running (Serve's 2 s would add up to 2 s to
         # every stop, when a drain has already finished them)
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -103,6 +110,10 @@ def build_app(args: ServiceConfig) -> Application:
         # Every request reaches the ingress at once, so admission control sees the real arrivals (Serve's
         # default of 5 would queue them in the proxy, invisibly).
         max_ongoing_requests=100_000, graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=cfg.drain_timeout_s + INGRESS_STOP_MARGIN_S,
+        # a redeploy starts the new ingress replicas before it stops the old ones: the proxy always has one
+        # to send requests to (an ingress costs a fraction of a CPU)
+        max_surge_percent=100,
         ray_actor_options=ingress_actor_options(cfg)).bind(engine, payload)
 
 

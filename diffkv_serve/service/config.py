@@ -6,6 +6,8 @@ box with the embedded model.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any, Literal, Mapping, Optional
 
@@ -214,3 +216,11 @@ class ServiceConfig(BaseModel):
     def uses_worker_actors(self) -> bool:
         """The engine runs its ranks as Ray actors (then the replica needs a placement group for them)."""
         return self.engine_config().executor_kind == "ray"
+
+
+def config_digest(args: Mapping[str, Any]) -> str:
+    """A short fingerprint of the deployment arguments (build_app's payload, API keys left out: only the ingress
+    gets them). During a rolling update old and new engine replicas serve side by side; an ingress takes the
+    model's description only from a replica of its own deployment, which has the same fingerprint."""
+    shared = {k: v for k, v in args.items() if k != "api_keys"}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:16]

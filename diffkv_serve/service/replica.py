@@ -30,7 +30,7 @@ from diffkv_serve.engine.errors import InvalidRequestError
 from diffkv_serve.engine.sampling_params import SamplingParams
 from diffkv_serve.service import replica_deaths
 from diffkv_serve.service.admission import ServiceMeter
-from diffkv_serve.service.config import ServiceConfig
+from diffkv_serve.service.config import ServiceConfig, config_digest
 from diffkv_serve.service.metrics import KV_MODE, REPLICA, Metrics
 
 log = logging.getLogger("ray.serve")
@@ -64,6 +64,7 @@ class EngineReplica:
         from ray import serve
 
         self.cfg = ServiceConfig.model_validate(config)
+        self.config_digest = config_digest(config)
         try:
             ctx = serve.get_replica_context()
             self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
@@ -102,7 +103,7 @@ class EngineReplica:
         return {"model": self.cfg.served_model_name or self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "kv_mode": self.engine.config.cache.kv_mode, "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
                 "tensor_parallel_size": self.cfg.tensor_parallel_size, "replica": self.replica_id,
-                "kv_cache": self.kv_cache_card()}
+                "kv_cache": self.kv_cache_card(), "config_digest": self.config_digest}
 
     def kv_cache_card(self) -> dict:
         """The cache as the engine resolved it (the model's settings file filled what the config left unset):
