@@ -4,6 +4,7 @@ so Serve replaces every replica, one engine replica at a time; a replica being r
 and runs those it holds to their end (drain_timeout_s). Every stream ends with [DONE] or an SSE error event,
 none is cut, the replaced engine replicas stopped gracefully (not killed), and new requests see the new
 settings. CPU, random:tiny, 2 engine replicas, loopback."""
+import json
 import threading
 import time
 
@@ -57,12 +58,15 @@ class _Load:
             n += 1
             self._one(rec, self.generating[i])
 
-    def _one(self, rec: dict, generating: threading.Event):
+    def _one(self, rec: dict, generating: threading.Event, max_tokens: int = MAX_TOKENS):
         try:
             with httpx.stream("POST", self.base + "/v1/completions", timeout=120, json={
-                    "model": self.model, "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "model": self.model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "prompt": f"Client {rec['client']}, story {rec['seq']}:"}) as r:
                 rec["status"] = r.status_code
+                if r.status_code != 200:
+                    rec["body"] = r.read().decode()
+                    generating.set()
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         rec["events"].append(line[len("data: "):])
@@ -144,3 +148,44 @@ def test_config_update_under_streaming_load_loses_nothing(cluster):
         print(f"rolling update: {len(results)} streams ({len(across)} across the update start), {done} [DONE], "
               f"{errored} error events, {len(broken)} broken; every old replica gone {rollout_s:.1f}s after the "
               f"update began")
+
+
+@pytest.mark.slow
+def test_a_stream_outlasting_the_drain_timeout_ends_with_an_error_event(cluster):
+    """A request still running when its replaced engine replica's stop runs out (drain_timeout_s and a margin)
+    ends with an SSE error event when Serve kills that replica; the old ingress outlives it, so the stream is
+    not cut. Serve's kill counts as a `killed` death. One engine replica: Serve stops it before starting its
+    replacement, so the next request waits for the new one."""
+    from diffkv_serve.service import replica_deaths
+    from diffkv_serve.service.app import ENGINE_STOP_MARGIN_S
+
+    app, drain_s = "rolling_slow", 2.0
+    # the embedded model: slow enough on CPU that the stream outlasts the replaced replica's stop
+    config = {"device": "cpu", "max_model_len": 1024, "drain_timeout_s": drain_s, "admission": {"enabled": False}}
+    with served(cluster, config, app, "/" + app) as s:
+        from ray._private import state
+
+        (old_engine,) = [a for a, info in state.actors().items() if info.get("State") == "ALIVE"
+                         and info.get("ActorClassName") == f"ServeReplica:{app}:EngineReplica"]
+        rec, generating = {"client": 0, "seq": 0, "t_start": time.monotonic(), "events": []}, threading.Event()
+        load = _Load(s["base"], s["model"])
+        stream = threading.Thread(target=load._one, args=(rec, generating), kwargs={"max_tokens": 900})
+        stream.start()
+        assert generating.wait(60) and rec.get("status") == 200, rec
+        t_update = time.monotonic()
+        deploy({**config, "default_max_tokens": 32}, app, "/" + app)
+        stream.join(120)
+        assert not stream.is_alive()
+        assert rec["outcome"] == "ended" and rec["status"] == 200, rec
+        err = json.loads(rec["events"][-1])["error"]
+        assert err["type"] == "service_unavailable", err
+        assert rec["t_end"] - t_update >= drain_s, "the stream should have had drain_timeout_s to finish"
+        assert rec["t_end"] - t_update < drain_s + ENGINE_STOP_MARGIN_S + 30
+        claim = wait_for(lambda: replica_deaths._get(replica_deaths._key(app, "death", old_engine)), 30,
+                         what="the death watcher to look at the killed replica")
+        assert claim == {"cause": "killed"}, claim
+        r = httpx.post(s["base"] + "/v1/completions", timeout=60,
+                       json={"model": s["model"], "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        print(f"rolling update past the drain timeout: the long stream ended with an error event "
+              f"{rec['t_end'] - t_update:.1f}s after the update began ({len(rec['events'])} events), not cut")
