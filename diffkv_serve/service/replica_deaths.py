@@ -94,7 +94,8 @@ def classify(death_cause: Any, stop: Optional[dict], memory: Optional[dict],
         return "owner_died", "its owner (Serve's controller) died"
     if reason == "RAY_KILL":
         return "killed", ("killed with ray.kill without a graceful stop: what Serve does to a replica whose health "
-                          "check timed out (hung), or an operator's ray.kill")
+                          "check timed out (hung) or to a replaced one still running requests at the end of its "
+                          "stop (drain_timeout_s), or an operator's ray.kill")
     if reason == "WORKER_DIED":
         if "NODE_OUT_OF_MEMORY" in message:
             return "memory", f"Ray's memory monitor killed its process: {message}"
