@@ -56,33 +56,35 @@ class _Load:
                 rec = {"client": i, "seq": n, "t_start": time.monotonic(), "events": []}
                 self.results.append(rec)
             n += 1
-            self._one(rec, self.generating[i])
+            _stream(self.base, self.model, rec, self.generating[i])
 
-    def _one(self, rec: dict, generating: threading.Event, max_tokens: int = MAX_TOKENS):
-        try:
-            with httpx.stream("POST", self.base + "/v1/completions", timeout=120, json={
-                    "model": self.model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "prompt": f"Client {rec['client']}, story {rec['seq']}:"}) as r:
-                rec["status"] = r.status_code
-                if r.status_code != 200:
-                    rec["body"] = r.read().decode()
+
+def _stream(base: str, model: str, rec: dict, generating: threading.Event, max_tokens: int = MAX_TOKENS):
+    """One streaming completion into `rec`: its status, its SSE events, and whether it ended or was cut."""
+    try:
+        with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
+                "model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "prompt": f"Client {rec['client']}, story {rec['seq']}:"}) as r:
+            rec["status"] = r.status_code
+            if r.status_code != 200:
+                rec["body"] = r.read().decode()
+                generating.set()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    rec["events"].append(line[len("data: "):])
                     generating.set()
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        rec["events"].append(line[len("data: "):])
-                        generating.set()
-            rec["outcome"] = "ended"
-        except Exception as e:  # noqa: BLE001 - a cut connection is what the test looks for
-            rec["outcome"], rec["error"] = "broken", repr(e)
-        rec["t_end"] = time.monotonic()
+        rec["outcome"] = "ended"
+    except Exception as e:  # noqa: BLE001 - a cut connection is what the test looks for
+        rec["outcome"], rec["error"] = "broken", repr(e)
+    rec["t_end"] = time.monotonic()
 
 
-def _serve_replicas(deployment: str) -> set:
+def _serve_replicas(deployment: str, app: str = APP) -> set:
     """Actor ids of the app's live replicas of `deployment`."""
     from ray._private import state
 
     return {actor_id for actor_id, info in state.actors().items()
-            if info.get("ActorClassName") == f"ServeReplica:{APP}:{deployment}" and info.get("State") == "ALIVE"}
+            if info.get("ActorClassName") == f"ServeReplica:{app}:{deployment}" and info.get("State") == "ALIVE"}
 
 
 @pytest.mark.slow
@@ -163,13 +165,10 @@ def test_a_stream_outlasting_the_drain_timeout_ends_with_an_error_event(cluster)
     # the embedded model: slow enough on CPU that the stream outlasts the replaced replica's stop
     config = {"device": "cpu", "max_model_len": 1024, "drain_timeout_s": drain_s, "admission": {"enabled": False}}
     with served(cluster, config, app, "/" + app) as s:
-        from ray._private import state
-
-        (old_engine,) = [a for a, info in state.actors().items() if info.get("State") == "ALIVE"
-                         and info.get("ActorClassName") == f"ServeReplica:{app}:EngineReplica"]
+        (old_engine,) = _serve_replicas("EngineReplica", app)
         rec, generating = {"client": 0, "seq": 0, "t_start": time.monotonic(), "events": []}, threading.Event()
-        load = _Load(s["base"], s["model"])
-        stream = threading.Thread(target=load._one, args=(rec, generating), kwargs={"max_tokens": 900})
+        stream = threading.Thread(target=_stream, args=(s["base"], s["model"], rec, generating),
+                                  kwargs={"max_tokens": 900})
         stream.start()
         assert generating.wait(60) and rec.get("status") == 200, rec
         t_update = time.monotonic()
