@@ -191,3 +191,12 @@ def test_replaced_replicas_get_the_drain_timeout_and_the_ingress_surges():
     assert engine.graceful_shutdown_timeout_s == 12 + ENGINE_STOP_MARGIN_S
     assert ingress.graceful_shutdown_timeout_s == INGRESS_STOP_TIMEOUT_S > 12 + ENGINE_STOP_MARGIN_S
     assert ingress.max_surge_percent == 100 and engine.max_surge_percent == 0
+
+
+@pytest.mark.parametrize("value,says", [(math.nan, "finite number"), (math.inf, "finite number"),
+                                        (0, "greater than 0"), (-1.0, "greater than 0")])
+def test_replica_memory_limit_must_be_a_positive_finite_number(value, says):
+    with pytest.raises(pydantic.ValidationError) as e:
+        ServiceConfig(device="cpu", replica_memory_limit_gib=value)
+    assert "replica_memory_limit_gib" in str(e.value) and says in str(e.value)
+    assert ServiceConfig(device="cpu", replica_memory_limit_gib=1.5).replica_memory_limit_gib == 1.5

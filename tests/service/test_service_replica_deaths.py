@@ -149,10 +149,23 @@ def test_a_graceful_stop_is_recorded_as_a_stop(cluster):
     assert classify(state.actors()[actor_id]["DeathCause"], stop, None, 0.0) is None
 
 
+def test_the_memory_hook_is_off_unless_enabled_and_bounded(monkeypatch):
+    from diffkv_serve.service import testing_hooks
+
+    monkeypatch.delenv(testing_hooks.ENV, raising=False)
+    with pytest.raises(RuntimeError, match=testing_hooks.ENV):
+        testing_hooks.hold_memory(0.01)
+    monkeypatch.setenv(testing_hooks.ENV, "1")
+    for gib in (0, -1, testing_hooks.MAX_HOLD_GIB + 1):
+        with pytest.raises(ValueError, match="gib"):
+            testing_hooks.hold_memory(gib)
+
+
 MEMORY_APP = "deaths_memory"
 LIMIT_GIB = 2.0  # a tiny random model's replica holds well under half of it
 
 
+@pytest.mark.slow  # ~25 s: a deploy, the death, Serve's replacement
 def test_a_replica_past_its_memory_limit_ends_itself_and_is_named_memory(cluster):
     """A serving replica is made (service.testing_hooks) to hold memory until its resident memory passes
     replica_memory_limit_gib: at its next memory sample it records the sample and SIGKILLs itself; the
