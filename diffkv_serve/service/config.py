@@ -134,11 +134,11 @@ class ServiceConfig(BaseModel):
                                           "nodes that offer them (e.g. the head, so a worker node's loss costs "
                                           "only engine replicas)")
     replica_memory_limit_gib: Optional[float] = Field(
-        None, gt=0, allow_inf_nan=False, description="an engine replica whose resident memory is above this at one of its memory "
-                                "samples (every 2 s) ends itself (SIGKILL) and is reported as a `memory` death; "
-                                "Serve replaces it. Set it below the node's (or pod's) memory so that a leak or "
-                                "an oversized cache costs one replica, not whatever the OOM killer picks. None: "
-                                "no limit")
+        None, gt=0, allow_inf_nan=False,
+        description="an engine replica whose resident memory is above this at one of its memory samples (every "
+                    "2 s) ends itself (SIGKILL) and is reported as a `memory` death; Serve replaces it. Set it "
+                    "below the node's (or pod's) memory so that a leak or an oversized cache costs one replica, "
+                    "not whatever the OOM killer picks. None: no limit")
     health_check_period_s: float = Field(2.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
     stats_period_s: float = Field(0.5, gt=0, description="how often an engine replica reads its engine's stats "
