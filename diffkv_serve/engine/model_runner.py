@@ -11,6 +11,7 @@ import torch
 from diffkv_serve.engine import key_centering, kv_rotation
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.config import EngineConfig
+from diffkv_serve.engine.graph_memory import graph_batch_limit, graph_memory_estimate, kv_pool_bytes
 from diffkv_serve.engine.host_copy import to_device
 from diffkv_serve.engine.kv.layout import CacheShape, pages_for_bytes
 from diffkv_serve.engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
@@ -122,9 +123,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             from diffkv_serve.engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.attn,
-                                       min(config.max_graph_batch_size, config.scheduler.max_num_seqs), max_model_len,
-                                       self.token_table)
+            self.graphs = DecodeGraphs(self.model, self.attn, self._graph_batch(), max_model_len, self.token_table)
         log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.kv_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
@@ -156,12 +155,18 @@ class ModelRunner:
             nbytes = cc.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of a full batch of prefill tokens and logits.
+            # Leave room for activations of a full batch of prefill tokens and logits, and for the decode graphs.
             act = 64 * self.config.scheduler.max_num_batched_tokens * self.arch.hidden_size
-            nbytes = max(free - (1 - cc.gpu_memory_utilization) * total - act, 2**26)
+            graphs = 0 if self.config.enforce_eager else graph_memory_estimate(
+                self.arch, self._graph_batch(), torch.empty((), dtype=self.dtype).element_size(),
+                self.arch.group_size * shape.num_kv_heads, shape.num_kv_heads)  # this rank's heads
+            nbytes = kv_pool_bytes(free, total, cc.gpu_memory_utilization, act, graphs)
         else:
             nbytes = 0.5 * 2**30
         return pages_for_bytes(shape, self.dtype, nbytes)
+
+    def _graph_batch(self) -> int:
+        return graph_batch_limit(self.config.max_graph_batch_size, self.config.scheduler.max_num_seqs)
 
     def _to_device(self, rows: list) -> list[torch.Tensor]:
         """Several int lists / numpy arrays in one host-to-device copy (int64)."""
