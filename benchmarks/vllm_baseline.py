@@ -97,9 +97,11 @@ def build_prompts(args) -> list[list[int]]:
     return throughput.load_prompts(ckpt, args.num_prompts, args.prompts, args.seed, args.prompt_len)
 
 
-def vllm_missing() -> str | None:
-    """Why vLLM cannot run here, or None."""
-    if importlib.util.find_spec("vllm") is None:
+def vllm_missing(site: str | None) -> str | None:
+    """Why vLLM cannot run here (looked up on `site`, then this interpreter's path), or None."""
+    from importlib.machinery import PathFinder
+
+    if PathFinder.find_spec("vllm", ([site] if site else []) + sys.path) is None:
         return "vLLM is not importable here (it is no dependency of this project; scripts/device/vllm_compare.sh " \
                "brings it to the GPU box)"
     import torch
@@ -109,29 +111,29 @@ def vllm_missing() -> str | None:
     return None
 
 
-def run_one(args, dtype: str) -> dict:
-    """One cache dtype in this process: start vLLM, warm up, time generate()."""
+def run_one(spec: dict, dtype: str) -> dict:
+    """One cache dtype in this process: start vLLM, warm up, time generate(). `spec` holds everything it needs
+    (prompts, model folder, limits): this process imports vLLM and torch alone, never this project."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried; FA3 does attention
     import torch
     import vllm
     from vllm import LLM, SamplingParams
 
-    prompts = build_prompts(args)
-    with tempfile.TemporaryDirectory() as scratch:
-        folder, dummy = model_folder(args.model, Path(scratch))
-        kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-        t0 = time.perf_counter()
-        llm = LLM(model=str(folder), load_format="dummy" if dummy else "auto", skip_tokenizer_init=True,
-                  dtype="bfloat16", kv_cache_dtype=CACHE_DTYPES[dtype][0],
-                  kv_cache_memory_bytes=int(args.kv_memory_gb * 2**30), enable_prefix_caching=False,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  seed=args.seed, **kw)
-        startup = time.perf_counter() - t0
-    inputs = [{"prompt_token_ids": ids} for ids in prompts]
-    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
-    warm = inputs if args.warmup == "full" else inputs[: args.max_num_seqs]
-    llm.generate(warm, sp if args.warmup == "full" else SamplingParams(max_tokens=2, ignore_eos=True,
-                                                                       temperature=0), use_tqdm=False)
+    kw = {"max_model_len": spec["max_model_len"]} if spec["max_model_len"] else {}
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["folder"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
+              dtype="bfloat16", kv_cache_dtype=CACHE_DTYPES[dtype][0],
+              kv_cache_memory_bytes=int(spec["kv_memory_gb"] * 2**30), enable_prefix_caching=False,
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              seed=spec["seed"], **kw)
+    startup = time.perf_counter() - t0
+    inputs = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    sp = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True, temperature=0)
+    if spec["warmup"] == "full":
+        llm.generate(inputs, sp, use_tqdm=False)
+    else:
+        llm.generate(inputs[: spec["max_num_seqs"]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0),
+                     use_tqdm=False)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
@@ -145,15 +147,27 @@ def run_one(args, dtype: str) -> dict:
 
 
 def run_all(args, argv: list[str]) -> int:
-    """Each dtype in a child process (a crash or hang loses that row only); one JSON with every row."""
+    """Each dtype in a child process (a crash or hang loses that row only); one JSON with every row. The prompts
+    are built here (this project's loader) and handed over in a file; the child's PYTHONPATH is --vllm-site alone
+    where given, so vLLM meets only its own wheels and the interpreter's packages."""
     rows = []
-    for dtype in args.cache_dtypes:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "row.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", dtype, "--child-out", str(out)]
+    env = dict(os.environ)
+    if args.vllm_site:
+        env["PYTHONPATH"] = args.vllm_site
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, dummy = model_folder(args.model, Path(tmp))
+        spec = {"prompts": build_prompts(args), "folder": str(folder), "dummy": dummy,
+                **{k: getattr(args, k) for k in ("max_model_len", "kv_memory_gb", "max_num_seqs",
+                                                 "max_num_batched_tokens", "seed", "max_tokens", "warmup")}}
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        for dtype in args.cache_dtypes:
+            out = Path(tmp) / f"row-{dtype}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", dtype, "--child-in", str(spec_path),
+                   "--child-out", str(out)]
             print(f"vllm {dtype}: starting (limit {args.child_timeout:.0f} s)", flush=True)
             t0 = time.perf_counter()
-            rc = run_child(cmd, args.child_timeout)
+            rc = run_child(cmd, args.child_timeout, env)
             if out.is_file():
                 rows.append(json.loads(out.read_text()))
                 print(f"vllm {dtype}: {rows[-1]['tokens_per_s']:.0f} tok/s ({rows[-1]['tokens']} tokens in "
@@ -167,17 +181,32 @@ def run_all(args, argv: list[str]) -> int:
     result = {"benchmark": "vllm_baseline", "device": device, "model": args.model,
               "vllm": done[0]["vllm"] if done else None, "torch": done[0]["torch"] if done else None,
               "command": "python benchmarks/vllm_baseline.py " + " ".join(argv),
-              "config": {k: v for k, v in vars(args).items() if not k.startswith("child") and k != "compare"},
+              "config": {k: v for k, v in vars(args).items() if k not in ("compare", "ours")},
               "rows": rows}
     print_table(rows)
     write_result(result, result_name(args), device, args.out, False)
     return 0 if done else 1
 
 
-def run_child(cmd: list[str], timeout: float) -> int | str:
+_running: subprocess.Popen | None = None  # the child of run_child, ended with this process on SIGTERM
+
+
+def _end_child_and_exit(signum, _frame) -> None:
+    if _running is not None:
+        try:
+            os.killpg(_running.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit(128 + signum)
+
+
+def run_child(cmd: list[str], timeout: float, env: dict | None = None) -> int | str:
     """Run `cmd` in a process group of its own; afterwards (or at the timeout) end that group, vLLM's engine-core
-    process included, so the next dtype starts on a free GPU."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    process included, so the next dtype starts on a free GPU. A SIGTERM to this process (an outer `timeout`)
+    ends the group too."""
+    global _running
+    signal.signal(signal.SIGTERM, _end_child_and_exit)
+    proc = _running = subprocess.Popen(cmd, start_new_session=True, env=env)
     try:
         rc: int | str = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -187,6 +216,7 @@ def run_child(cmd: list[str], timeout: float) -> int | str:
     except ProcessLookupError:
         pass
     proc.wait()
+    _running = None
     return rc
 
 
@@ -268,8 +298,8 @@ def parse_args(argv: list[str]):
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<what>_<gpu>.json)")
     ap.add_argument("--compare", default=None, help="a vllm_baseline JSON: pair it with --ours and print the ratios")
     ap.add_argument("--ours", nargs="*", default=[], help="benchmarks/throughput.py JSONs of the same workload")
-    ap.add_argument("--child", choices=sorted(CACHE_DTYPES), help=argparse.SUPPRESS)
-    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-site", default=os.environ.get("VLLM_SITE"),
+                    help="folder holding vLLM's wheels installed (pip --target): the vLLM processes' PYTHONPATH")
     args = apply_workload(ap, argv)
     if args.prompt_len is not None and (args.prompt_len < 1 or args.prompts != "synthetic"):
         ap.error(f"--prompt-len {args.prompt_len}: needs --prompts synthetic and at least 1 token")
@@ -283,18 +313,22 @@ def parse_args(argv: list[str]):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if args.compare:
-        return run_compare(args)
-    why = vllm_missing()
-    if why:
-        print(f"vllm_baseline: skipped: {why}")
-        return 0
-    if args.child:
-        row = run_one(args, args.child)
+    if "--child" in argv:  # a vLLM process of run_all: its spec file holds everything
+        ap = argparse.ArgumentParser()
+        for flag in ("--child", "--child-in", "--child-out"):
+            ap.add_argument(flag, required=True)
+        args = ap.parse_args(argv)
+        row = run_one(json.loads(Path(args.child_in).read_text()), args.child)
         Path(args.child_out).write_text(json.dumps(row))
         sys.stdout.flush()
         os._exit(0)  # the row is written; vLLM's teardown may hang, and the parent ends the process group anyway
+    args = parse_args(argv)
+    if args.compare:
+        return run_compare(args)
+    why = vllm_missing(args.vllm_site)
+    if why:
+        print(f"vllm_baseline: skipped: {why}")
+        return 0
     return run_all(args, argv)
 
 

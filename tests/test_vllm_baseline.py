@@ -139,3 +139,70 @@ def test_script_runs_from_the_checkout():
                         "/dev/null/never"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and "skipped" in r.stdout, r.stderr
+
+
+FAKE_VLLM = '''
+import json, os
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, max_tokens, ignore_eos, temperature):
+        self.max_tokens, self.ignore_eos, self.temperature = max_tokens, ignore_eos, temperature
+class _Out:
+    def __init__(self, n):
+        self.outputs = [type("C", (), {"token_ids": list(range(n))})()]
+class LLM:
+    def __init__(self, **kw):
+        self.kw, self.calls = kw, []
+        if kw["kv_cache_dtype"] == "fp8" and os.environ.get("FAKE_VLLM_FP8") == "crash":
+            raise RuntimeError("fp8 start failed")
+    def generate(self, inputs, sp, use_tqdm=True):
+        self.calls.append({"n": len(inputs), "max_tokens": sp.max_tokens, "ignore_eos": sp.ignore_eos,
+                           "temperature": sp.temperature})
+        if len(self.calls) == 2:  # the timed call: record what vLLM was given
+            with open(os.environ["FAKE_VLLM_LOG"] + "-" + self.kw["kv_cache_dtype"], "w") as f:
+                json.dump({"kw": self.kw, "calls": self.calls, "prompts": [i["prompt_token_ids"] for i in inputs]}, f)
+        return [_Out(sp.max_tokens) for _ in inputs]
+'''
+FAKE_TORCH = '''
+__version__ = "0.0-fake"
+class cuda:
+    @staticmethod
+    def synchronize(): pass
+    @staticmethod
+    def get_device_name(): return "NVIDIA H100 80GB HBM3"
+'''
+
+
+def test_parent_and_children_with_a_fake_vllm(tmp_path, monkeypatch, capsys):
+    """The whole path the device runs, with stand-ins for vLLM and CUDA: the prompts and limits vLLM receives,
+    one child per dtype whose PYTHONPATH is the vLLM site alone, and a crashed dtype that leaves the other row."""
+    site = tmp_path / "vsite"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (site / "torch").mkdir()
+    (site / "torch" / "__init__.py").write_text(FAKE_TORCH)  # the child must not need this project's torch
+    log = tmp_path / "vllm-log"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.setenv("FAKE_VLLM_FP8", "crash")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    out = tmp_path / "v.json"
+    args = ["--workload", "long-decode", "--num-prompts", "6", "--max-tokens", "5", "--vllm-site", str(site),
+            "--out", str(out), "--child-timeout", "120"]
+    assert vb.main(args) == 0
+    d = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in d["rows"]}
+    assert rows["vllm-bf16"]["tokens"] == 30 and rows["vllm-bf16"]["vllm"] == "0.0-fake"
+    assert rows["vllm-fp8"]["error"] == "exit 1" and d["device"] == "NVIDIA H100 80GB HBM3"
+    seen = json.loads(Path(f"{log}-auto").read_text())
+    ours = throughput.parse_args(["--model", "random:qwen2.5-1.5b", "--workload", "long-decode",
+                                  "--num-prompts", "6", "--max-tokens", "5"])
+    ckpt = load_checkpoint("random:qwen2.5-1.5b")
+    assert seen["prompts"] == throughput.load_prompts(ckpt, 6, "synthetic", 0, None)
+    kw = seen["kw"]
+    assert kw["kv_cache_memory_bytes"] == int(ours.kv_memory_gb * 2**30) and kw["enable_prefix_caching"] is False
+    assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] and kw["dtype"] == "bfloat16"
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (ours.max_num_seqs, ours.max_num_batched_tokens)
+    assert json.loads((Path(kw["model"]) / "config.json").read_text())["hidden_size"] == 1536
+    assert seen["calls"][0]["max_tokens"] == 2  # the short warm-up, untimed
+    assert seen["calls"][1] == {"n": 6, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    assert "vllm fp8: FAILED" in capsys.readouterr().out
