@@ -37,6 +37,7 @@ from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.config import KV_MODES, SchedulerConfig, parse_settings  # noqa: E402
 from diffkv_serve.engine.config import GRAPH_BATCH_CAP  # noqa: E402
+from diffkv_serve.engine.graph_memory import graph_memory_estimate  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
@@ -263,6 +264,11 @@ def main(argv=None) -> int:
     rows = [run_mode(ckpt, m, prompts, args, a) for m in args.modes for a in _reservations(m, args)]
     if not args.no_hf:
         rows.append(run_hf(ckpt, prompts, args))
+    for r in rows:
+        if r.get("graph_memory_bytes"):
+            est = graph_memory_estimate(ckpt.arch, args.max_graph_batch, 2 if cuda else 4)
+            print(f"{r['mode']}: CUDA graphs up to batch {args.max_graph_batch} took "
+                  f"{r['graph_memory_bytes'] / 2**20:.0f} MiB (budgeted {est / 2**20:.0f} MiB)")
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "fp16"), None)
     for r in rows:
         r["speedup_vs_fp16"] = r["tokens_per_s"] / base if base else None
