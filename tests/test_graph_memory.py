@@ -67,6 +67,7 @@ def _fake_runner(monkeypatch, enforce_eager: bool, **cfg):
     runner = SimpleNamespace(config=config, device=torch.device("cuda"), arch=QWEN, dtype=torch.bfloat16)
     runner._graph_batch = lambda: ModelRunner._graph_batch(runner)
     shape = CacheShape(QWEN.num_layers, QWEN.num_kv_heads, QWEN.head_dim, config.scheduler.max_num_seqs, 4096, 16)
+    _fake_runner.last = runner
     return ModelRunner._num_pages(runner, shape), shape, free, total, config
 
 
@@ -78,6 +79,7 @@ def test_pool_is_sized_after_the_graphs_budget(monkeypatch):
     assert eager == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act)
     est = graph_memory_estimate(QWEN, 512, 2)
     assert graphs == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - est)
+    assert _fake_runner.last.graph_budget == est  # what DecodeGraphs checks its measured memory against
     assert eager > graphs
     # an explicit pool (the benchmarks' --kv-memory-gb, vLLM's kv_cache_memory_bytes) is taken as given
     fixed, *_ = _fake_runner(monkeypatch, False, scheduler=sched, cache={"kv_cache_memory_gb": 0.98})

@@ -22,6 +22,8 @@ reuse its blocks. `memory_bytes` is what capturing took (device memory reserved 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
@@ -30,12 +32,14 @@ from diffkv_serve.engine.model import CausalLM
 from diffkv_serve.engine.profiling import cost_range
 
 
+log = logging.getLogger(__name__)
+
 ROWS = 4  # a step's inputs: ids, positions, slots, new lengths
 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, attn: PagedAttention, max_batch: int, max_model_len: int,
-                 token_table: torch.Tensor | None = None):
+                 token_table: torch.Tensor | None = None, budget: int | None = None):
         self.model, self.attn, self.kv = model, attn, attn.kv
         # Async scheduling: the forward gathers each row's input id from the slot's last sampled token on the
         # device (ModelRunner.token_table) instead of the staged ids, which the host may not know yet.
@@ -54,6 +58,11 @@ class DecodeGraphs:
         # fp32 logits of every bucket (a bucket of b rows writes the first b): outside the graph pool, shared
         self.logits = torch.empty(max_batch, model.vocab_rows, dtype=torch.float32, device=dev)
         self.memory_bytes = self.logits.numel() * 4  # the logits buffer, then what each capture took
+        self.budget = budget  # bytes the pool's sizing set aside for the graphs (None: not budgeted)
+        # One stream for every bucket's warm-up: the caching allocator keeps freed blocks per stream, so a new
+        # stream per bucket would strand a step's activations for each.
+        self.side = torch.cuda.Stream(dev)
+        self._warned = False
         self.pool = None
         self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
@@ -93,11 +102,17 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved(dev)
         self._capture_graphs(b)
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the warm-up's blocks, cached for the side stream only, go back
         self.memory_bytes += max(torch.cuda.memory_reserved(dev) - before, 0)
+        if self.budget is not None and self.memory_bytes > self.budget and not self._warned:
+            self._warned = True
+            log.warning("CUDA graphs up to batch %d took %.0f MiB, past the %.0f MiB the KV pool's sizing set "
+                        "aside (lower max_graph_batch_size or gpu_memory_utilization)", b,
+                        self.memory_bytes / 2**20, self.budget / 2**20)
 
     def _capture_graphs(self, b: int) -> None:
         self._pad(0, b)
-        side = torch.cuda.Stream(self.ints.device)
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up on padding only: Triton compiles, cuBLAS picks its kernels
             for _ in range(2):

@@ -90,6 +90,7 @@ class ModelRunner:
         self.model = model.eval()
         self.key_centering = self._center_keys(model_name, pc)
         kv_rotation.install(self.model, kv_rotation.resolve_mode(config.cache))
+        self.graph_budget: Optional[int] = None  # set by _num_pages when it sizes the pool around the graphs
         shape = CacheShape(arch.num_layers, pc.num_kv_heads(arch), arch.head_dim,
                            config.scheduler.max_num_seqs, max_model_len, config.cache.block_size)
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
@@ -123,7 +124,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             from diffkv_serve.engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.attn, self._graph_batch(), max_model_len, self.token_table)
+            self.graphs = DecodeGraphs(self.model, self.attn, self._graph_batch(), max_model_len, self.token_table,
+                                       self.graph_budget)
         log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.kv_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
@@ -148,6 +150,7 @@ class ModelRunner:
         self.key_centering = key_centering.describe("calibrated", centers)
 
     def _num_pages(self, shape: CacheShape) -> int:
+        """Pages of the pool; under gpu_memory_utilization, sets graph_budget (the CUDA graphs' reserved bytes)."""
         cc = self.config.cache
         if cc.num_pages is not None:
             return cc.num_pages
@@ -160,6 +163,7 @@ class ModelRunner:
             graphs = 0 if self.config.enforce_eager else graph_memory_estimate(
                 self.arch, self._graph_batch(), torch.empty((), dtype=self.dtype).element_size(),
                 self.arch.group_size * shape.num_kv_heads, shape.num_kv_heads)  # this rank's heads
+            self.graph_budget = graphs
             nbytes = kv_pool_bytes(free, total, cc.gpu_memory_utilization, act, graphs)
         else:
             nbytes = 0.5 * 2**30
