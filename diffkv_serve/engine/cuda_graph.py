@@ -141,6 +141,8 @@ class DecodeGraphs:
         n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
+            if not self.graphs and b != self.buckets[-1]:
+                self._capture(self.buckets[-1])  # the largest first: smaller buckets then reuse its pool blocks
             self._capture(b)
         self.copied.synchronize()  # long done (the last step's tokens were read), but never overwrite in flight
         stage = self.ints_host[:ROWS * b].view(ROWS, b)
