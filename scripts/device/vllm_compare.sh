@@ -10,9 +10,10 @@
 # PARTs (default all, in this order): vllm (bf16 then fp8, each in its own process), ours-fp16, ours-fp8; each
 # runs under its own time limit inside the command's budget ($BUDGET_S, default 570 s), so one failing or
 # running long loses only its own row; a part the budget no longer fits is skipped and named at the end, to run
-# in the next command. Every JSON is kept in $RESULTS (while the box stays warm) and copied to $OUT, with
-# vllm_vs_ours_<workload>_*.json, the table pairing each vLLM cache dtype with our mode of the same format, made
-# from whatever rows $RESULTS holds. Exit 3: wheels still missing (the message names the folders).
+# in the next command. Every JSON (vllm_baseline_<workload>_<model>_<GPU>.json, throughput_<workload>_<model>_
+# <mode>_<GPU>.json) is kept in $RESULTS (while the box stays warm) and copied to $OUT, with
+# vllm_vs_ours_<workload>_<model>_<GPU>.json, the table pairing each vLLM cache dtype with our mode of the same
+# format, made from whatever rows $RESULTS holds (ready for benchmarks/results/). Exit 3: wheels still missing (the message names the folders).
 #   DRY_RUN=1          print the commands instead of running them (and skip the wheels)
 #   SKIP_WHEELS=1      use this Python's packages (CPU checks on a dev machine)
 #   MODEL              default random:qwen2.5-1.5b;  EXTRA: more flags for both benchmarks (e.g. --num-prompts 8)
@@ -65,7 +66,13 @@ else
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 gpu() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; }
-log "workload $WHAT, model $MODEL, parts ${PARTS[*]}, budget ${BUDGET_S} s; GPU: $(gpu || echo none)"
+TAG=$("$PYTHON" -c "import sys; sys.path.insert(0, 'benchmarks'); import torch; from _results import gpu_tag
+print(gpu_tag(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo unknown)
+# file names as the benchmarks name their results: what they measure, then the GPU
+NAME="${WHAT}_${MODEL#random:}"
+V_JSON="$RESULTS/vllm_baseline_${NAME}_${TAG}.json" C_JSON="$RESULTS/vllm_vs_ours_${NAME}_${TAG}.json"
+ours_json() { echo "$RESULTS/throughput_${NAME}_$1_${TAG}.json"; }
+log "workload $WHAT, model $MODEL, parts ${PARTS[*]}, budget ${BUDGET_S} s; GPU: $(gpu || echo none) ($TAG)"
 
 # ---- parts -------------------------------------------------------------------------------------------------
 RESERVE=20  # seconds kept for the comparison at the end
@@ -92,7 +99,7 @@ for p in "${PARTS[@]}"; do
       if [ "$vllm_ready" = 1 ]; then
         limit=$((BUDGET_S - (SECONDS - T0) - RESERVE)); [ "$limit" -gt 320 ] && limit=320
         part vllm 320 "$PYTHON" benchmarks/vllm_baseline.py "${common[@]}" --vllm-site "$VSITE" \
-          --child-timeout $((limit / 2 - 5)) --out "$RESULTS/vllm_${WHAT}.json"
+          --child-timeout $((limit / 2 - 5)) --out "$V_JSON"
       else
         log "vllm: skipped, vLLM is not installed (carry the .carry/vllm* folders with 'stash' first)"
         skipped+=(vllm)
@@ -100,22 +107,22 @@ for p in "${PARTS[@]}"; do
     ours-fp16|ours-fp8)
       mode=${p#ours-}
       part "$p" $([ "$mode" = fp16 ] && echo 220 || echo 180) "$PYTHON" benchmarks/throughput.py "${common[@]}" \
-        --no-hf --modes "$mode" --warmup full --quiet --out "$RESULTS/ours_${WHAT}_${mode}.json" ;;
+        --no-hf --modes "$mode" --warmup full --quiet --out "$(ours_json "$mode")" ;;
   esac
 done
 
 # ---- comparison from whatever rows are there (this command's and earlier ones' on this box) ------------------
 ours=()
-for m in fp16 fp8; do [ -f "$RESULTS/ours_${WHAT}_${m}.json" ] && ours+=("$RESULTS/ours_${WHAT}_${m}.json"); done
+for m in fp16 fp8; do f=$(ours_json $m); [ -f "$f" ] && ours+=("$f"); done
 if [ "$DRY_RUN" = 1 ]; then
-  log "compare: $PYTHON benchmarks/vllm_baseline.py --compare $RESULTS/vllm_${WHAT}.json --ours ${ours[*]:-}"
-elif [ -f "$RESULTS/vllm_${WHAT}.json" ]; then
-  timeout 60 "$PYTHON" benchmarks/vllm_baseline.py --compare "$RESULTS/vllm_${WHAT}.json" --ours "${ours[@]}" \
-    --out "$RESULTS/vllm_vs_ours_${WHAT}.json" 2>&1 | tee -a "$LOG"
+  log "compare: $PYTHON benchmarks/vllm_baseline.py --compare $V_JSON --ours ${ours[*]:-} --out $C_JSON"
+elif [ -f "$V_JSON" ]; then
+  timeout 60 "$PYTHON" benchmarks/vllm_baseline.py --compare "$V_JSON" --ours "${ours[@]}" --out "$C_JSON" 2>&1 \
+    | tee -a "$LOG"
 else
   log "compare: no vLLM rows for $WHAT yet"
 fi
-for f in "$RESULTS"/vllm_"$WHAT".json "$RESULTS"/ours_"$WHAT"_*.json "$RESULTS"/vllm_vs_ours_"$WHAT".json; do
+for f in "$V_JSON" "$(ours_json fp16)" "$(ours_json fp8)" "$C_JSON"; do
   [ -f "$f" ] && cp "$f" "$OUT/"
 done
 if [ ${#skipped[@]} -gt 0 ]; then
