@@ -114,8 +114,9 @@ def pack(files: list[Path], limit: int) -> list[list[Path]]:
     return bins
 
 
-def read_manifest(path: Path = MANIFEST) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, int]]]:
-    """({carried file: (folder, sha256)}, {split wheel: (sha256, pieces)})."""
+def read_manifest(path: Path | None = None) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, int]]]:
+    """({carried file: (folder, sha256)}, {split wheel: (sha256, pieces)}) of `path` (default MANIFEST)."""
+    path = path or MANIFEST
     files, joins = {}, {}
     for ln in path.read_text().splitlines():
         if not ln.strip() or ln.startswith("#"):
@@ -178,7 +179,7 @@ def build(args) -> int:
         print(f".carry/{folder.name}: {len(group)} files, {sum(f.stat().st_size for f in group) / MiB:.1f} MiB")
     MANIFEST.write_text("\n".join(lines + joins) + "\n")
     shutil.rmtree(staging)
-    print(f"wrote {MANIFEST.relative_to(REPO)}")
+    print(f"wrote {MANIFEST}")
     return check(args)
 
 
