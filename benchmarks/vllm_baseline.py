@@ -17,7 +17,6 @@ Compare:      python benchmarks/vllm_baseline.py --compare vllm.json --ours ours
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
