@@ -32,8 +32,9 @@ def make_wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -
 def layout(tmp_path, monkeypatch):
     dl, carry = tmp_path / "carry" / "_vdl", tmp_path / "carry"
     dl.mkdir(parents=True)
-    wheels = [make_wheel(dl, "bigpkg", "1.0", {"bigpkg/__init__.py": b"X = 1\n", "bigpkg/blob.bin": os.urandom(300_000)}),
-              make_wheel(dl, "xgrammar", "0.2.3", {"xgrammar/__init__.py": b"", "xgrammar/lib/libxgrammar.a": b"a" * 5000}),
+    big = {"bigpkg/__init__.py": b"X = 1\n", "bigpkg/blob.bin": os.urandom(300_000)}  # split into 3 pieces
+    xgr = {"xgrammar/__init__.py": b"", "xgrammar/lib/libxgrammar.a": b"a" * 5000}  # the static library is dropped
+    wheels = [make_wheel(dl, "bigpkg", "1.0", big), make_wheel(dl, "xgrammar", "0.2.3", xgr),
               make_wheel(dl, "small", "2.0", {"small/__init__.py": b"Y = 2\n"})]
     req = tmp_path / "req.txt"
     req.write_text("# comment\n" + "\n".join(w.name for w in wheels) + "\n")

@@ -13,7 +13,8 @@
 # in the next command. Every JSON (vllm_baseline_<workload>_<model>_<GPU>.json, throughput_<workload>_<model>_
 # <mode>_<GPU>.json) is kept in $RESULTS (while the box stays warm) and copied to $OUT, with
 # vllm_vs_ours_<workload>_<model>_<GPU>.json, the table pairing each vLLM cache dtype with our mode of the same
-# format, made from whatever rows $RESULTS holds (ready for benchmarks/results/). Exit 3: wheels still missing (the message names the folders).
+# format, made from whatever rows $RESULTS holds (ready for benchmarks/results/). Exit 3: wheels still missing
+# (the message names the folders).
 #   DRY_RUN=1          print the commands instead of running them (and skip the wheels)
 #   SKIP_WHEELS=1      use this Python's packages (CPU checks on a dev machine)
 #   MODEL              default random:qwen2.5-1.5b;  EXTRA: more flags for both benchmarks (e.g. --num-prompts 8)
@@ -65,7 +66,9 @@ else
   fi
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
-gpu() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; }
+gpu() {
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+}
 TAG=$("$PYTHON" -c "import sys; sys.path.insert(0, 'benchmarks'); import torch; from _results import gpu_tag
 print(gpu_tag(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo unknown)
 # file names as the benchmarks name their results: what they measure, then the GPU
