@@ -298,7 +298,7 @@ class OpenAIIngress:
             "request_id": new_id("req"), "max_tokens": max_tokens, "max_tokens_param": param,
             "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list(),
             "kv_compression": body.kv_compression.model_dump(exclude_none=True) if body.kv_compression else None,
-            "sampling": body.sampling_fields(),
+            "sampling": body.sampling_fields(), "n": body.n,
         }
         req["logprobs"], req["prompt_logprobs"] = body.engine_logprobs()
         if getattr(body, "echo", False):
