@@ -32,7 +32,7 @@ from diffkv_serve.service.config import ServiceConfig
 from diffkv_serve.service.guard import DRAIN_RETRY_AFTER_S, GuardPolicy, RequestGuard
 from diffkv_serve.service.metrics import Metrics
 from diffkv_serve.service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                              ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                              ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo,
                               Usage, new_id, now_s)
 from diffkv_serve.service.responses import chat_renderer, completion_renderer
 from diffkv_serve.service.streaming import _SSEResponse, _Stream
@@ -364,11 +364,11 @@ class OpenAIIngress:
         info = await self._model_info()
         return ModelList(data=[ModelCard(id=info["model"], created=now_s(), diffkv=info.get("kv_cache"))])
 
-    async def _tokenizer_call(self, model: str, method: str, req: dict) -> dict:
-        """/tokenize, /detokenize: an engine replica holds the tokenizer. The request's keys are not the
-        generate ones, so the prefix router neither matches nor remembers it."""
+    async def _tokenizer_call(self, model: Optional[str], method: str, req: dict) -> dict:
+        """/tokenize, /detokenize, /tokenizer_info: an engine replica holds the tokenizer. The request's keys are
+        not the generate ones, so the prefix router neither matches nor remembers it. No model: the served one."""
         info = await self._model_info()
-        if model != info["model"]:
+        if model is not None and model != info["model"]:
             raise APIError(400, f"The model '{model}' does not exist; this server serves '{info['model']}'",
                            "invalid_request_error", "model", "model_not_found")
         try:
@@ -389,6 +389,10 @@ class OpenAIIngress:
         else:
             req["text"] = body.prompt
         return TokenizeResponse(**await self._tokenizer_call(body.model, "tokenize", req))
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=_ERRORS)
+    async def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo(**await self._tokenizer_call(None, "tokenizer_info", {}))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:

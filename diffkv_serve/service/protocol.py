@@ -230,7 +230,7 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a text prompt, or chat messages through the model's chat template."""
 
-    model: str = Field(min_length=1)
+    model: Optional[str] = Field(None, min_length=1, description="default: the served model")
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
     add_special_tokens: Optional[StrictBool] = Field(None, description="default: true for a prompt, false for "
@@ -245,7 +245,7 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: str = Field(min_length=1)
+    model: Optional[str] = Field(None, min_length=1, description="default: the served model")
     tokens: list[StrictInt] = Field(max_length=1_000_000)
 
     @field_validator("tokens")
@@ -380,6 +380,18 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info: what a client needs to tokenize like the server (lm-evaluation-harness's
+    remote tokenizer reads it, then calls /tokenize and /detokenize)."""
+
+    tokenizer_class: str
+    eos_token: Optional[str]
+    bos_token: Optional[str]
+    pad_token: Optional[str]
+    chat_template: Optional[str]
+    model_max_length: int
 
 
 class ErrorDetail(BaseModel):

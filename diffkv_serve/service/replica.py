@@ -259,6 +259,14 @@ class EngineReplica:
             return _error(400, str(e), "invalid_request_error", e.param)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
 
+    def tokenizer_info(self, req: dict) -> dict:
+        """/tokenizer_info: the special tokens and chat template (vLLM's endpoint, which lm-eval's remote
+        tokenizer needs). The tokenizer has no pad token: clients pad with EOS."""
+        tok = self.engine.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": None, "chat_template": tok.chat_template,
+                "model_max_length": self.engine.max_model_len}
+
     def detokenize(self, req: dict) -> dict:
         """/detokenize: {"ids"} -> {"prompt"}, special tokens kept (as vLLM's)."""
         V = self.engine.arch.vocab_size
