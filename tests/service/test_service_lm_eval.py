@@ -47,6 +47,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow  # a `diffkv serve` start and an lm-eval run: ~30 s on an idle machine
 def test_lm_eval_local_completions_runs_generate_until_and_multiple_choice(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
@@ -74,6 +75,9 @@ def test_lm_eval_local_completions_runs_generate_until_and_multiple_choice(tmp_p
              "--output_path", str(tmp_path / "out"), "--log_samples"],
             env=offline, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+        logged = run.stdout + run.stderr
+        assert "API request failed" not in logged, logged[-5000:]  # lm-eval's words for any non-2xx answer
+        assert "Using remote tokenizer" in logged, logged[-5000:]
     finally:
         proc.terminate()
         try:
@@ -82,8 +86,6 @@ def test_lm_eval_local_completions_runs_generate_until_and_multiple_choice(tmp_p
             proc.kill()
             proc.wait()
         log.close()
-    served = (tmp_path / "serve.log").read_text()
-    assert " 400 " not in served and " 500 " not in served, served[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     assert 0 <= results["diffkv_local_gen"]["exact_match,none"] <= 1
     assert 0 <= results["diffkv_local_mc"]["acc,none"] <= 1
