@@ -275,6 +275,9 @@ class OpenAIIngress:
                                     f"'{info['model']}'", "invalid_request_error", "model", "model_not_found")
             if body.kv_compression is not None:
                 _check_kv_compression(info)
+            if body.n > self.cfg.limits.max_n:
+                raise APIError(400, f"n={body.n} is over this server's limit of {self.cfg.limits.max_n} choices "
+                                    f"(limits.max_n)", "invalid_request_error", "n")
             max_tokens, param = body.requested_max_tokens()
             if max_tokens is not None and max_tokens >= info["max_model_len"]:
                 raise APIError(400, f"{param}={max_tokens} does not fit this model's context of "

@@ -20,6 +20,7 @@ CONFIG = {
     "default_max_tokens": 8,
     "cache": {"num_pages": 4096},
     "admission": {"ttft_target_s": 60.0},  # nothing here is overload; test_service_overload covers 429s
+    "limits": {"max_n": 4},  # the fuzzer's n: at most 4 sequences
 }
 
 

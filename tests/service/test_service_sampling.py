@@ -173,7 +173,8 @@ def test_n_choices_through_the_openai_client(fp16_service):
 
 def test_n_refusals_name_the_field(service):
     base = {"model": service["model"], "prompt": PROMPT, "max_tokens": 2}
-    for body, param in (({"best_of": 3, "n": 2}, "best_of"), ({"n": 129}, "n"), ({"n": 0}, "n")):
+    for body, param in (({"best_of": 3, "n": 2}, "best_of"), ({"n": 129}, "n"), ({"n": 0}, "n"),
+                        ({"n": 5}, "n")):  # over CONFIG's limits.max_n
         r = httpx.post(service["base"] + "/v1/completions", json={**base, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     ok = httpx.post(service["base"] + "/v1/completions", json={**base, "best_of": 2, "n": 2, "seed": 3}, timeout=60)
