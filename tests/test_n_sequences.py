@@ -92,3 +92,26 @@ def test_llm_generate_returns_vllms_outputs_shape(smollm):
     a, b = llm.generate(["Hello", "The sky is"], [SamplingParams(n=2, max_tokens=2, seed=1), SamplingParams()])
     assert [o.index for o in a.outputs] == [0, 1] and all(len(o.token_ids) == 2 for o in a.outputs)
     assert b.outputs == [b]
+
+
+def test_async_engine_streams_all_n_and_a_consumer_leaving_aborts_them(make_engine):
+    import asyncio
+
+    from diffkv_serve.engine.async_engine import AsyncLLMEngine
+
+    engine = make_engine(cache={"kv_mode": "int8", "num_pages": 4096})
+
+    async def main():
+        async with AsyncLLMEngine(engine) as aeng:
+            finished = {}
+            async for out in aeng.generate("g", PROMPT, SamplingParams(n=3, max_tokens=2, seed=1, ignore_eos=True)):
+                assert out.request_id == "g" and out.index not in finished
+                if out.finished:
+                    finished[out.index] = len(out.token_ids)
+            assert finished == {0: 2, 1: 2, 2: 2}  # the stream ended after the last of the three
+            gen = aeng.generate("h", PROMPT, SamplingParams(n=3, max_tokens=100, ignore_eos=True))
+            await gen.__anext__()
+            await gen.aclose()  # the client went away: every sequence of the request is aborted
+            assert not engine.requests and not engine.has_unfinished_requests()
+
+    asyncio.run(main())

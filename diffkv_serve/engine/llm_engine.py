@@ -131,9 +131,9 @@ class LLMEngine:
         self.requests[seq_id] = seq
         return seq
 
-    def _release_held(self, group_id: Optional[str]) -> None:
+    def _release_held(self, group_id: str) -> None:
         """Sequence 0 of an n-sequence request has run its prefill (or ended): queue its siblings."""
-        for seq in self._held.pop(group_id, ()) if group_id is not None else ():
+        for seq in self._held.pop(group_id, ()):
             if not seq.finished:
                 self.scheduler.add(seq)
 
