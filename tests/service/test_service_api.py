@@ -162,7 +162,7 @@ BAD = [
     ("temperature wrong type", "chat", {"temperature": "hot"}, "temperature"),
     ("stream wrong type", "chat", {"stream": "yes"}, "stream"),
     ("content wrong type", "chat", {"messages": [{"role": "user", "content": 42}]}, "messages.0.content"),
-    ("unsupported n", "chat", {"n": 3}, "n"),
+    ("n zero", "chat", {"n": 0}, "n"),
     ("unknown field", "chat", {"frobnicate": True}, "frobnicate"),
     ("too many stop strings", "chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("stream_options without stream", "chat", {"stream_options": {"include_usage": True}}, None),
