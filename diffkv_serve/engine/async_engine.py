@@ -40,6 +40,7 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    unfinished: int = 1  # sequences still to finish (SamplingParams.n); touched only on the step thread
 
     def put(self, item: Union[RequestOutput, BaseException, None]) -> None:
         """Thread-safe; an item is a RequestOutput, an exception (the step failed) or None (ended)."""
@@ -115,7 +116,8 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt: Union[str, list[int]],
                        sampling: Optional[SamplingParams] = None,
                        kv_compression: Optional[dict] = None) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs, ending after the finished one.
+        """Stream this request's outputs, ending after the finished one (with SamplingParams.n > 1: the outputs
+        of its n sequences, interleaved, each with its `index`, ending once all n finished).
 
         The request is validated and queued when iteration starts: a bad request raises
         InvalidRequestError from the first `__anext__`, before any output. If the engine is dead, or dies
@@ -127,7 +129,8 @@ class AsyncLLMEngine:
             self.engine.check_health()  # raises EngineDeadError with the reason, before anything is queued
         if not self.running:
             raise RuntimeError("AsyncLLMEngine is not running; call start() first")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        n = sampling.n if sampling is not None else 1
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), n)
 
         def add() -> None:
             if self._stopping:
@@ -136,6 +139,7 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream  # only once the engine accepted it
 
         done = False
+        unfinished = n
         try:
             await self._call(add)
             while True:
@@ -150,7 +154,8 @@ class AsyncLLMEngine:
                     done = True
                     raise RuntimeError(f"engine step failed for request {request_id!r}: {item!r}") from item
                 if item.finished:
-                    done = True
+                    unfinished -= 1
+                    done = unfinished == 0
                 yield item
                 if done:
                     return
@@ -215,17 +220,20 @@ class AsyncLLMEngine:
         if only is not None and stream is not only:
             return False
         self._streams.pop(request_id, None)
-        seq = self.engine.requests.get(request_id)
+        seqs = self.engine.sequences(request_id)
         aborted = self.engine.abort(request_id)
         if stream is not None:
-            final: Optional[RequestOutput] = None
-            if seq is not None:
+            finals: list[Optional[RequestOutput]] = []
+            for seq in seqs:
                 seq.finish_time = time.monotonic()
                 try:
-                    final = self.engine.output(seq)  # finished, finish_reason "abort", rest of the text
+                    finals.append(self.engine.output(seq))  # finished, finish_reason "abort", rest of the text
                 except Exception:  # pragma: no cover - the stream still has to end
-                    log.exception("building the abort output of %s failed", request_id)
-            stream.put(final)
+                    log.exception("building the abort output of %s failed", seq.request_id)
+            if len(finals) < stream.unfinished or None in finals:
+                finals = [f for f in finals if f is not None] + [None]  # None ends the stream as it is
+            for final in finals:
+                stream.put(final)
         return aborted
 
     # ---- the step thread -----------------------------------------------------------------------------
@@ -266,9 +274,14 @@ class AsyncLLMEngine:
                 stream.put(e)
             return
         for out in outputs:
-            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                stream.unfinished -= 1
+                if stream.unfinished == 0:
+                    del self._streams[out.request_id]
+            stream.put(out)
         if self.on_step is not None:
             try:
                 self.on_step(outputs, time.perf_counter() - t0)

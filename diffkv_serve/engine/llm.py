@@ -23,7 +23,8 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in the prompts' order."""
+        """Run every prompt to completion; results come back in the prompts' order. A prompt whose
+        SamplingParams has n > 1 gets sequence 0's output, with all n in `.outputs` (vLLM's shape)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -34,15 +35,21 @@ class LLM:
         ids = [f"offline-{id(self)}-{i}" for i in range(len(prompts))]
         for rid, prompt, sp in zip(ids, prompts, sampling):
             self.engine.add_request(rid, prompt, sp)
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
+        finished: dict[str, list[RequestOutput]] = {r: [] for r in ids}
+        bar = tqdm(total=sum(sp.n for sp in sampling), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
-                    results[out.request_id] = out
+                    finished[out.request_id].append(out)
                     bar.update(1)
         bar.close()
-        return [results[r] for r in ids]
+        results = []
+        for r in ids:
+            outs = sorted(finished[r], key=lambda o: o.index)
+            if len(outs) > 1:
+                outs[0].outputs = outs
+            results.append(outs[0])
+        return results
 
     def chat(self, messages: list[dict], sampling: Optional[SamplingParams] = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

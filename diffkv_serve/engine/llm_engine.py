@@ -55,7 +55,9 @@ class LLMEngine:
         # diffkv scores prompt tokens by the last significance_queries queries: a prefill computes them.
         min_computed = config.cache.significance_queries if config.cache.kv_mode == "diffkv" else 1
         self.scheduler = Scheduler(config.scheduler, self.mm, prefix_cache, min_computed)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # by sequence id (a request of n > 1 has n)
+        self._groups: dict[str, list[Sequence]] = {}  # requests of n > 1 sequences: their sequences by index
+        self._held: dict[str, list[Sequence]] = {}  # sequences waiting for sequence 0's prefill (prefix cache)
         self._last_step_time = 0.0
         self._pending: Optional[InFlight] = None  # async scheduling: the launched decode step not yet read
         self._num_generated = 0
@@ -70,7 +72,7 @@ class LLMEngine:
         a dead or shut-down engine raises EngineDeadError."""
         self._check_alive()
         sampling = sampling or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -98,25 +100,70 @@ class LLMEngine:
             sampling = copy.copy(sampling)  # the caller's object may serve other requests (other tokenizers)
             sampling.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         kv_settings = resolve_kv_settings(kv_compression, self.config.cache)
+        arrival_time = arrival_time or time.monotonic()
+        if sampling.n == 1:
+            self.scheduler.add(self._new_sequence(request_id, ids, sampling, kv_settings, arrival_time))
+            return
+        # n sequences: ids "<request_id>[i]", outputs under request_id with their index. With a prefix cache,
+        # sequences 1.. wait until sequence 0's prefill ran: they then read its cached prompt blocks instead of
+        # computing them (single precision: the same pages; diffkv: a copy into their own compressed pages).
+        seqs = [self._new_sequence(f"{request_id}[{i}]", ids, sampling.for_sample(i), kv_settings, arrival_time,
+                                   group=(request_id, i)) for i in range(sampling.n)]
+        self._groups[request_id] = seqs
+        held = seqs[1:] if self.scheduler.prefix_cache is not None else []
+        if held:
+            self._held[request_id] = held
+        for seq in seqs:
+            if seq not in held:
+                self.scheduler.add(seq)
+
+    def _new_sequence(self, seq_id: str, ids: list[int], sampling: SamplingParams, kv_settings, arrival_time: float,
+                      group: Optional[tuple[str, int]] = None) -> Sequence:
         gen = None
         if sampling.seed is not None:
             gen = self.executor.make_generator(sampling.seed)
-        seq = Sequence(request_id, ids, sampling,
+        seq = Sequence(seq_id, ids, sampling,
                        IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
-                       generator=gen, arrival_time=arrival_time or time.monotonic())
+                       generator=gen, arrival_time=arrival_time)
         seq.kv_settings = kv_settings
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if group is not None:
+            seq.group_id, seq.index = group
+        self.requests[seq_id] = seq
+        return seq
+
+    def _release_held(self, group_id: str) -> None:
+        """Sequence 0 of an n-sequence request has run its prefill (or ended): queue its siblings."""
+        for seq in self._held.pop(group_id, ()):
+            if not seq.finished:
+                self.scheduler.add(seq)
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The unfinished sequences of a request (n of them for SamplingParams.n = n, else one)."""
+        if request_id in self._groups:
+            return [s for s in self._groups[request_id] if not s.finished]
+        seq = self.requests.get(request_id)
+        return [seq] if seq is not None else []
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its pages. Returns False if it is unknown or already finished."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.remove(seq)
-        self.executor.finish_request(request_id)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        return True
+        """Stop a request (all its n sequences) or one sequence ("<request_id>[i]") and free its pages.
+        Returns False if it is unknown or already finished."""
+        seqs = self.sequences(request_id)
+        for seq in seqs:
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+            self.executor.finish_request(seq.request_id)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self._forget_group(seq)
+        return bool(seqs)
+
+    def _forget_group(self, seq: Sequence) -> None:
+        """A sequence ended: its held siblings may go, and a request whose n sequences all ended is dropped."""
+        gid = seq.group_id
+        if gid is None:
+            return
+        self._release_held(gid)
+        if all(s.finished for s in self._groups.get(gid, ())):
+            self._groups.pop(gid, None)
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, or a launched step still to be read (async scheduling)."""
@@ -200,6 +247,8 @@ class LLMEngine:
             if i in redo or seq.finished:  # redo: its prompt did not fit the pool: queued again, no token
                 continue
             seq.output_token_ids.append(tok)
+            if seq.group_id in self._held:
+                self._release_held(seq.group_id)  # its prefill ran: the prompt's blocks are cached now
             if logprobs is not None:
                 self._record_logprobs(seq, logprobs, i)
             if seq.first_token_time is None:
@@ -260,6 +309,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.requests.pop(seq.request_id, None)
         self.executor.finish_request(seq.request_id)
+        self._forget_group(seq)
 
     def output(self, seq: Sequence) -> RequestOutput:
         """What is new for this request since its last output (and everything so far). Token lists and text

@@ -5,12 +5,13 @@ and before temperature; logprobs are those of the model's unmodified distributio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from diffkv_serve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+MAX_N = 128  # sequences per request (OpenAI's limit)
 
 
 def _is_int(v) -> bool:
@@ -24,6 +25,9 @@ def _is_number(v) -> bool:
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    # Sequences sampled from one prompt (vLLM's n): they share the prompt's cached KV blocks where the cache
+    # allows it; sequence i samples with seed + i when a seed is given.
+    n: int = 1
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -56,6 +60,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
         if not self.temperature >= 0:  # also rejects NaN
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not 0 < self.top_p <= 1:
@@ -87,6 +93,13 @@ class SamplingParams:
                 raise InvalidRequestError("teacher_tokens must be non-negative integers", "teacher_tokens")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise InvalidRequestError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The settings of sequence `index` of an n-sequence request: n=1, its own seed (seed + index), and
+        the prompt's log-probabilities computed by sequence 0 only (they are the same for every sequence, and
+        a prefill that computes them cannot read cached prefix blocks)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @staticmethod
     def _check_logit_bias(bias) -> dict[int, float]:

@@ -66,6 +66,10 @@ class Sequence:
     worst_case_reservation: bool = False
     prefill_pages: Optional[int] = None  # pages its last prefill kept, summed over ranks (growth stats)
     prefill_tokens: int = 0
+    # A request of n > 1 sequences: its request id (outputs carry it; request_id is then this sequence's own)
+    # and which of the n this is.
+    group_id: Optional[str] = None
+    index: int = 0
 
     @property
     def text(self) -> str:
@@ -162,18 +166,18 @@ class RequestOutput:
     __slots__ = ("request_id", "prompt_token_ids", "finished", "finish_reason", "arrival_time", "first_token_time",
                  "first_scheduled_time", "finish_time", "kv_usage", "_token_ids", "_text", "_new_token_ids", "_delta_text", "_logprobs",
                  "_teacher_agree", "_seq", "_n", "_n_before", "_n_logprobs", "_n_agree", "_text_src", "_t0", "_t1",
-                 "_top_logprobs", "_n_top", "prompt_logprobs")
+                 "_top_logprobs", "_n_top", "prompt_logprobs", "index", "_outputs")
     _FIELDS = ("request_id", "prompt_token_ids", "token_ids", "text", "new_token_ids", "delta_text", "finished",
                "finish_reason", "logprobs", "arrival_time", "first_token_time", "finish_time", "kv_usage",
                "teacher_agree", "first_scheduled_time", "top_logprobs",
-               "prompt_logprobs")  # __init__'s order: __reduce__ passes them positionally
+               "prompt_logprobs", "index")  # __init__'s order: __reduce__ passes them positionally
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int], text: str,
                  new_token_ids: list[int], delta_text: str, finished: bool, finish_reason: Optional[str],
                  logprobs: Optional[list[float]], arrival_time: float, first_token_time: Optional[float],
                  finish_time: Optional[float], kv_usage: Optional[dict] = None,
                  teacher_agree: Optional[list[bool]] = None, first_scheduled_time: Optional[float] = None,
-                 top_logprobs: Optional[list] = None, prompt_logprobs: Optional[object] = None):
+                 top_logprobs: Optional[list] = None, prompt_logprobs: Optional[object] = None, index: int = 0):
         self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, finished
         self._token_ids, self._text, self._new_token_ids, self._delta_text = token_ids, text, new_token_ids, delta_text
         self.finish_reason, self._logprobs, self.arrival_time = finish_reason, logprobs, arrival_time
@@ -183,13 +187,16 @@ class RequestOutput:
         # top_logprobs: per generated token its top-k [(id, logprob)] (logprobs > 0); prompt_logprobs: an
         # engine.logprobs.PromptLogprobs (prompt_logprobs set), from the prefill on
         self._top_logprobs, self.prompt_logprobs = top_logprobs, prompt_logprobs
+        self.index, self._outputs = index, None  # index: which of the request's n sequences (SamplingParams.n)
 
     @classmethod
     def snapshot(cls, seq: Sequence, n_before: int, text_src: Optional[str], t0: int, t1: int) -> "RequestOutput":
         """The output of `seq` now: tokens n_before.. are new. Text: text_src[:t1] with delta text_src[t0:t1]
         when given (already cut), else the text after t1 detokenizer tokens with delta from t0 tokens on."""
         out = cls.__new__(cls)
-        out.request_id, out.prompt_token_ids, out.finished = seq.request_id, seq.prompt_token_ids, seq.finished
+        out.request_id, out.prompt_token_ids, out.finished = (seq.group_id or seq.request_id, seq.prompt_token_ids,
+                                                              seq.finished)
+        out.index, out._outputs = seq.index, None
         out.finish_reason, out.arrival_time = seq.finish_reason, seq.arrival_time
         out.first_scheduled_time = seq.first_scheduled_time
         out.first_token_time, out.finish_time, out.kv_usage, out._seq = (seq.first_token_time, seq.finish_time,
@@ -218,6 +225,16 @@ class RequestOutput:
     logprobs = _Cut(lambda o: o._seq.output_logprobs[: o._n_logprobs] if o._n_logprobs >= 0 else None)
     teacher_agree = _Cut(lambda o: o._seq.teacher_agree[: o._n_agree] if o._n_agree >= 0 else None)
     top_logprobs = _Cut(lambda o: o._seq.output_top_logprobs[: o._n_top] if o._n_top >= 0 else None)
+
+    @property
+    def outputs(self) -> list["RequestOutput"]:
+        """vLLM's shape: the request's sequences, ordered by index (LLM.generate fills it for n > 1; otherwise
+        the output itself). Each has the completion fields (index, text, token_ids, logprobs, finish_reason)."""
+        return self._outputs if self._outputs is not None else [self]
+
+    @outputs.setter
+    def outputs(self, value: list["RequestOutput"]) -> None:
+        self._outputs = value
 
     def _values(self) -> tuple:
         return tuple(getattr(self, f) for f in self._FIELDS)

@@ -32,7 +32,7 @@ from diffkv_serve.service.config import ServiceConfig, config_digest
 from diffkv_serve.service.guard import DRAIN_RETRY_AFTER_S, GuardPolicy, RequestGuard
 from diffkv_serve.service.metrics import Metrics
 from diffkv_serve.service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                              ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                              ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo,
                               Usage, new_id, now_s)
 from diffkv_serve.service.responses import chat_renderer, completion_renderer
 from diffkv_serve.service.streaming import _SSEResponse, _Stream
@@ -284,6 +284,9 @@ class OpenAIIngress:
                                     f"'{info['model']}'", "invalid_request_error", "model", "model_not_found")
             if body.kv_compression is not None:
                 _check_kv_compression(info)
+            if body.n > self.cfg.limits.max_n:
+                raise APIError(400, f"n={body.n} is over this server's limit of {self.cfg.limits.max_n} choices "
+                                    f"(limits.max_n)", "invalid_request_error", "n")
             max_tokens, param = body.requested_max_tokens()
             if max_tokens is not None and max_tokens >= info["max_model_len"]:
                 raise APIError(400, f"{param}={max_tokens} does not fit this model's context of "
@@ -307,7 +310,7 @@ class OpenAIIngress:
             "request_id": new_id("req"), "max_tokens": max_tokens, "max_tokens_param": param,
             "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list(),
             "kv_compression": body.kv_compression.model_dump(exclude_none=True) if body.kv_compression else None,
-            "sampling": body.sampling_fields(),
+            "sampling": body.sampling_fields(), "n": body.n,
         }
         req["logprobs"], req["prompt_logprobs"] = body.engine_logprobs()
         if getattr(body, "echo", False):
@@ -373,11 +376,11 @@ class OpenAIIngress:
         info = await self._model_info()
         return ModelList(data=[ModelCard(id=info["model"], created=now_s(), diffkv=info.get("kv_cache"))])
 
-    async def _tokenizer_call(self, model: str, method: str, req: dict) -> dict:
-        """/tokenize, /detokenize: an engine replica holds the tokenizer. The request's keys are not the
-        generate ones, so the prefix router neither matches nor remembers it."""
+    async def _tokenizer_call(self, model: Optional[str], method: str, req: dict) -> dict:
+        """/tokenize, /detokenize, /tokenizer_info: an engine replica holds the tokenizer. The request's keys are
+        not the generate ones, so the prefix router neither matches nor remembers it. No model: the served one."""
         info = await self._model_info()
-        if model != info["model"]:
+        if model is not None and model != info["model"]:
             raise APIError(400, f"The model '{model}' does not exist; this server serves '{info['model']}'",
                            "invalid_request_error", "model", "model_not_found")
         try:
@@ -398,6 +401,10 @@ class OpenAIIngress:
         else:
             req["text"] = body.prompt
         return TokenizeResponse(**await self._tokenizer_call(body.model, "tokenize", req))
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=_ERRORS)
+    async def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo(**await self._tokenizer_call(None, "tokenizer_info", {}))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:

@@ -89,6 +89,8 @@ class LimitsConfig(BaseModel):
         None, ge=1, description="longest prompt (all messages together) in characters, checked before "
                                 "tokenizing; None: 32 x the context length (no tokenizer packs 32 characters "
                                 "into every token, so a longer prompt cannot fit)")
+    max_n: int = Field(128, ge=1, le=128, description="most choices (`n`) one request may ask for; each is a "
+                                                      "sequence of its own (OpenAI's limit: 128)")
 
 
 # Resources Ray defines itself: the dedicated fields (replica_cpus, worker_cpus, device) set them.

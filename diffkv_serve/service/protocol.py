@@ -18,6 +18,7 @@ from diffkv_serve.engine.kv.request_settings import ALPHA_MAX, check_alpha, chec
 
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's limit; the engine's SamplingParams checks the same)
+MAX_N = 128  # choices per request (OpenAI's limit; the engine's SamplingParams checks the same)
 
 
 class _Strict(BaseModel):
@@ -86,7 +87,7 @@ class _SamplingFields(_Strict):
     stop: Union[str, list[str], None] = None
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: StrictInt = Field(1, ge=1, le=MAX_N, description="completions sampled from the prompt (own seeds: seed + i)")
     user: Optional[str] = None
     presence_penalty: Optional[StrictFloat] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[StrictFloat] = Field(None, ge=-2, le=2)
@@ -188,6 +189,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = Field(False, description="the prompt before the completion (with logprobs: its tokens' too)")
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
     suffix: Optional[str] = Field(None, description="not supported")
+    best_of: Optional[StrictInt] = Field(None, ge=1, description="only best_of = n is supported")
 
     @field_validator("prompt")
     @classmethod
@@ -200,6 +202,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt is empty")
         if isinstance(v, list) and any(t < 0 for t in v):
             raise ValueError("prompt token ids must be non-negative")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info: ValidationInfo):
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"best_of={v} is not supported: only best_of equal to n ({n}) is")
         return v
 
     @field_validator("suffix")
@@ -220,7 +230,7 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a text prompt, or chat messages through the model's chat template."""
 
-    model: str = Field(min_length=1)
+    model: Optional[str] = Field(None, min_length=1, description="default: the served model")
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
     add_special_tokens: Optional[StrictBool] = Field(None, description="default: true for a prompt, false for "
@@ -235,7 +245,7 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: str = Field(min_length=1)
+    model: Optional[str] = Field(None, min_length=1, description="default: the served model")
     tokens: list[StrictInt] = Field(max_length=1_000_000)
 
     @field_validator("tokens")
@@ -370,6 +380,18 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info: what a client needs to tokenize like the server (lm-evaluation-harness's
+    remote tokenizer reads it, then calls /tokenize and /detokenize)."""
+
+    tokenizer_class: str
+    eos_token: Optional[str]
+    bos_token: Optional[str]
+    pad_token: Optional[str]
+    chat_template: Optional[str]
+    model_max_length: int
 
 
 class ErrorDetail(BaseModel):

@@ -1,10 +1,12 @@
 """The engine deployment: one LLMEngine (and, with tensor parallelism, its worker actors) per Serve replica.
 
 The ingress streams each request through `generate()`, which yields plain dicts:
-    {"text": delta, "tokens": new token count, "finish_reason": None | "stop" | "length",
-     "prompt_tokens": n, "completion_tokens": m[, "load": ReplicaLoad as dict on the last one]
+    {"text": delta, "tokens": new token count, "finish_reason": None | "stop" | "length", "index": choice,
+     "prompt_tokens": n, "completion_tokens": m (all choices), "done": all choices finished (on finishing
+     items)[, "load": ReplicaLoad as dict on the last one]
      [, "logprobs": per new token {"token", "logprob", "top": [[token, logprob], ...]}]
-     [, "prompt_text", "prompt_logprobs" (echo, first item only: the prompt and its tokens' entries)]}
+     [, "prompt_text", "prompt_logprobs" (echo, each choice's first item: the prompt and its tokens' entries,
+        the latter computed by choice 0 and sent with its item)]}
 or one {"error": {"status", "message", "type", "param"}} (400 bad request, 503 engine dead). Cancelling the
 stream (the client went away) cancels generate(), and AsyncLLMEngine aborts the request and frees its pages.
 
@@ -146,7 +148,8 @@ class EngineReplica:
                 f"Reduce the prompt or {param}.", param)
         temperature = req.get("temperature")
         top_p = req.get("top_p")
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+        return SamplingParams(max_tokens=max_tokens, n=req.get("n", 1),
+                              temperature=1.0 if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, seed=req.get("seed"),
                               stop=req.get("stop") or [], logprobs=req.get("logprobs"),
                               prompt_logprobs=req.get("prompt_logprobs"), **(req.get("sampling") or {}))
@@ -178,27 +181,30 @@ class EngineReplica:
                 departed = True  # never entered the engine
                 yield _error(400, str(e), "invalid_request_error", e.param)
                 return
-            sent = 0
-            echo = req.get("echo", False)
+            # Per choice (params.n of them, interleaved): tokens already sent; finished ones and their pages.
+            sent = [0] * params.n
+            echo = [req.get("echo", False)] * params.n
+            unfinished, pages = params.n, 0
             async for out in self.aeng.generate(req["request_id"], ids, params,
                                                 kv_compression=req.get("kv_compression")):
                 if ttft is None and out.token_ids:
                     ttft = time.monotonic() - t0
                     self._first_token_metrics(out)
-                n = len(out.token_ids)
-                item = {"text": out.delta_text, "tokens": n - sent, "finish_reason": None,
-                        "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n}
+                i, n = out.index, len(out.token_ids)
+                new = n - sent[i]
+                sent[i] = n
+                item = {"text": out.delta_text, "tokens": new, "finish_reason": None, "index": i,
+                        "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": sum(sent)}
                 if params.logprobs is not None:
-                    item["logprobs"] = self._logprob_entries(out.token_ids[sent:n], out.logprobs[sent:n],
-                                                             out.top_logprobs[sent:n] if params.logprobs else None)
-                if echo:
-                    echo = False  # the prompt goes with the first item
+                    item["logprobs"] = self._logprob_entries(out.token_ids[n - new:n], out.logprobs[n - new:n],
+                                                             out.top_logprobs[n - new:n] if params.logprobs else None)
+                if echo[i]:
+                    echo[i] = False  # the prompt goes with the choice's first item
                     item["prompt_text"] = req["prompt"] if isinstance(req["prompt"], str) else \
                         self.engine.tokenizer.decode(ids, skip_special_tokens=False)
-                    plp = out.prompt_logprobs
+                    plp = out.prompt_logprobs  # choice 0's (the same for every choice)
                     if plp is not None:
                         item["prompt_logprobs"] = self._logprob_entries(ids, plp.logprobs, plp.top)
-                sent = n
                 if out.finished and out.finish_reason not in ("stop", "length"):
                     # aborted by the replica itself (shutting down): the client gets a clear error, not a
                     # truncated answer that looks complete
@@ -207,8 +213,11 @@ class EngineReplica:
                     return
                 if out.finished:
                     item["finish_reason"] = out.finish_reason
-                    pages = (out.kv_usage or {}).get("pages_used")
-                    self.meter.finished(pages, ttft, found_free_slot)
+                    unfinished -= 1
+                    pages += (out.kv_usage or {}).get("pages_used") or 0
+                    item["done"] = unfinished == 0
+                if item.get("done"):
+                    self.meter.finished(pages or None, ttft, found_free_slot)
                     departed = True
                     item["load"] = dataclasses.asdict(self.meter.snapshot(self.replica_id))
                 yield item
@@ -252,6 +261,14 @@ class EngineReplica:
         except InvalidRequestError as e:
             return _error(400, str(e), "invalid_request_error", e.param)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    def tokenizer_info(self, req: dict) -> dict:
+        """/tokenizer_info: the special tokens and chat template (vLLM's endpoint, which lm-eval's remote
+        tokenizer needs). The tokenizer has no pad token: clients pad with EOS."""
+        tok = self.engine.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": None, "chat_template": tok.chat_template,
+                "model_max_length": self.engine.max_model_len}
 
     def detokenize(self, req: dict) -> dict:
         """/detokenize: {"ids"} -> {"prompt"}, special tokens kept (as vLLM's)."""

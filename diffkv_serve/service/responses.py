@@ -48,34 +48,49 @@ def chat_logprobs(entries: list[dict]) -> dict:
                          "top_logprobs": [_chat_token(t, lp) for t, lp in (e["top"] or [])]} for e in entries]}
 
 
-def entries_of(items: list[dict], echo: bool) -> tuple[list[dict], Optional[list[dict]]]:
-    """(generated tokens' entries over all items, the prompt's when echoed with logprobs) or (.., None)."""
-    gen = [e for it in items for e in it.get("logprobs") or []]
-    prompt = items[0].get("prompt_logprobs") if echo and items else None
-    return gen, prompt
+def entries_of(items: list[dict]) -> list[dict]:
+    """The generated tokens' entries over the items of one choice."""
+    return [e for it in items for e in it.get("logprobs") or []]
+
+
+def by_choice(items: list[dict]) -> list[tuple[int, list[dict]]]:
+    """A whole response's replica items grouped by choice index (n > 1 interleaves them), in index order."""
+    groups: dict[int, list[dict]] = {}
+    for it in items:
+        groups.setdefault(it.get("index", 0), []).append(it)
+    return sorted(groups.items())
+
+
+def _text(items: list[dict]) -> str:
+    return "".join(it["text"] for it in items)
+
+
+def _finish_reason(items: list[dict]) -> Optional[str]:
+    return next((it["finish_reason"] for it in reversed(items) if it.get("finish_reason")), None)
 
 
 def chat_renderer(body: ChatCompletionRequest, created: int) -> Renderer:
     model = body.model
 
     def logprobs(items: list[dict]) -> Optional[dict]:
-        return chat_logprobs(entries_of(items, False)[0]) if body.logprobs else None
+        return chat_logprobs(entries_of(items)) if body.logprobs else None
 
     def render(kind: str, **kw) -> dict:
         if kind == "full":
             return {"id": kw["rid"], "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": kw["text"]},
-                                 "logprobs": logprobs(kw["items"]), "finish_reason": kw["finish_reason"]}],
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": _text(its)},
+                                 "logprobs": logprobs(its), "finish_reason": _finish_reason(its)}
+                                for i, its in by_choice(kw["items"])],
                     "usage": kw["usage"].model_dump()}
         chunk = {"id": kw["rid"], "object": "chat.completion.chunk", "created": created, "model": model,
                  "choices": []}
         if kind == "role":
-            chunk["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}]
+            chunk["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None} for i in range(body.n)]
         elif kind == "delta":
             delta = {"content": kw["text"]} if kw["text"] else {}
-            chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs([kw["item"]]),
-                                 "finish_reason": kw["finish_reason"]}]
+            chunk["choices"] = [{"index": kw["item"].get("index", 0), "delta": delta,
+                                 "logprobs": logprobs([kw["item"]]), "finish_reason": kw["finish_reason"]}]
         if kw.get("usage_field"):
             chunk["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
         return chunk
@@ -85,20 +100,33 @@ def chat_renderer(body: ChatCompletionRequest, created: int) -> Renderer:
 
 def completion_renderer(body: CompletionRequest, created: int) -> Renderer:
     model = body.model
-    offsets = CompletionLogprobs()  # text_offset runs on over the chunks of a stream
+    offsets: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on over the chunks of a stream
+    prompt_entries: list = []  # echo with logprobs: the prompt's entries, sent once (with choice 0's first item)
+
+    def choice(index: int, items: list[dict]) -> dict:
+        first = items[0]
+        if "prompt_logprobs" in first:
+            prompt_entries[:] = first["prompt_logprobs"]
+        echoed = body.echo and "prompt_text" in first  # the choice's first item: its text starts with the prompt
+        text = (first["prompt_text"] if echoed else "") + _text(items)
+        lp = None
+        if body.logprobs is not None:
+            lp = offsets.setdefault(index, CompletionLogprobs()).render(
+                (list(prompt_entries) if echoed else []) + entries_of(items))
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": _finish_reason(items)}
 
     def render(kind: str, **kw) -> Optional[dict]:
         if kind == "role":
             return None  # completions have no role chunk
         obj = {"id": kw["rid"], "object": "text_completion", "created": created, "model": model, "choices": []}
-        if kind in ("full", "delta"):
-            items = kw["items"] if kind == "full" else [kw["item"]]
-            text = (items[0].get("prompt_text", "") if body.echo else "") + kw["text"]
-            lp = None
-            if body.logprobs is not None:
-                gen, prompt = entries_of(items, body.echo)
-                lp = offsets.render((prompt or []) + gen)
-            obj["choices"] = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": kw["finish_reason"]}]
+        if kind == "full":
+            groups = by_choice(kw["items"])
+            for _, its in groups:  # choice 0's first item carries the prompt's entries for every choice
+                if "prompt_logprobs" in its[0]:
+                    prompt_entries[:] = its[0]["prompt_logprobs"]
+            obj["choices"] = [choice(i, its) for i, its in groups]
+        elif kind == "delta":
+            obj["choices"] = [choice(kw["item"].get("index", 0), [kw["item"]])]
         if kind == "full":
             obj["usage"] = kw["usage"].model_dump()
         elif kw.get("usage_field"):

@@ -114,7 +114,7 @@ class _Stream:
         if item.get("tokens"):
             self._token_times(item["tokens"])
         self.completion_tokens = item.get("completion_tokens", self.completion_tokens)
-        if item.get("finish_reason"):
+        if item.get("finish_reason") and item.get("done", True):  # done: False while other choices run (n > 1)
             self.finish_reason = item["finish_reason"]
             if item.get("load"):
                 self.ingress.admission.report(ReplicaLoad(**item["load"]))

@@ -20,6 +20,7 @@ CONFIG = {
     "default_max_tokens": 8,
     "cache": {"num_pages": 4096},
     "admission": {"ttft_target_s": 60.0},  # nothing here is overload; test_service_overload covers 429s
+    "limits": {"max_n": 4},  # the fuzzer's n: at most 4 sequences
 }
 
 
@@ -161,7 +162,7 @@ BAD = [
     ("temperature wrong type", "chat", {"temperature": "hot"}, "temperature"),
     ("stream wrong type", "chat", {"stream": "yes"}, "stream"),
     ("content wrong type", "chat", {"messages": [{"role": "user", "content": 42}]}, "messages.0.content"),
-    ("unsupported n", "chat", {"n": 3}, "n"),
+    ("n zero", "chat", {"n": 0}, "n"),
     ("unknown field", "chat", {"frobnicate": True}, "frobnicate"),
     ("too many stop strings", "chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("stream_options without stream", "chat", {"stream_options": {"include_usage": True}}, None),
@@ -176,7 +177,8 @@ BAD = [
     ("token id outside the vocabulary", "completions", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("two prompts", "completions", {"prompt": ["a", "b"]}, "prompt"),
     ("negative seed", "completions", {"seed": -1}, "seed"),
-    ("n > 1 unsupported", "completions", {"n": 2}, "n"),
+    ("n above limits.max_n", "completions", {"n": 5}, "n"),
+    ("best_of other than n", "completions", {"best_of": 2}, "best_of"),
     ("response_format unsupported", "chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("tools unsupported", "chat", {"tools": []}, "tools"),
     ("suffix unsupported", "completions", {"suffix": "x"}, "suffix"),

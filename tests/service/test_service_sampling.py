@@ -131,3 +131,52 @@ def test_chat_logprobs_and_streamed_chunks(service):
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     assert "".join(ev["choices"][0]["text"] for ev in events if ev["choices"]).startswith(PROMPT)
     engine_idle(service)
+
+
+def test_n_choices_through_the_openai_client(fp16_service):
+    """n=3: three choices, each its own index and seed (seed + i: the same text as a lone request with that
+    seed); usage counts the prompt once and every choice's tokens; streamed choices arrive interleaved."""
+    service = fp16_service
+    c = client(service)
+    kw = dict(model=service["model"], prompt=PROMPT, max_tokens=4, temperature=0.8, extra_body={"ignore_eos": True})
+    three = c.completions.create(**kw, n=3, seed=21)
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    alone = [c.completions.create(**kw, seed=21 + i) for i in range(3)]
+    assert [ch.text for ch in three.choices] == [a.choices[0].text for a in alone]
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert three.usage.completion_tokens == 12 and three.usage.total_tokens == three.usage.prompt_tokens + 12
+    streamed: dict[int, str] = {}
+    for ch in c.completions.create(**kw, n=3, seed=21, stream=True):
+        for choice in ch.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {i: ch.text for i, ch in enumerate(three.choices)}
+    # chat, streamed with usage: a role chunk and a finish reason per choice
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chunks = list(c.chat.completions.create(model=service["model"], messages=msgs, max_tokens=3, n=3, seed=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    roles = [c.index for ch in chunks for c in ch.choices if c.delta.role]
+    finishes = sorted(c.index for ch in chunks for c in ch.choices if c.finish_reason)
+    assert roles == [0, 1, 2] and finishes == [0, 1, 2]
+    full = c.chat.completions.create(model=service["model"], messages=msgs, max_tokens=3, n=3, seed=2)
+    texts = {i: "".join(c.delta.content or "" for ch in chunks for c in ch.choices if c.index == i) for i in range(3)}
+    assert texts == {ch.index: ch.message.content for ch in full.choices}
+    assert chunks[-1].usage == full.usage and full.usage.completion_tokens <= 9
+    # echo with logprobs: every choice starts with the prompt and its tokens' log-probabilities
+    echo = c.completions.create(model=service["model"], prompt=PROMPT, max_tokens=2, n=2, seed=1, echo=True,
+                                logprobs=0)
+    a, b = (ch.logprobs for ch in echo.choices)
+    p = len(a.tokens) - 2
+    assert a.token_logprobs[:p] == b.token_logprobs[:p] and a.token_logprobs[0] is None and p > 1
+    assert all(ch.text.startswith(PROMPT) for ch in echo.choices)
+    requests_done(service)
+
+
+def test_n_refusals_name_the_field(service):
+    base = {"model": service["model"], "prompt": PROMPT, "max_tokens": 2}
+    for body, param in (({"best_of": 3, "n": 2}, "best_of"), ({"n": 129}, "n"), ({"n": 0}, "n"),
+                        ({"n": 5}, "n")):  # over CONFIG's limits.max_n
+        r = httpx.post(service["base"] + "/v1/completions", json={**base, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(service["base"] + "/v1/completions", json={**base, "best_of": 2, "n": 2, "seed": 3}, timeout=60)
+    assert ok.status_code == 200 and [ch["index"] for ch in ok.json()["choices"]] == [0, 1]
+    engine_idle(service)
