@@ -237,6 +237,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         cells = [f"{_cell(row[k]):>34}" for k in keys]
         print(f"{name:14} {row.get('wheel_mb', float('nan')):>8} {row.get('install_s', float('nan')):>6} "
               f"{row['setup_ms']:>8} " + " ".join(cells))
+    for name, row in result["libraries"].items():
+        if "requires" in row:
+            print(f"{name} requires: {row['requires'] or '(nothing)'}")
     write_result(result, "grammar_libraries", "cpu", args.out, smoke=False)
     return result
 

@@ -12,6 +12,7 @@ from diffkv_serve.engine import kv_rotation
 from diffkv_serve.engine.config import EngineConfig
 from diffkv_serve.engine.errors import EngineDeadError, InvalidRequestError
 from diffkv_serve.engine.executor import Executor, make_executor
+from diffkv_serve.engine.grammar import compiler_for
 from diffkv_serve.engine.kv.prefix_cache import PrefixCache
 from diffkv_serve.engine.kv.request_settings import resolve as resolve_kv_settings
 from diffkv_serve.engine.logprobs import StepLogprobs
@@ -98,13 +99,16 @@ class LLMEngine:
             sampling = copy.copy(sampling)  # the caller's object may serve other requests (other tokenizers)
             sampling.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         kv_settings = resolve_kv_settings(kv_compression, self.config.cache)
+        grammar = None
+        if sampling.structured_outputs is not None:  # compiled now: a bad schema changes nothing
+            grammar = compiler_for(self.tokenizer, self.arch.vocab_size).matcher(sampling.structured_outputs)
         gen = None
         if sampling.seed is not None:
             gen = self.executor.make_generator(sampling.seed)
         seq = Sequence(request_id, ids, sampling,
                        IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
                        generator=gen, arrival_time=arrival_time or time.monotonic())
-        seq.kv_settings = kv_settings
+        seq.kv_settings, seq.grammar = kv_settings, grammar
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -135,9 +139,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch, stuck = self.scheduler.schedule()
         pending, self._pending = self._pending, None
-        # Teacher-forced rows and top-k logprobs (copied to the host after the step) run synchronously.
+        # Teacher-forced rows, top-k logprobs (copied to the host after the step) and grammar rows (the next
+        # mask needs this token) run synchronously.
         pipelined = (batch is not None and not batch.is_prefill and not stuck and self.executor.async_steps
-                     and not any(s.params.teacher_tokens is not None or s.params.logprobs for s in batch.seqs))
+                     and not any(s.params.teacher_tokens is not None or s.params.logprobs or s.grammar is not None
+                                 for s in batch.seqs))
         outputs: list[RequestOutput] = []
         try:
             if pipelined:
@@ -200,6 +206,9 @@ class LLMEngine:
             if i in redo or seq.finished:  # redo: its prompt did not fit the pool: queued again, no token
                 continue
             seq.output_token_ids.append(tok)
+            if seq.grammar is not None and not seq.grammar.consume_token(tok):
+                log.warning("request %s: token %d breaks its grammar (%s)", seq.request_id, tok,
+                            seq.grammar.get_error())
             if logprobs is not None:
                 self._record_logprobs(seq, logprobs, i)
             if seq.first_token_time is None:
@@ -234,6 +243,8 @@ class LLMEngine:
         if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:
+            return "stop"
+        if seq.grammar is not None and seq.grammar.is_stopped():  # complete: nothing may follow
             return "stop"
         if p.stop:
             # Only the tail can hold a new match: the new text plus the longest stop string.

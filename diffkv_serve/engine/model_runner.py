@@ -23,6 +23,7 @@ from diffkv_serve.engine.model_config import ModelArch
 from diffkv_serve.engine.model_settings import load_model_settings
 from diffkv_serve.engine.parallel import SINGLE, ParallelContext
 from diffkv_serve.engine.profiling import cost_range, costed
+from diffkv_serve.engine.grammar import TokenMasks
 from diffkv_serve.engine.sampler import sample, with_logprobs
 from diffkv_serve.engine.sequence import Sequence
 
@@ -55,6 +56,8 @@ class Batch:
     overflowed: list[int] = field(default_factory=list)
     pages_kept: Optional[list[int]] = None
     pages_total: Optional[list[int]] = None
+    # Rows a grammar restricts and their allowed tokens (engine.grammar), computed while the forward runs.
+    token_masks: Optional[TokenMasks] = None
 
 
 @dataclass
@@ -180,6 +183,8 @@ class ModelRunner:
         forward and returns no tokens."""
         seqs = batch.seqs
         self._prompt_lp, self._samples = {}, sample_tokens  # only the sampling rank reports prompt logprobs
+        if sample_tokens and batch.token_masks is None:  # the host fills them while the forward runs
+            batch.token_masks = TokenMasks.start(seqs, self.arch.vocab_size)
         logits = self._prefill(seqs) if batch.is_prefill else self._decode(seqs)
         self.last_logits = logits if keep_logits else None
         if batch.is_prefill and self.learned:
@@ -188,8 +193,9 @@ class ModelRunner:
             lost = set(batch.overflowed)
             keep = [i for i in range(len(seqs)) if i not in lost]
             self._prompt_lp = {j: self._prompt_lp[i] for j, i in enumerate(keep) if i in self._prompt_lp}
+            masks = batch.token_masks.take(keep) if batch.token_masks is not None else None
             tokens, logprobs = ([], None) if not keep else self._sample(
-                Batch(True, [seqs[i] for i in keep]), logits[keep], sample_tokens)
+                Batch(True, [seqs[i] for i in keep], token_masks=masks), logits[keep], sample_tokens)
             if not sample_tokens:
                 return [], None
             return _scatter(tokens, keep, len(seqs), -1), (logprobs.take(keep, len(seqs)) if logprobs else None)
@@ -284,11 +290,11 @@ class ModelRunner:
             tokens = torch.tensor([a if t is None else t for t, a in zip(forced, top1)], device=logits.device)
             greedy_only = all(p.greedy or t is not None for p, t in zip(params, forced))
             if not greedy_only:
-                sampled = sample(logits, params, [s.generator for s in seqs], history).tokens
+                sampled = sample(logits, params, [s.generator for s in seqs], history, batch.token_masks).tokens
                 tokens = torch.where(torch.tensor([t is None for t in forced], device=logits.device), sampled, tokens)
             out = with_logprobs(logits, tokens, params)
         else:
-            out = sample(logits, params, [s.generator for s in seqs], history)
+            out = sample(logits, params, [s.generator for s in seqs], history, batch.token_masks)
         tokens = out.tokens
         self._remember_tokens(seqs, tokens, decode=not batch.is_prefill)
         for s in seqs:
