@@ -33,17 +33,17 @@ def lark_grammar(spec: StructuredOutputsParams) -> str:
     import llguidance
 
     M = llguidance.LLMatcher
-    if spec.json is not None or spec.json_object:
-        schema = spec.json if spec.json is not None else {"type": "object"}
-        try:
+    try:
+        if spec.json is not None or spec.json_object:
+            schema = spec.json if spec.json is not None else {"type": "object"}
             return M.grammar_from_json_schema(schema, defaults={"whitespace_flexible": spec.whitespace_flexible})
-        except (ValueError, TypeError) as e:
-            raise InvalidRequestError(f"{FIELD}: the JSON schema does not compile: {e}", FIELD) from e
-    if spec.regex is not None:
-        return M.grammar_from_regex(spec.regex)
-    if spec.choice is not None:
-        return "start: " + " | ".join(json.dumps(c) for c in spec.choice) + "\n"
-    return M.grammar_from_lark(spec.grammar)
+        if spec.regex is not None:
+            return M.grammar_from_regex(spec.regex)
+        if spec.choice is not None:
+            return "start: " + " | ".join(json.dumps(c) for c in spec.choice) + "\n"
+        return M.grammar_from_lark(spec.grammar)
+    except Exception as e:  # noqa: BLE001 - llguidance reports a bad grammar by any exception type
+        raise InvalidRequestError(f"{FIELD}: the constraint does not compile: {e}", FIELD) from e
 
 
 class GrammarCompiler:
@@ -61,10 +61,13 @@ class GrammarCompiler:
         """A fresh matcher for one request; a grammar that does not compile raises InvalidRequestError."""
         grammar = lark_grammar(spec)
         M = self._ll.LLMatcher
-        err = M.validate_grammar(grammar, self.tokenizer)
+        try:
+            err = M.validate_grammar(grammar, self.tokenizer)
+            m = None if err else M(self.tokenizer, grammar, log_level=0)
+        except Exception as e:  # noqa: BLE001
+            err = str(e)
         if err:
             raise InvalidRequestError(f"{FIELD}: the constraint does not compile: {err}", FIELD)
-        m = M(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"{FIELD}: the constraint does not compile: {m.get_error()}", FIELD)
         return m
