@@ -7,7 +7,8 @@ Per library: wheel size and install time (pip, --no-deps, into a scratch folder;
 timed separately and left out), the one-off tokenizer set-up, compile time of json_object and of three JSON
 schemas, and the per-token cost of walking a valid document of each schema token by token: compute the
 allowed-token mask, then accept the document's next token (what the sampler pays per step and row).
-Prints a table and writes benchmarks/results/grammar_libraries_cpu.json.
+Then, for the chosen one (llguidance) through engine.grammar: filling a step's masks for B rows and sample()
+with B masked rows against none. Prints tables and writes benchmarks/results/grammar_libraries_cpu.json.
 """
 from __future__ import annotations
 
@@ -209,6 +210,31 @@ def measure(lib_cls, tok, vocab: int, repeats: int) -> dict:
     return out
 
 
+def step_cost(tok, vocab: int, batches: list[int], repeats: int) -> list[dict]:
+    """What a step pays with the chosen library (llguidance, engine.grammar): filling B rows' masks on the
+    host, and sample() (greedy) with all B rows masked against none."""
+    from diffkv_serve.engine import SamplingParams
+    from diffkv_serve.engine.grammar import TokenMasks, compiler_for
+    from diffkv_serve.engine.sampler import sample
+    from diffkv_serve.engine.structured_outputs import StructuredOutputsParams
+
+    comp = compiler_for(tok, vocab)
+    spec = StructuredOutputsParams(json=SCHEMAS["person"][0])
+    rows = []
+    for B in batches:
+        seqs = [type("Row", (), {"grammar": comp.matcher(spec)})() for _ in range(B)]
+        logits = torch.randn(B, vocab)
+        params = [SamplingParams(temperature=0)] * B
+        fill_ms = _median_ms(lambda: TokenMasks.start(seqs, vocab).result(), repeats)
+        masks = TokenMasks.start(seqs, vocab)
+        masks.result()
+        plain_ms = _median_ms(lambda: sample(logits, params, [None] * B), repeats)
+        masked_ms = _median_ms(lambda: sample(logits, params, [None] * B, masks=masks), repeats)
+        rows.append({"batch": B, "fill_ms": round(fill_ms, 3), "sample_ms": round(plain_ms, 3),
+                     "sample_masked_ms": round(masked_ms, 3)})
+    return rows
+
+
 def _cell(c: dict) -> str:
     if "error" in c:
         return "n/a: " + c["error"][:28]
@@ -237,6 +263,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         cells = [f"{_cell(row[k]):>34}" for k in keys]
         print(f"{name:14} {row.get('wheel_mb', float('nan')):>8} {row.get('install_s', float('nan')):>6} "
               f"{row['setup_ms']:>8} " + " ".join(cells))
+    result["step_cost_llguidance"] = step_cost(tok, vocab, [1, 16, 64], max(args.repeats, 5))
+    print("\nllguidance in the sampler (first mask of the person schema, greedy sample):")
+    print(f"{'batch':>5} {'fill masks ms':>13} {'sample ms':>9} {'sample masked ms':>16}")
+    for r in result["step_cost_llguidance"]:
+        print(f"{r['batch']:>5} {r['fill_ms']:>13} {r['sample_ms']:>9} {r['sample_masked_ms']:>16}")
     for name, row in result["libraries"].items():
         if "requires" in row:
             print(f"{name} requires: {row['requires'] or '(nothing)'}")

@@ -35,6 +35,8 @@ def test_apply_token_masks_matches_a_per_token_reference():
         want[row, ~allowed[r]] = float("-inf")
     assert torch.equal(out, want)
     assert torch.equal(out[[0, 2, 4]], logits[[0, 2, 4]])  # rows without a grammar untouched
+    both = apply_token_masks(logits[[1, 3]], torch.tensor([0, 1]), bitmask)  # every row masked
+    assert torch.equal(both, want[[1, 3]])
 
 
 def test_token_masks_follow_the_rows_kept(smollm):

@@ -156,6 +156,8 @@ def apply_token_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.T
     V = logits.shape[1]
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :V].bool()
+    if bitmask.shape[0] == logits.shape[0]:  # every row masked (rows are then 0..B-1, in order)
+        return logits.masked_fill(~allowed, float("-inf"))
     out = logits.clone()
     out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return out
