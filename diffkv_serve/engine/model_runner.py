@@ -11,6 +11,7 @@ import torch
 from diffkv_serve.engine import key_centering, kv_rotation
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.config import EngineConfig
+from diffkv_serve.engine.grammar import TokenMasks
 from diffkv_serve.engine.host_copy import to_device
 from diffkv_serve.engine.kv.layout import CacheShape, pages_for_bytes
 from diffkv_serve.engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
@@ -23,7 +24,6 @@ from diffkv_serve.engine.model_config import ModelArch
 from diffkv_serve.engine.model_settings import load_model_settings
 from diffkv_serve.engine.parallel import SINGLE, ParallelContext
 from diffkv_serve.engine.profiling import cost_range, costed
-from diffkv_serve.engine.grammar import TokenMasks
 from diffkv_serve.engine.sampler import sample, with_logprobs
 from diffkv_serve.engine.sequence import Sequence
 
@@ -289,7 +289,7 @@ class ModelRunner:
                     s.teacher_agree.append(t == a)
             tokens = torch.tensor([a if t is None else t for t, a in zip(forced, top1)], device=logits.device)
             greedy_only = all(p.greedy or t is not None for p, t in zip(params, forced))
-            if not greedy_only:
+            if not greedy_only or batch.token_masks is not None:  # masked greedy rows: argmax after the mask
                 sampled = sample(logits, params, [s.generator for s in seqs], history, batch.token_masks).tokens
                 tokens = torch.where(torch.tensor([t is None for t in forced], device=logits.device), sampled, tokens)
             out = with_logprobs(logits, tokens, params)

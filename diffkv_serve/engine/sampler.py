@@ -1,5 +1,6 @@
-"""Batched token sampling: grammar masks (engine.grammar), logits adjustments (engine.logits_processors), greedy, temperature, min-p, top-k,
-top-p, per-request seeds, and the log-probabilities of the chosen and the most likely tokens."""
+"""Batched token sampling: grammar masks (engine.grammar), logits adjustments (engine.logits_processors), greedy,
+temperature, min-p, top-k, top-p, per-request seeds, and the log-probabilities of the chosen and the most likely
+tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
