@@ -196,7 +196,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[Tool]] = Field(None, min_length=1, max_length=128, description="for templates that support tools")
+    tools: Optional[list[Tool]] = Field(None, min_length=1, max_length=128,
+                                        description="for chat templates that render tools")
     tool_choice: Optional[ToolChoice] = Field(None, description="none | auto | required | a named function "
                                                                 "(required and named are enforced by a grammar)")
     parallel_tool_calls: StrictBool = True

@@ -136,8 +136,8 @@ def test_constraints_of_response_format_and_tool_choice():
     assert engine_constraint(None) == (None, None)
     assert engine_constraint(ResponseFormat(type="text")) == (None, None)
     assert engine_constraint(ResponseFormat(type="json_object")) == ({"json_object": True}, "response_format")
-    rf = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"},
-                                                                               "strict": True}})
+    rf = ResponseFormat.model_validate({"type": "json_schema",
+                                        "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}})
     assert engine_constraint(rf) == ({"json": {"type": "object"}}, "response_format")
     assert engine_constraint(None, tools, "auto") == (None, None)
     spec, param = engine_constraint(None, tools, {"type": "function", "function": {"name": "get_time"}})
