@@ -81,7 +81,7 @@ def _chat(engine, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
 
 
-@pytest.mark.parametrize("kv_mode", ["fp16", "diffkv"])
+@pytest.mark.parametrize("kv_mode", ["fp16", pytest.param("diffkv", marks=pytest.mark.slow)])
 def test_json_schema_output_validates_and_stops_at_the_grammar_end(make_engine, kv_mode):
     engine = make_engine(cache={"kv_mode": kv_mode})
     prompt = _chat(engine, "Give one person as JSON with a name and an age.")
@@ -95,6 +95,7 @@ def test_json_schema_output_validates_and_stops_at_the_grammar_end(make_engine, 
     assert out.text.endswith("}") and out.token_ids[-1] not in engine.tokenizer.eos_token_ids
 
 
+@pytest.mark.slow
 def test_json_object_choice_and_regex_mixed_in_one_batch_with_a_free_row(make_engine):
     engine = make_engine(cache={"kv_mode": "fp16"})
     prompt = _chat(engine, "Is the sky blue? Answer.")
