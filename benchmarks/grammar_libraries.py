@@ -250,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     torch.set_num_threads(1)
     tok = load_checkpoint(None).tokenizer
     vocab = tok.vocab_size
-    result: dict = {"vocab": vocab, "threads": 1, "libraries": {}}
+    result: dict = {"device": "cpu", "vocab": vocab, "threads": 1, "libraries": {}}
     for cls in (XGrammar, LLGuidance, OutlinesCore):
         row = {} if args.no_install else package_facts(cls.name)
         row.update(measure(cls, tok, vocab, args.repeats))
