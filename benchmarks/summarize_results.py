@@ -62,6 +62,9 @@ MEASURED_ALTERNATIVES = {
                              "frequency / repetition penalties add 0.6 ms to greedy's 0.04 at batch 1, 12 ms to 0.5 at "
                              "32, and 12-20% to top-p sampling (its sort dominates); top-5 logprobs 0.2 / 1.9 ms; "
                              "whole requests with logprobs 0.98x, with 128-token prompt logprobs 1.67x",
+    "grammar_libraries_cpu.json": "benchmarks/grammar_libraries.py: xgrammar, llguidance, outlines-core on the "
+                                  "embedded 49k vocabulary (compile, per-token mask, install); llguidance chosen "
+                                  "(docs/STRUCTURED_OUTPUTS.md)",
     "kv_rotation_decode_cost_H100.json": "decode step with the KV rotation off / on: +1.9% at batch 1, +1.0% at 32, "
                                          "+0.4% at 128 (random-weight Qwen2.5-1.5B shape, int4, order A B B A)",
 }

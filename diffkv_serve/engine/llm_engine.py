@@ -12,6 +12,7 @@ from diffkv_serve.engine import kv_rotation
 from diffkv_serve.engine.config import EngineConfig
 from diffkv_serve.engine.errors import EngineDeadError, InvalidRequestError
 from diffkv_serve.engine.executor import Executor, make_executor
+from diffkv_serve.engine.grammar import compiler_for
 from diffkv_serve.engine.kv.prefix_cache import PrefixCache
 from diffkv_serve.engine.kv.request_settings import resolve as resolve_kv_settings
 from diffkv_serve.engine.logprobs import StepLogprobs
@@ -100,15 +101,22 @@ class LLMEngine:
             sampling = copy.copy(sampling)  # the caller's object may serve other requests (other tokenizers)
             sampling.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         kv_settings = resolve_kv_settings(kv_compression, self.config.cache)
+        # compiled once, here: a bad schema changes nothing; each of n sequences gets its own matcher
+        grammar = None
+        if sampling.structured_outputs is not None:
+            grammar = compiler_for(self.tokenizer, self.arch.vocab_size).matcher(sampling.structured_outputs)
         arrival_time = arrival_time or time.monotonic()
         if sampling.n == 1:
-            self.scheduler.add(self._new_sequence(request_id, ids, sampling, kv_settings, arrival_time))
+            self.scheduler.add(self._new_sequence(request_id, ids, sampling, kv_settings, arrival_time,
+                                                  grammar=grammar))
             return
         # n sequences: ids "<request_id>[i]", outputs under request_id with their index. With a prefix cache,
         # sequences 1.. wait until sequence 0's prefill ran: they then read its cached prompt blocks instead of
-        # computing them (single precision: the same pages; diffkv: a copy into their own compressed pages).
+        # computing them.
         seqs = [self._new_sequence(f"{request_id}[{i}]", ids, sampling.for_sample(i), kv_settings, arrival_time,
-                                   group=(request_id, i)) for i in range(sampling.n)]
+                                   group=(request_id, i),
+                                   grammar=None if grammar is None else grammar if i == 0 else grammar.deep_copy())
+                for i in range(sampling.n)]
         self._groups[request_id] = seqs
         held = seqs[1:] if self.scheduler.prefix_cache is not None else []
         if held:
@@ -118,14 +126,14 @@ class LLMEngine:
                 self.scheduler.add(seq)
 
     def _new_sequence(self, seq_id: str, ids: list[int], sampling: SamplingParams, kv_settings, arrival_time: float,
-                      group: Optional[tuple[str, int]] = None) -> Sequence:
+                      group: Optional[tuple[str, int]] = None, grammar=None) -> Sequence:
         gen = None
         if sampling.seed is not None:
             gen = self.executor.make_generator(sampling.seed)
         seq = Sequence(seq_id, ids, sampling,
                        IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens),
                        generator=gen, arrival_time=arrival_time)
-        seq.kv_settings = kv_settings
+        seq.kv_settings, seq.grammar = kv_settings, grammar
         if group is not None:
             seq.group_id, seq.index = group
         self.requests[seq_id] = seq
@@ -182,9 +190,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch, stuck = self.scheduler.schedule()
         pending, self._pending = self._pending, None
-        # Teacher-forced rows and top-k logprobs (copied to the host after the step) run synchronously.
+        # Teacher-forced rows, top-k logprobs (copied to the host after the step) and grammar rows (the next
+        # mask needs this token) run synchronously.
         pipelined = (batch is not None and not batch.is_prefill and not stuck and self.executor.async_steps
-                     and not any(s.params.teacher_tokens is not None or s.params.logprobs for s in batch.seqs))
+                     and not any(s.params.teacher_tokens is not None or s.params.logprobs or s.grammar is not None
+                                 for s in batch.seqs))
         outputs: list[RequestOutput] = []
         try:
             if pipelined:
@@ -249,6 +259,9 @@ class LLMEngine:
             seq.output_token_ids.append(tok)
             if seq.group_id in self._held:
                 self._release_held(seq.group_id)  # its prefill ran: the prompt's blocks are cached now
+            if seq.grammar is not None and not seq.grammar.consume_token(tok):
+                log.warning("request %s: token %d breaks its grammar (%s)", seq.request_id, tok,
+                            seq.grammar.get_error())
             if logprobs is not None:
                 self._record_logprobs(seq, logprobs, i)
             if seq.first_token_time is None:
@@ -283,6 +296,8 @@ class LLMEngine:
         if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:
+            return "stop"
+        if seq.grammar is not None and seq.grammar.is_stopped():  # complete: nothing may follow
             return "stop"
         if p.stop:
             # Only the tail can hold a new match: the new text plus the longest stop string.

@@ -11,6 +11,7 @@ import torch
 from diffkv_serve.engine import key_centering, kv_rotation
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.config import EngineConfig
+from diffkv_serve.engine.grammar import TokenMasks
 from diffkv_serve.engine.graph_memory import graph_batch_limit, graph_memory_estimate, kv_pool_bytes
 from diffkv_serve.engine.host_copy import to_device
 from diffkv_serve.engine.kv.layout import CacheShape, pages_for_bytes
@@ -56,6 +57,8 @@ class Batch:
     overflowed: list[int] = field(default_factory=list)
     pages_kept: Optional[list[int]] = None
     pages_total: Optional[list[int]] = None
+    # Rows a grammar restricts and their allowed tokens (engine.grammar), computed while the forward runs.
+    token_masks: Optional[TokenMasks] = None
 
 
 @dataclass
@@ -189,6 +192,8 @@ class ModelRunner:
         forward and returns no tokens."""
         seqs = batch.seqs
         self._prompt_lp, self._samples = {}, sample_tokens  # only the sampling rank reports prompt logprobs
+        if sample_tokens and batch.token_masks is None:  # the host fills them while the forward runs
+            batch.token_masks = TokenMasks.start(seqs, self.arch.vocab_size)
         logits = self._prefill(seqs) if batch.is_prefill else self._decode(seqs)
         self.last_logits = logits if keep_logits else None
         if batch.is_prefill and self.learned:
@@ -197,8 +202,9 @@ class ModelRunner:
             lost = set(batch.overflowed)
             keep = [i for i in range(len(seqs)) if i not in lost]
             self._prompt_lp = {j: self._prompt_lp[i] for j, i in enumerate(keep) if i in self._prompt_lp}
+            masks = batch.token_masks.take(keep) if batch.token_masks is not None else None
             tokens, logprobs = ([], None) if not keep else self._sample(
-                Batch(True, [seqs[i] for i in keep]), logits[keep], sample_tokens)
+                Batch(True, [seqs[i] for i in keep], token_masks=masks), logits[keep], sample_tokens)
             if not sample_tokens:
                 return [], None
             return _scatter(tokens, keep, len(seqs), -1), (logprobs.take(keep, len(seqs)) if logprobs else None)
@@ -292,12 +298,12 @@ class ModelRunner:
                     s.teacher_agree.append(t == a)
             tokens = torch.tensor([a if t is None else t for t, a in zip(forced, top1)], device=logits.device)
             greedy_only = all(p.greedy or t is not None for p, t in zip(params, forced))
-            if not greedy_only:
-                sampled = sample(logits, params, [s.generator for s in seqs], history).tokens
+            if not greedy_only or batch.token_masks is not None:  # masked greedy rows: argmax after the mask
+                sampled = sample(logits, params, [s.generator for s in seqs], history, batch.token_masks).tokens
                 tokens = torch.where(torch.tensor([t is None for t in forced], device=logits.device), sampled, tokens)
             out = with_logprobs(logits, tokens, params)
         else:
-            out = sample(logits, params, [s.generator for s in seqs], history)
+            out = sample(logits, params, [s.generator for s in seqs], history, batch.token_masks)
         tokens = out.tokens
         self._remember_tokens(seqs, tokens, decode=not batch.is_prefill)
         for s in seqs:

@@ -25,6 +25,7 @@ from diffkv_serve.engine.config import EngineConfig
 from diffkv_serve.engine.kv.distributed import DistributedPages
 from diffkv_serve.engine.errors import EngineDeadError
 from diffkv_serve.engine.executor import Executor
+from diffkv_serve.engine.grammar import TokenMasks
 from diffkv_serve.engine.loader import LoadedCheckpoint
 from diffkv_serve.engine.model_config import ModelArch
 from diffkv_serve.engine.model_runner import Batch
@@ -48,6 +49,7 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             ray.init(include_dashboard=False)  # attaches to RAY_ADDRESS's cluster, else starts a local one
         self.world_size = n = config.tensor_parallel_size
+        self.vocab_size = ckpt.arch.vocab_size
         self.workers: list = []
         self._own_pg = None
         self._closed = False
@@ -180,6 +182,7 @@ class RayExecutor(Executor):
                                       for s in seqs],
                               num_cached=[s.num_cached for s in seqs])
         req.evict = self.mm.take_evictions()
+        req.token_masks = TokenMasks.start(seqs, self.vocab_size)  # grammars live on the driver
         reports = self._gather([w.step.remote(req) for w in self.workers], "running a step")
         slots = [s.slot for s in seqs]
         for rep in reports:

@@ -1,5 +1,6 @@
-"""Batched token sampling: logits adjustments (engine.logits_processors), greedy, temperature, min-p, top-k,
-top-p, per-request seeds, and the log-probabilities of the chosen and the most likely tokens."""
+"""Batched token sampling: grammar masks (engine.grammar), logits adjustments (engine.logits_processors), greedy,
+temperature, min-p, top-k, top-p, per-request seeds, and the log-probabilities of the chosen and the most likely
+tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from diffkv_serve.engine.grammar import TokenMasks, apply_token_masks
 from diffkv_serve.engine.host_copy import to_device
 from diffkv_serve.engine.logits_processors import TokenHistory, adjust_logits, apply_min_p
 from diffkv_serve.engine.sampling_params import SamplingParams
@@ -40,11 +42,17 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]], history: Optional[TokenHistory] = None) -> SamplerOutput:
-    """logits [B, V] fp32 -> the tokens each row picks (greedy rows: argmax of the adjusted logits, as vLLM)."""
+           generators: Sequence[Optional[torch.Generator]], history: Optional[TokenHistory] = None,
+           masks: Optional[TokenMasks] = None) -> SamplerOutput:
+    """logits [B, V] fp32 -> the tokens each row picks (greedy rows: argmax of the adjusted logits, as vLLM).
+    masks: rows a grammar restricts (structured outputs): their other tokens are out before anything else."""
     B = logits.shape[0]
     dev = logits.device
-    adjusted = adjust_logits(logits, params, history)
+    allowed = logits
+    if masks is not None:
+        rows = to_device(masks.rows, torch.int64, dev)
+        allowed = apply_token_masks(logits, rows, masks.result().to(dev, non_blocking=True))
+    adjusted = adjust_logits(allowed, params, history)
     tokens = adjusted.argmax(-1)
     if not all(p.greedy for p in params):  # decided on the host: no device sync
         greedy = to_device([p.greedy for p in params], torch.bool, dev)

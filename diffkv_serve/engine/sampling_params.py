@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from diffkv_serve.engine.errors import InvalidRequestError
+from diffkv_serve.engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 MAX_N = 128  # sequences per request (OpenAI's limit)
@@ -52,6 +53,10 @@ class SamplingParams:
     # Evaluation: emit these tokens instead of sampling (teacher forcing); the output records whether the
     # model's own greedy choice agreed and, with logprobs, the log-probability of each forced token.
     teacher_tokens: Optional[list[int]] = None
+    # What the output must match (a JSON schema, any JSON object, a regex, a choice, a Lark grammar): a
+    # StructuredOutputsParams or a dict of its fields. The grammar masks the logits before everything else; EOS
+    # is allowed only where the grammar accepts, and the request stops once the grammar is complete.
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +96,7 @@ class SamplingParams:
             self.teacher_tokens = list(self.teacher_tokens)
             if any(not _is_int(t) or t < 0 for t in self.teacher_tokens):
                 raise InvalidRequestError("teacher_tokens must be non-negative integers", "teacher_tokens")
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise InvalidRequestError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
 

@@ -55,6 +55,8 @@ class Sequence:
     rows_in_flight: int = 0
     kv_usage: Optional[dict] = None  # KV memory held at finish (engine.kv_usage)
     teacher_agree: list[bool] = field(default_factory=list)  # teacher forcing: greedy choice == forced token
+    # Structured outputs: its llguidance matcher (engine.grammar), advanced with each token; driver only.
+    grammar: Optional[Any] = field(default=None, repr=False)
     # Its DiffKV thresholds and prune phase, resolved when the request was added (None: the cache config's).
     kv_settings: Optional[KVRequestSettings] = None
     # Prefix cache (engine.kv.prefix_cache): block ids this prefill reads instead of computing, block ids it

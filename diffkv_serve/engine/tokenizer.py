@@ -108,6 +108,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def supports_tools(self) -> bool:
+        """Does the chat template render a `tools` list (it reads a variable of that name)?"""
+        if not self.chat_template:
+            return False
+        import jinja2.meta
+
+        return "tools" in jinja2.meta.find_undeclared_variables(_jinja_env().parse(self.chat_template))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; encode the prompt text directly")

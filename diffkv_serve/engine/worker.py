@@ -69,6 +69,7 @@ class StepRequest:
     tokens: list[int] = field(default_factory=list)  # decode: each sequence's newest token (this step's input)
     num_cached: list[int] = field(default_factory=list)  # decode: its cached tokens before the step (checked)
     evict: list[int] = field(default_factory=list)  # prefix-cache blocks to evict after the frees
+    token_masks: Optional[Any] = None  # engine.grammar.TokenMasks of the grammar rows, computed on the driver
 
 
 @dataclass
@@ -155,7 +156,7 @@ class Worker:
                 seqs.append(s)
         sampler = self.rank == 0
         agree_before = [len(s.teacher_agree) for s in seqs]
-        batch = Batch(req.is_prefill, seqs)
+        batch = Batch(req.is_prefill, seqs, token_masks=req.token_masks)
         tokens, logprobs = self.runner.execute(batch, sample_tokens=sampler)
         report = self._report([s.slot for s in seqs])
         report.overflowed = batch.overflowed

@@ -35,6 +35,7 @@ from diffkv_serve.service.protocol import (ChatCompletionRequest, CompletionRequ
                               ErrorResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo,
                               Usage, new_id, now_s)
 from diffkv_serve.service.responses import chat_renderer, completion_renderer
+from diffkv_serve.service.structured_outputs import ConstraintError
 from diffkv_serve.service.streaming import _SSEResponse, _Stream
 
 log = logging.getLogger("ray.serve")
@@ -287,6 +288,10 @@ class OpenAIIngress:
             if body.n > self.cfg.limits.max_n:
                 raise APIError(400, f"n={body.n} is over this server's limit of {self.cfg.limits.max_n} choices "
                                     f"(limits.max_n)", "invalid_request_error", "n")
+            try:
+                constraint, constraint_param = body.constraint()
+            except ConstraintError as e:
+                raise APIError(400, str(e), "invalid_request_error", e.param) from e
             max_tokens, param = body.requested_max_tokens()
             if max_tokens is not None and max_tokens >= info["max_model_len"]:
                 raise APIError(400, f"{param}={max_tokens} does not fit this model's context of "
@@ -315,8 +320,12 @@ class OpenAIIngress:
         req["logprobs"], req["prompt_logprobs"] = body.engine_logprobs()
         if getattr(body, "echo", False):
             req["echo"] = True
+        if constraint is not None:
+            req["structured_outputs"], req["structured_param"] = constraint, constraint_param
         if isinstance(body, ChatCompletionRequest):
-            req["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
+            req["messages"] = [m.template_dict() for m in body.messages]
+            if body.tools:
+                req["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
         else:
             req["prompt"] = body.prompt
         return req

@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     s.add_argument("--kv-mode", default=None, choices=KV_MODES,
                    help=f"(default: {_service_default('cache').kv_mode})")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template used instead of the model's (e.g. one that renders tools)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-replicas", type=int, default=None,

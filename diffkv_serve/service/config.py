@@ -117,6 +117,25 @@ class ServiceConfig(BaseModel):
         "auto", description="auto: in-process for TP=1, Ray worker actors for TP>1; ray: actors even for TP=1")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by "
                                                            "what the context leaves)")
+    chat_template: Optional[str] = Field(None, description="a Jinja chat template (its text, or a path to a file) "
+                                                           "used instead of the model's, e.g. one that renders tools")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: Optional[str]) -> Optional[str]:
+        """A path is read here, so the deployments get the text; the text must parse as Jinja."""
+        if v is None:
+            return v
+        if "{" not in v and os.path.isfile(v):
+            with open(v, encoding="utf-8") as f:
+                v = f.read()
+        import jinja2
+
+        try:
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(v)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat_template is not a valid Jinja template: {e}") from e
+        return v
     # ---- Serve deployments ----
     num_replicas: int = Field(1, ge=1, description="engine replicas (ignored when autoscaling is set)")
     autoscaling: Optional[dict[str, Any]] = Field(None, description="Serve autoscaling_config for engine replicas")

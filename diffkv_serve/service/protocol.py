@@ -6,6 +6,7 @@ depend on the model (context length) are checked by the ingress and the engine r
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Literal, Optional, Union
@@ -15,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 
 from diffkv_serve.engine.config import PrunePhase
 from diffkv_serve.engine.kv.request_settings import ALPHA_MAX, check_alpha, check_order, check_prune_phase
+from diffkv_serve.service.structured_outputs import ResponseFormat, Tool, ToolCall, ToolChoice, engine_constraint
 
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's limit; the engine's SamplingParams checks the same)
@@ -67,9 +69,24 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="assistant: the calls it made")
+    tool_call_id: Optional[str] = Field(None, description="tool: the call this message answers")
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it (HF's layout: a call's arguments as an object)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -77,6 +94,13 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class _SamplingFields(_Strict):
@@ -99,6 +123,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=64)
     logit_bias: Optional[dict[str, StrictFloat]] = Field(None, description="token id -> bias in [-100, 100]")
     ignore_eos: StrictBool = False
+    response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema "
+                                                                        "(enforced by a grammar)")
     kv_compression: Optional[KVCompression] = Field(
         None, description="DiffKV extension: per-request thresholds (a server whose cache is not diffkv with "
                           "thresholds answers 400)")
@@ -153,6 +179,11 @@ class _SamplingFields(_Strict):
             out["ignore_eos"] = True
         return out
 
+    def constraint(self) -> tuple[Optional[dict], Optional[str]]:
+        """engine.structured_outputs fields for response_format (chat: also tool_choice), and the field a
+        compile error names; a contradiction raises service.structured_outputs.ConstraintError."""
+        return engine_constraint(self.response_format)
+
     def stop_list(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
@@ -166,12 +197,20 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[Tool]] = Field(None, min_length=1, max_length=128,
+                                        description="for chat templates that render tools")
+    tool_choice: Optional[ToolChoice] = Field(None, description="none | auto | required | a named function "
+                                                                "(required and named are enforced by a grammar)")
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def constraint(self) -> tuple[Optional[dict], Optional[str]]:
+        return engine_constraint(self.response_format, self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def engine_logprobs(self) -> tuple[Optional[int], Optional[int]]:
         """(logprobs, prompt_logprobs) for the engine."""
@@ -275,7 +314,7 @@ class Usage(BaseModel):
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-FinishReason = Optional[Literal["stop", "length"]]
+FinishReason = Optional[Literal["stop", "length", "tool_calls"]]
 
 
 class AssistantMessage(BaseModel):

@@ -61,6 +61,16 @@ def _dead_cause(e: BaseException) -> Optional[BaseException]:
     return None
 
 
+def _refused(e: InvalidRequestError, req: dict) -> dict:
+    """The 400 for an engine refusal, naming the request's field: a constraint that does not compile came from
+    response_format or tool_choice (the ingress says which)."""
+    message, param = str(e), e.param
+    if param == "structured_outputs" and req.get("structured_param"):
+        param = req["structured_param"]
+        message = message.replace("structured_outputs", param, 1)
+    return _error(400, message, "invalid_request_error", param)
+
+
 class EngineReplica:
     """Serve deployment class (made a deployment by service.app with its resources and placement group)."""
 
@@ -80,6 +90,8 @@ class EngineReplica:
 
         # Loading the model takes seconds: keep the replica's event loop free meanwhile.
         self.engine = await asyncio.to_thread(LLMEngine, self.cfg.engine_config())
+        if self.cfg.chat_template is not None:  # this replica's own tokenizer object: nothing else sees it
+            self.engine.tokenizer.chat_template = self.cfg.chat_template
         sched = self.engine.config.scheduler
         self.meter = ServiceMeter(self.cfg.admission.rate_window_s, sched.max_num_seqs)
         self.metrics = Metrics({REPLICA: self.replica_id, KV_MODE: self.engine.config.cache.kv_mode})
@@ -119,8 +131,14 @@ class EngineReplica:
         if "messages" in req:
             if not getattr(tok, "chat_template", None):
                 raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+            extra = {}
+            if req.get("tools"):
+                if not tok.supports_tools:
+                    raise InvalidRequestError(f"this model's chat template ({self.engine.model_name}) does not "
+                                              "support tools", "tools")
+                extra["tools"] = req["tools"]
             try:
-                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True)
+                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, **extra)
             except Exception as e:  # the template rejects the conversation (e.g. roles out of order)
                 raise InvalidRequestError(f"messages: the chat template refused them: {e}", "messages") from e
             return tok.encode(text, add_special_tokens=False)
@@ -152,7 +170,8 @@ class EngineReplica:
                               temperature=1.0 if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, seed=req.get("seed"),
                               stop=req.get("stop") or [], logprobs=req.get("logprobs"),
-                              prompt_logprobs=req.get("prompt_logprobs"), **(req.get("sampling") or {}))
+                              prompt_logprobs=req.get("prompt_logprobs"),
+                              structured_outputs=req.get("structured_outputs"), **(req.get("sampling") or {}))
 
     def _token_str(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -179,7 +198,7 @@ class EngineReplica:
                 params = self._sampling(req, len(ids))
             except InvalidRequestError as e:
                 departed = True  # never entered the engine
-                yield _error(400, str(e), "invalid_request_error", e.param)
+                yield _refused(e, req)
                 return
             # Per choice (params.n of them, interleaved): tokens already sent; finished ones and their pages.
             sent = [0] * params.n
@@ -223,7 +242,7 @@ class EngineReplica:
                 yield item
         except InvalidRequestError as e:
             departed = True  # refused by add_request: never entered the engine
-            yield _error(400, str(e), "invalid_request_error", e.param)
+            yield _refused(e, req)
         except asyncio.CancelledError:
             raise
         except Exception as e:

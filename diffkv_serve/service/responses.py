@@ -5,12 +5,16 @@ OpenAI's log-probability layouts built from the engine replica's per-token entri
 Completions: {"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}, where each
 token's top_logprobs also holds the token itself (as vLLM's) and text_offset counts characters of the
 returned text (the echoed prompt first). Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}.
+Chat with tools (tool_choice not "none"): tool calls in the reply become `tool_calls` (service.tool_calls) and
+finish_reason "tool_calls".
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 from diffkv_serve.service.protocol import ChatCompletionRequest, CompletionRequest
+from diffkv_serve.service.structured_outputs import tools_active
+from diffkv_serve.service.tool_calls import ToolCallStream, parse_tool_calls
 
 # render(kind, **kw): kind "full" (text, finish_reason, usage, rid, items: every replica item), "role" (the
 # chat stream's first chunk), "delta" (text, finish_reason, item: one replica item) or "usage" (the last chunk)
@@ -69,18 +73,45 @@ def _finish_reason(items: list[dict]) -> Optional[str]:
     return next((it["finish_reason"] for it in reversed(items) if it.get("finish_reason")), None)
 
 
+def _with_calls(finish_reason: Optional[str], calls: bool) -> Optional[str]:
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
 def chat_renderer(body: ChatCompletionRequest, created: int) -> Renderer:
     model = body.model
+    tools = tools_active(body.tools, body.tool_choice)  # the reply is read for tool calls
+    calls_streams: dict[int, ToolCallStream] = {}  # one per choice: n > 1 interleaves their deltas
 
     def logprobs(items: list[dict]) -> Optional[dict]:
         return chat_logprobs(entries_of(items)) if body.logprobs else None
 
+    def full_message(text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
+        if not tools:
+            return {"role": "assistant", "content": text}, finish_reason
+        content, calls = parse_tool_calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, _with_calls(finish_reason, bool(calls))
+
+    def delta_of(text: str, finish_reason: Optional[str], index: int) -> tuple[dict, Optional[str]]:
+        if not tools:
+            return ({"content": text} if text else {}), finish_reason
+        calls_stream = calls_streams.setdefault(index, ToolCallStream())
+        content, calls = calls_stream.feed(text)
+        if finish_reason is not None:
+            content += calls_stream.finish()
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, _with_calls(finish_reason, calls_stream.num_calls > 0)
+
     def render(kind: str, **kw) -> dict:
         if kind == "full":
             return {"id": kw["rid"], "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": _text(its)},
-                                 "logprobs": logprobs(its), "finish_reason": _finish_reason(its)}
-                                for i, its in by_choice(kw["items"])],
+                    "choices": [{"index": i, "message": message, "logprobs": logprobs(its), "finish_reason": fr}
+                                for i, its in by_choice(kw["items"])
+                                for message, fr in [full_message(_text(its), _finish_reason(its))]],
                     "usage": kw["usage"].model_dump()}
         chunk = {"id": kw["rid"], "object": "chat.completion.chunk", "created": created, "model": model,
                  "choices": []}
@@ -88,9 +119,10 @@ def chat_renderer(body: ChatCompletionRequest, created: int) -> Renderer:
             chunk["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None} for i in range(body.n)]
         elif kind == "delta":
-            delta = {"content": kw["text"]} if kw["text"] else {}
-            chunk["choices"] = [{"index": kw["item"].get("index", 0), "delta": delta,
-                                 "logprobs": logprobs([kw["item"]]), "finish_reason": kw["finish_reason"]}]
+            index = kw["item"].get("index", 0)
+            delta, finish_reason = delta_of(kw["text"], kw["finish_reason"], index)
+            chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs([kw["item"]]),
+                                 "finish_reason": finish_reason}]
         if kw.get("usage_field"):
             chunk["usage"] = kw["usage"].model_dump() if kw.get("usage") else None
         return chunk

@@ -30,7 +30,7 @@ def _serve_config(args):
             data = dict(data["applications"][0].get("args") or {})
     flags = {"model": args.model, "device": args.device, "max_model_len": args.max_model_len,
              "num_replicas": args.num_replicas, "tensor_parallel_size": args.tensor_parallel_size,
-             "kv_mode": args.kv_mode}
+             "kv_mode": args.kv_mode, "chat_template": args.chat_template}
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.ttft_target is not None:
         data.setdefault("admission", {})["ttft_target_s"] = args.ttft_target
