@@ -1,4 +1,4 @@
-"""Accuracy harness (evals/): `diffkv eval` smoke run on SmolLM2, answer extraction and scoring, paired
+"""Accuracy harness (evals/): `python3 -m evals.cli eval` smoke run on SmolLM2, answer extraction and scoring, paired
 intervals, memory accounting, problem splits, the baselines as engine configurations, calibration choice,
 per-model settings and the report."""
 import json
@@ -162,8 +162,8 @@ def test_engine_uses_the_shipped_settings_of_its_model(make_engine, smollm):
 
 # ---- the command ------------------------------------------------------------------------------------------
 def test_diffkv_eval_smoke(tmp_path):
-    """CI smoke: `diffkv eval` on a handful of problems with SmolLM2; the JSON's fields and ranges."""
-    from diffkv_serve.service.cli import main
+    """CI smoke: `python3 -m evals.cli eval` on a handful of problems with SmolLM2; the JSON's fields and ranges."""
+    from evals.cli import main
 
     out = tmp_path / "eval.json"
     rc = main(["eval", "--device", "cpu", "--kv-mode", "diffkv", "--tasks", "chain_sum", "--limit", "3",
@@ -187,7 +187,7 @@ def test_diffkv_eval_smoke(tmp_path):
 
 
 def test_diffkv_eval_rejects_bad_arguments(capsys):
-    from diffkv_serve.service.cli import main
+    from evals.cli import main
 
     assert main(["eval", "--device", "cpu", "--limit", "0"]) == 2
     assert "--limit" in capsys.readouterr().err
@@ -246,7 +246,7 @@ def test_settings_file_low_precision_applies_unless_set(tmp_path):
 
 def test_diffkv_eval_of_fp16_itself(tmp_path):
     """fp16 against itself: full agreement, no NLL increase, and its task results are reported."""
-    from diffkv_serve.service.cli import main
+    from evals.cli import main
 
     out = tmp_path / "fp16.json"
     assert main(["eval", "--device", "cpu", "--kv-mode", "fp16", "--tasks", "chain_sum", "--limit", "2",

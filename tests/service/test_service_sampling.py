@@ -65,7 +65,7 @@ def local_engines(smollm):
 
     def get(mode: str):
         if mode not in made:
-            cfg = ServiceConfig.model_validate({**CONFIG, "kv_mode": mode}).engine_config()
+            cfg = ServiceConfig.model_validate({**CONFIG, "kv_mode": mode}).engine
             made[mode] = LLMEngine(cfg, checkpoint=smollm)
         return made[mode]
 
