@@ -2,7 +2,7 @@
 
     python3 -m evals.layer_study --device cpu --threads 1 --out evals/results/smollm2-135m
 
-1. the multipliers from the calibration split (`diffkv calibrate --per-layer`'s procedure) at the model's
+1. the multipliers from the calibration split (`python3 -m evals.cli calibrate --per-layer`'s procedure) at the model's
    calibrated alphas;
 2. DiffKV with them on the fidelity set (teacher forced against the fp16 generations of evals.study's
    references.json when they match, else new ones): its KV memory M;
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_model_settings(model.name)
     if settings is None:
-        raise SystemExit(f"{model.name} has no settings file: run `diffkv calibrate` first")
+        raise SystemExit(f"{model.name} has no settings file: run `python3 -m evals.cli calibrate` first")
     ah, al = settings["alpha_high"], settings["alpha_low"]
     if args.alpha_high is not None:
         if args.alpha_high < al:

@@ -39,7 +39,7 @@ def make_engine(smollm):
 
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
-    """Commands run in-process (diffkv eval / generate) set torch's thread count for the machine's load; a test
+    """Commands run in-process (evals.cli eval, diffkv generate) set torch's thread count for the machine's load; a test
     that follows must not inherit it (float sums differ with the thread count, and bit-for-bit checks compare
     against Ray workers that set their own)."""
     import torch

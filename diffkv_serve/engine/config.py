@@ -53,7 +53,7 @@ class CacheConfig(BaseModel):
     kv_cache_memory_gb: Optional[float] = Field(
         None, gt=0, description="bytes for the page pool; default: 0.5 GiB on CPU, gpu_memory_utilization on CUDA")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    # diffkv only (paper defaults, Llama-3 calibration, until `diffkv calibrate` writes per-model values)
+    # diffkv only (paper defaults, Llama-3 calibration, until `python3 -m evals.cli calibrate` writes per-model values)
     high: str = Field("K8V4", description="precision of significant tokens")
     low: str = Field("K4V2", description="precision of moderately significant tokens")
     alpha_high: float = Field(1.0, ge=0, description="token kept high if significance >= alpha_high / position")
@@ -76,7 +76,7 @@ class CacheConfig(BaseModel):
         "auto", description="share the KV of prompt prefixes between requests (docs/PREFIX_CACHING.md); 'auto': "
                             "on for fp16 / int8 / int4 / fp8 (no measurable cost when prompts share nothing), off "
                             "for diffkv (its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
-    # Per-layer budgets (XKV-style; `diffkv calibrate --per-layer` measures them): layer l classifies with
+    # Per-layer budgets (XKV-style; `python3 -m evals.cli calibrate --per-layer` measures them): layer l classifies with
     # alpha_high * s[l] and alpha_low * s[l], per-request alphas included. Unset: the model's settings file;
     # None: one global pair of thresholds.
     layer_alpha_scale: Optional[list[float]] = Field(
