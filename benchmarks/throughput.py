@@ -36,6 +36,7 @@ from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.config import KV_MODES, SchedulerConfig, parse_settings  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
 MODES = KV_MODES
@@ -180,7 +181,8 @@ def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    add_engine_flags(ap, only=("model", "max_num_seqs", "max_model_len", "device", "dtype"),
+                     defaults={"max_num_seqs": 256, "device": "auto", "dtype": "auto"})
     ap.add_argument("--modes", nargs="+", default=list(MODES),
                     help=f"KV modes {MODES}; diffkv may carry settings: diffkv:alpha_low=0.06,alpha_high=4")
     ap.add_argument("--num-prompts", type=int, default=96)
@@ -190,11 +192,7 @@ def parse_args(argv):
     ap.add_argument("--reservation", nargs="+", choices=("worst_case", "learned"),
                     default=[SchedulerConfig().reservation], help="diffkv prompt reservation rule(s), one row each")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="page pool size, the same for every mode")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--hf-prompts", type=int, default=32, help="prompts given to transformers (a subset)")
     ap.add_argument("--hf-batch", type=int, default=32)
