@@ -415,8 +415,17 @@ def default_targets(root: Path = K8S_DIR) -> list[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 k8s/validate.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="*", type=Path, metavar="DIR",
+                    help="kustomization folders to render and validate (default: k8s/base and every overlay)")
+    args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))  # diffkv_serve.service.config, diffkv_serve.service.app
-    targets = [Path(a) for a in (argv if argv is not None else sys.argv[1:])] or default_targets()
+    targets = args.dirs or default_targets()
+    missing = [t for t in targets if not (t / "kustomization.yaml").is_file()]
+    if missing:
+        ap.error(f"not a kustomization folder (no kustomization.yaml): {', '.join(map(str, missing))}")
     failed = 0
     for t in targets:
         try:

@@ -126,11 +126,12 @@ def cmd_chat(args) -> int:
 
     engine = _build_engine(args)
     history: list[dict] = []
-    print("Chat with the model (empty line or Ctrl-D to quit).", file=sys.stderr)
+    print("Chat with the model (empty line, Ctrl-D or Ctrl-C to quit).", file=sys.stderr)
     while True:
         try:
             text = input("> ").strip()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C at the prompt: a plain goodbye, no traceback
+            print(file=sys.stderr)
             break
         if not text:
             break
@@ -139,6 +140,9 @@ def cmd_chat(args) -> int:
         except InvalidRequestError as e:
             print(f"error: {e}", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # Ctrl-C mid-answer ends the chat as at the prompt
+            print(file=sys.stderr)
+            break
         print()
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": out.text}]
     return 0
@@ -224,6 +228,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while a model loads or a completion runs: the shell's code, no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

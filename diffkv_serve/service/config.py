@@ -55,7 +55,8 @@ class RouterConfig(BaseModel):
                                    "headroom is balanced (router.prefix), kv_headroom otherwise; "
                                    "pow2: Serve's default power-of-two-choices")
     stats_period_s: float = Field(1.0, gt=0, description="how often Serve collects each replica's routing stats")
-    prefix: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig)
+    prefix: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig, description="policy prefix: its "
+                                                                                         "thresholds and memory")
 
 
 class RetryConfig(BaseModel):
@@ -147,10 +148,10 @@ class ServiceConfig(BaseModel):
     max_ongoing_requests: int = Field(
         1024, ge=1, description="requests Serve sends one engine replica at once; admission control keeps the "
                                 "real load far below (the engine queues what it cannot batch)")
-    ingress_replicas: int = Field(1, ge=1)
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the HTTP ingress (validation, admission, streaming)")
     replica_cpus: float = Field(0.5, gt=0, description="CPUs of an engine replica's actor (fractional on CPU)")
     worker_cpus: float = Field(0.25, gt=0, description="CPUs of each tensor-parallel worker actor (CPU runs)")
-    ingress_cpus: float = Field(0.25, gt=0)
+    ingress_cpus: float = Field(0.25, gt=0, description="CPUs of an ingress replica's actor")
     rank_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources each rank holds (the replica for TP=1, each "
                                           "tensor-parallel worker otherwise): pins engines to the nodes that "
@@ -159,18 +160,19 @@ class ServiceConfig(BaseModel):
         default_factory=dict, description="custom Ray resources an ingress replica holds: pins the ingress to "
                                           "nodes that offer them (e.g. the head, so a worker node's loss costs "
                                           "only engine replicas)")
-    health_check_period_s: float = Field(2.0, gt=0)
-    health_check_timeout_s: float = Field(30.0, gt=0)
+    health_check_period_s: float = Field(2.0, gt=0, description="how often Serve checks an engine replica's health")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="a health check slower than this fails the "
+                                                                  "replica (seconds)")
     stats_period_s: float = Field(0.5, gt=0, description="how often an engine replica reads its engine's stats "
                                                          "into the metrics")
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
-    router: RouterConfig = Field(default_factory=RouterConfig)
-    retry: RetryConfig = Field(default_factory=RetryConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="admission control (429s)")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="how requests pick an engine replica")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="re-sends after a replica failure")
     # ---- access and shutdown ----
     api_keys: list[SecretStr] = Field(
         default_factory=list, description=f"accepted `Authorization: Bearer` keys on /v1/* (empty: no key needed); "
                                           f"{API_KEY_ENV} (comma-separated) adds to them")
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request bounds checked before any work")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on SIGTERM / Ctrl-C, how long requests in flight may run to completion before "
                                 "they are ended (503 / an SSE error event)")
