@@ -45,7 +45,18 @@ def test_config_file_and_flags(tmp_path):
         _serve_config(parse("--config", str(bad)))
 
 
+def readme_quickstart(base_url: str) -> str:
+    """The README's serving quickstart (its first python block after the heading), aimed at base_url."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Serving quickstart", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:8000/v1" in code
+    return code.replace("http://127.0.0.1:8000/v1", base_url)
+
+
+@pytest.mark.slow
 def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
+    """`diffkv serve` as the README starts it: it serves the README's quickstart code, then stops on Ctrl-C."""
     port, metrics = free_port(), free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     log = open(tmp_path / "serve.log", "w")
@@ -58,6 +69,11 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
         r = httpx.post(base + "/v1/completions", timeout=60,
                        json={"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        quickstart = subprocess.run([sys.executable, "-c", readme_quickstart(base + "/v1")], capture_output=True,
+                                    text=True, timeout=300, cwd=tmp_path)
+        assert quickstart.returncode == 0, quickstart.stderr
+        answer, streamed = quickstart.stdout.strip("\n").split("\n", 1)[0], quickstart.stdout.strip()
+        assert answer.strip() and len(streamed) > len(answer), quickstart.stdout
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
     finally:
