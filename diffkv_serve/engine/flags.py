@@ -10,6 +10,7 @@ passes it in `defaults`; --help shows each default.
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 from typing import Any, Iterable, Mapping, Optional
 
@@ -49,6 +50,30 @@ _FLAGS: dict[str, tuple[Optional[str], dict[str, Any]]] = {
     "threads": (None, {"type": int, "help": THREADS_HELP}),
 }
 ENGINE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, also for options without help text; options whose default is
+    None or off say nothing (their help says what None means)."""
+
+    _NO_HELP = "\0"  # stands in for a missing help text: argparse prints no help line for an empty one
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        d = action.default
+        return bool(action.option_strings) and not (d is None or d is False or d == [] or d is argparse.SUPPRESS)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = self._NO_HELP
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").replace(self._NO_HELP, "")
+        if "%(default)" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def _field_default(where: str) -> Any:
