@@ -98,6 +98,7 @@ def _usage(engine, prompt, n=24):
 PROMPT = "Write a long and careful explanation of why the sky is blue, with examples. " * 4
 
 
+@pytest.mark.slow
 def test_uniform_through_diffkv_equals_the_uniform_mode(make_engine):
     """high = low = K8V8 with both alphas 0 keeps every token high: same tokens and pages as kv_mode int8."""
     # Prefix caching off (int8's 'auto' is on): a request's usage excludes the blocks it handed to the cache.
@@ -109,6 +110,7 @@ def test_uniform_through_diffkv_equals_the_uniform_mode(make_engine):
     assert a.kv_usage["pages_used"] == b.kv_usage["pages_used"]
 
 
+@pytest.mark.slow
 def test_kivi_like_keeps_only_the_window_high(make_engine):
     kivi = next(c for c in baseline_configs() if c.name == "kivi2")
     assert kivi.cache["alpha_high"] == UNREACHABLE
@@ -257,6 +259,7 @@ def test_diffkv_eval_of_fp16_itself(tmp_path):
     assert r["fidelity"]["nll_increase"] == 0.0 and r["fidelity"]["memory_fraction"] > 1.0  # score + position rows
 
 
+@pytest.mark.slow
 def test_fidelity_compare_configs_and_run(tmp_path):
     """evals/fidelity_compare.py: config names and diffkv:alpha_high=A,alpha_low=B parse (bad ones name the part),
     and a tiny run writes each configuration's fidelity with its paired difference from the baseline."""

@@ -134,6 +134,7 @@ def test_calibrate_per_layer_cli(tmp_path):
     assert cfg.cache.layer_alpha_scale == scale
 
 
+@pytest.mark.slow
 def test_engine_uniform_scale_equals_scaled_alphas(make_engine):
     # Prompt classification and the decode plan both use alpha * scale[l]: scale 2 everywhere is alpha doubled;
     # uneven scales move tokens between layers.

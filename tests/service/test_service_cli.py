@@ -149,6 +149,7 @@ def test_joining_a_cluster_whose_serve_holds_the_port(cluster):
     _check_joined_port(parse("--address", "auto", "--port", str(cluster.http_port)))
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_the_same_ports_serve_again(tmp_path):
     """SIGTERM shuts down like Ctrl-C (no crash trace, no process of its Ray left holding a port), so a restart
     on the same --port / --metrics-port comes up; the metrics port listens on --host (loopback) only."""
