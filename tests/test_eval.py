@@ -163,6 +163,7 @@ def test_engine_uses_the_shipped_settings_of_its_model(make_engine, smollm):
 
 
 # ---- the command ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_diffkv_eval_smoke(tmp_path):
     """CI smoke: `python3 -m evals.cli eval` on a handful of problems with SmolLM2; the JSON's fields and ranges."""
     from evals.cli import main

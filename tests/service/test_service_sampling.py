@@ -73,6 +73,7 @@ def local_engines(smollm):
 
 
 @pytest.mark.parametrize("mode", ["diffkv", "fp16"])
+@pytest.mark.slow
 def test_completion_logprobs_and_echo_equal_the_engines_teacher_forced_ones(request, mode, local_engines):
     service = request.getfixturevalue("service" if mode == "diffkv" else "fp16_service")
     local_engine = local_engines(mode)
