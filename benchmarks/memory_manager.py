@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
-from diffkv_serve.engine.config import CacheConfig  # noqa: E402
+from diffkv_serve.engine.config import GRAPH_BATCH_CAP, CacheConfig  # noqa: E402
 from diffkv_serve.engine.kv.layout import CacheShape  # noqa: E402
 from diffkv_serve.engine.kv.policy import KVCache  # noqa: E402
 from diffkv_serve.engine.kv.request_settings import KVRequestSettings  # noqa: E402
@@ -157,7 +157,7 @@ def engine_steps(batches: list[int], seq: int, steps: int, deadline: float, pres
     max_len = seq + new_tokens + 16
     B_max = max(batches)
     pool_gb = engine_pool_gb(ckpt.arch, B_max, max_len, itemsize)
-    eng = LLMEngine(EngineConfig(device=device, max_model_len=max_len, max_graph_batch_size=B_max,
+    eng = LLMEngine(EngineConfig(device=device, max_model_len=max_len, max_graph_batch_size=min(B_max, GRAPH_BATCH_CAP),
                                  cache={"kv_mode": "diffkv", "kv_cache_memory_gb": pool_gb},
                                  scheduler={"max_num_seqs": B_max, "max_num_batched_tokens": 16384}),
                     checkpoint=ckpt)

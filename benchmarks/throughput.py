@@ -32,9 +32,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
+from workloads import WORKLOADS, apply_workload  # noqa: E402
 from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.config import KV_MODES, SchedulerConfig, parse_settings  # noqa: E402
+from diffkv_serve.engine.config import GRAPH_BATCH_CAP  # noqa: E402
+from diffkv_serve.engine.graph_memory import graph_memory_estimate  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
@@ -47,8 +50,9 @@ TRACE_FIELDS = ("num_running", "num_waiting", "num_preemptions", "pages_used", "
                 "tokens_low", "tokens_pruned")
 
 
-def load_prompts(ckpt, n: int, source: str, seed: int) -> list[list[int]]:
-    """Prompt token ids: chat-templated gsm_symbolic questions, or random ids (`synthetic`, 64-256 tokens)."""
+def load_prompts(ckpt, n: int, source: str, seed: int, prompt_len: int | None = None) -> list[list[int]]:
+    """Prompt token ids: chat-templated gsm_symbolic questions, or random ids (`synthetic`: 64-256 tokens, or
+    exactly `prompt_len`). benchmarks/vllm_baseline.py gives vLLM these same ids."""
     if source == "gsm_symbolic":
         rows = [json.loads(line) for line in PROBLEMS.read_text().splitlines() if line.strip()]
         qs = [r["question"] for r in rows if r["task"] == "gsm_symbolic"]
@@ -59,6 +63,8 @@ def load_prompts(ckpt, n: int, source: str, seed: int) -> list[list[int]]:
                            add_special_tokens=False) for i in range(n)]
     g = torch.Generator().manual_seed(seed)
     V = ckpt.arch.vocab_size
+    if prompt_len is not None:
+        return [torch.randint(0, V, (prompt_len,), generator=g).tolist() for _ in range(n)]
     return [torch.randint(0, V, (int(torch.randint(64, 257, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
 
@@ -77,6 +83,7 @@ def parse_mode(spec: str) -> tuple[str, dict]:
 def run_mode(ckpt, spec: str, prompts: list[list[int]], args, reservation: str) -> dict:
     mode, settings = parse_mode(spec)
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                       max_graph_batch_size=args.max_graph_batch,
                        cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb, **settings},
                        scheduler={"max_num_seqs": args.max_num_seqs,
                                   "max_num_batched_tokens": args.max_num_batched_tokens, "reservation": reservation})
@@ -129,6 +136,12 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, reservation: str) 
            "preemptions": st["num_preemptions"] - before["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
     if args.trace:
         res["trace"] = {"fields": ["step", "seconds"] + list(TRACE_FIELDS), "samples": trace}
+    graphs = getattr(getattr(engine, "runner", None), "graphs", None)
+    if graphs is not None:  # what capturing took beside the pool (diffkv_serve/engine/graph_memory.py)
+        res["graph_memory_bytes"] = graphs.memory_bytes
+        graphs.graphs.clear()  # captured graphs hold their pool until destroyed
+    del graphs
+    # Free this engine (weights, pool, graphs) before the next mode's is built: one engine on the device at a time.
     if hasattr(engine, "shutdown"):
         engine.shutdown()
     del engine
@@ -183,16 +196,24 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(ap, only=("model", "max_num_seqs", "max_model_len", "device", "dtype"),
                      defaults={"max_num_seqs": 256, "device": "auto", "dtype": "auto"})
+    ap.add_argument("--workload", choices=sorted(WORKLOADS),
+                    help="named workload (benchmarks/workloads.py) setting the prompts, lengths and pool; "
+                         "flags given beside it override")
     ap.add_argument("--modes", nargs="+", default=list(MODES),
                     help=f"KV modes {MODES}; diffkv may carry settings: diffkv:alpha_low=0.06,alpha_high=4")
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--prompts", default="gsm_symbolic", choices=("gsm_symbolic", "synthetic"))
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="synthetic prompts of exactly this many tokens (default: 64-256, random)")
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--natural-stop", action="store_true", help="stop at EOS instead of ignore_eos")
     ap.add_argument("--reservation", nargs="+", choices=("worst_case", "learned"),
                     default=[SchedulerConfig().reservation], help="diffkv prompt reservation rule(s), one row each")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="page pool size, the same for every mode")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-graph-batch", type=int, default=None,
+                    help=f"largest decode batch captured in a CUDA graph (default: --max-num-seqs, at most "
+                         f"{GRAPH_BATCH_CAP}); larger batches run eagerly")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--hf-prompts", type=int, default=32, help="prompts given to transformers (a subset)")
     ap.add_argument("--hf-batch", type=int, default=32)
@@ -206,7 +227,11 @@ def parse_args(argv):
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="random:tiny on CPU, a few short generations")
-    args = ap.parse_args(argv)
+    args = apply_workload(ap, argv)
+    if args.prompt_len is not None and (args.prompt_len < 1 or args.prompts != "synthetic"):
+        ap.error(f"--prompt-len {args.prompt_len}: needs --prompts synthetic and at least 1 token")
+    if args.max_graph_batch is None:
+        args.max_graph_batch = min(args.max_num_seqs, GRAPH_BATCH_CAP)
     for m in args.modes:
         try:
             parse_mode(m)
@@ -229,7 +254,7 @@ def main(argv=None) -> int:
     ckpt = load_checkpoint(args.model)
     if ckpt.weights is None:
         args.no_hf = True  # random weights are initialised inside the engine: nothing to hand transformers
-    prompts = load_prompts(ckpt, args.num_prompts, args.prompts, args.seed)
+    prompts = load_prompts(ckpt, args.num_prompts, args.prompts, args.seed, args.prompt_len)
     cuda = args.device != "cpu" and torch.cuda.is_available()
     gpu = torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu")
     print(f"{gpu} | model {ckpt.name} | {len(prompts)} prompts (mean {statistics.mean(map(len, prompts)):.0f} "
@@ -237,6 +262,11 @@ def main(argv=None) -> int:
     rows = [run_mode(ckpt, m, prompts, args, a) for m in args.modes for a in _reservations(m, args)]
     if not args.no_hf:
         rows.append(run_hf(ckpt, prompts, args))
+    for r in rows:
+        if r.get("graph_memory_bytes"):
+            est = graph_memory_estimate(ckpt.arch, args.max_graph_batch, 2 if cuda else 4)
+            print(f"{r['mode']}: CUDA graphs up to batch {args.max_graph_batch} took "
+                  f"{r['graph_memory_bytes'] / 2**20:.0f} MiB (budgeted {est / 2**20:.0f} MiB)")
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "fp16"), None)
     for r in rows:
         r["speedup_vs_fp16"] = r["tokens_per_s"] / base if base else None

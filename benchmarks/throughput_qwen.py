@@ -4,8 +4,9 @@ The accuracy study's prompts (eval split, chat template, the task's instruction)
 generate --max-tokens each (ignore_eos; --natural-stop lets them end at EOS), on ONE KV page pool for every mode:
 --kv-memory-gb, or by default the pool that holds --fp16-seqs sequences of the longest prompt + max_tokens in the
 16-bit cache, so a mode that stores a token in fewer bytes keeps more sequences running. Each mode has its own
-engine, built and warmed up (kernels compiled, every decode CUDA graph captured) before anything is timed; the
-timed runs go A B C ... then C B A ... (--repeats), so drift and noise show as spread between a mode's runs.
+engine, built and warmed up (kernels compiled, every decode CUDA graph captured) before anything is timed, timed
+--repeats times (noise shows as spread between a mode's runs), and freed before the next mode's engine is built:
+one engine, with its pool and CUDA graphs, holds device memory at a time.
 
 Each row carries the mode's accuracy difference vs fp16 on --accuracy-task with its paired 95% interval, read
 from the accuracy study's committed summary (evals/results/<model>/summary.json, matched by model name), so the
@@ -52,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import gpu_tag, write_result  # noqa: E402
 from study_accuracy import accuracy_vs_fp16, fastest_within, find_study, load_study  # noqa: E402
 from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
-from diffkv_serve.engine.config import KVMode  # noqa: E402
+from diffkv_serve.engine.config import GRAPH_BATCH_CAP, KVMode  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.kv.reservation import worst_case_pages  # noqa: E402
@@ -148,7 +149,7 @@ def fp16_token_bytes(arch) -> int:
 
 def build_engine(ckpt, mode: str, args) -> LLMEngine:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                       max_graph_batch_size=args.max_num_seqs,
+                       max_graph_batch_size=min(args.max_num_seqs, GRAPH_BATCH_CAP),
                        cache={**mode_cache(mode), "block_size": args.block_size,
                               "kv_cache_memory_gb": args.kv_memory_gb},
                        scheduler={"max_num_seqs": args.max_num_seqs,
@@ -222,9 +223,19 @@ def timed_run(engine: LLMEngine, prompts: list[list[int]], args, tag: str, deadl
             "overflows": st["reservation"]["overflows"] - before["reservation"]["overflows"]}
 
 
-def run_order(modes: list[str], repeats: int) -> list[tuple[int, str]]:
-    """(repeat, mode) in the order the runs go: A B C, C B A, A B C, ..."""
-    return [(r, m) for r in range(repeats) for m in (modes if r % 2 == 0 else modes[::-1])]
+def free_engine(engine: LLMEngine) -> None:
+    """Stop an engine and destroy its CUDA graphs (they hold their pool until destroyed); the caller drops its
+    last reference and calls release_memory() so the weights and page pool go back too."""
+    engine.shutdown()
+    graphs = getattr(getattr(engine, "runner", None), "graphs", None)
+    if graphs is not None:
+        graphs.graphs.clear()
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def should_start(now: float, expected_s: float | None, deadline: float) -> bool:
@@ -406,7 +417,7 @@ def main(argv=None) -> int:
           f"({'natural stop' if args.natural_stop else 'ignore_eos'}) | KV pool {args.kv_memory_gb:.3f} GiB for every "
           f"mode | study {study_path or 'none'} | loaded in {time.perf_counter() - START:.0f} s", flush=True)
 
-    engines, rows = {}, {}
+    rows, runs, skipped = {}, {}, []
     for mode in args.modes:
         t = time.perf_counter()
         if t > deadline:
@@ -417,7 +428,6 @@ def main(argv=None) -> int:
         cache = eng.config.cache  # resolved: the model's calibrated diffkv settings applied
         fit = eng.mm.num_pages // eng.mm.pages_for_tokens(seq_tokens)
         st = eng.stats()
-        engines[mode] = eng
         rows[mode] = {"mode": mode, "kv_mode": cache.kv_mode, "cache": cache.describe(),
                       "key_centering": st["key_centering"]["mode"], "seqs_fit": fit,
                       "pages_total": st["pages_total"], "page_bytes": st["page_bytes"],
@@ -429,27 +439,26 @@ def main(argv=None) -> int:
         print(f"{mode}: {fit} sequences of {seq_tokens} tokens fit the pool all-high ({st['pages_total']} pages), "
               f"keys centered: {rows[mode]['key_centering']}, built and warmed up in "
               f"{rows[mode]['build_warmup_s']:.0f} s", flush=True)
-
-    runs = {m: [] for m in rows}
-    skipped = []
-    for rep, mode in run_order(list(rows), args.repeats):
-        done = [x for m in runs for x in runs[m] if not x["cut"]]
-        expected = runs[mode][-1]["seconds"] if runs[mode] else max((x["seconds"] for x in done), default=None)
-        if not should_start(time.perf_counter(), expected, deadline):
-            skipped.append({"repeat": rep, "mode": mode, "expected_s": expected})
-            why = f"expected {expected:.0f} s would pass" if expected else "past"
-            print(f"repeat {rep} {mode}: skipped, {why} --time-limit", flush=True)
-            continue
-        r = timed_run(engines[mode], prompts, args, f"r{rep}-{mode}", deadline)
-        r["repeat"] = rep
-        runs[mode].append(r)
-        print(f"repeat {rep} {mode}: {r['tokens_per_s']:.0f} tok/s, {r['tokens']} tokens in {r['seconds']:.1f} s, "
-              f"mean batch {r['mean_batch'] or 0:.1f}, preemptions {r['preemptions']}"
-              f"{' (cut by --time-limit)' if r['cut'] else ''}", flush=True)
-    for mode, eng in engines.items():
-        eng.shutdown()
-    engines.clear()
-    gc.collect()
+        graphs = getattr(eng.runner, "graphs", None)
+        rows[mode]["graph_memory_bytes"] = graphs.memory_bytes if graphs is not None else 0
+        runs[mode] = []
+        for rep in range(args.repeats):
+            done = [x for m in runs for x in runs[m] if not x["cut"]]
+            expected = runs[mode][-1]["seconds"] if runs[mode] else max((x["seconds"] for x in done), default=None)
+            if not should_start(time.perf_counter(), expected, deadline):
+                skipped.append({"repeat": rep, "mode": mode, "expected_s": expected})
+                why = f"expected {expected:.0f} s would pass" if expected else "past"
+                print(f"repeat {rep} {mode}: skipped, {why} --time-limit", flush=True)
+                continue
+            r = timed_run(eng, prompts, args, f"r{rep}-{mode}", deadline)
+            r["repeat"] = rep
+            runs[mode].append(r)
+            print(f"repeat {rep} {mode}: {r['tokens_per_s']:.0f} tok/s, {r['tokens']} tokens in {r['seconds']:.1f} s, "
+                  f"mean batch {r['mean_batch'] or 0:.1f}, preemptions {r['preemptions']}"
+                  f"{' (cut by --time-limit)' if r['cut'] else ''}", flush=True)
+        free_engine(eng)
+        del eng, graphs
+        release_memory()
 
     for mode, row in rows.items():
         summarize(row, runs[mode])
@@ -460,7 +469,7 @@ def main(argv=None) -> int:
               "command": "python benchmarks/throughput_qwen.py " + " ".join(argv),
               "study": repo_path(study_path) if study_path else None, "accuracy_task": args.accuracy_task,
               "kv_memory_gb": args.kv_memory_gb, "seq_tokens": seq_tokens,
-              "order": [f"{rep}:{m}" for rep, m in run_order(list(rows), args.repeats)],
+              "order": [f"{rep}:{m}" for m in rows for rep in range(args.repeats)],
               "best_within": best["mode"] if best else None, "skipped_runs": skipped,
               "seconds_total": time.perf_counter() - START,
               "config": {k: v for k, v in vars(args).items() if k != "quiet"}, "trace_fields": TRACE_FIELDS,

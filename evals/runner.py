@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from diffkv_serve.engine import EngineConfig, SamplingParams
+from diffkv_serve.engine.config import GRAPH_BATCH_CAP
 from diffkv_serve.engine.loader import LoadedCheckpoint, load_checkpoint
 from diffkv_serve.engine.sequence import RequestOutput
 
@@ -51,7 +52,7 @@ class EvalModel:
         if self.kv_cache_memory_gb is not None:
             cache.setdefault("kv_cache_memory_gb", self.kv_cache_memory_gb)
         cfg = EngineConfig(model=None, device=self.device, max_model_len=self.max_model_len, seed=self.seed,
-                           max_graph_batch_size=self.max_num_seqs, cache=cache,
+                           max_graph_batch_size=min(self.max_num_seqs, GRAPH_BATCH_CAP), cache=cache,
                            scheduler={"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": 16384})
         eng = LLMEngine(cfg, checkpoint=self.ckpt)
         if (self.key_center is not None and cache.get("key_centering", "auto") in ("auto", "calibrated")

@@ -14,6 +14,9 @@ ExecutorKind = Literal["auto", "local", "ray"]
 # at least, where it would have been pruned. An ablation of where pruning costs accuracy.
 PrunePhase = Literal["both", "prompt", "generation"]
 PRUNE_PHASES: tuple[str, ...] = PrunePhase.__args__
+# Largest decode batch a CUDA graph is captured for (vLLM's default capture limit too): every bucket up to it costs
+# graph memory, and past a few hundred rows a decode step is no longer launch-bound, so eager steps lose little.
+GRAPH_BATCH_CAP = 512
 
 
 def parse_precision(text: str, field: str = "precision") -> tuple[int, int]:
@@ -183,7 +186,10 @@ class EngineConfig(BaseModel):
     max_model_len: Optional[int] = Field(None, ge=1, description="default: the model's context length")
     seed: int = Field(0, description="torch seed of the engine (random weights, requests without a seed)")
     enforce_eager: bool = Field(False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
-    max_graph_batch_size: int = Field(256, ge=1, description="largest decode batch captured in a CUDA graph")
+    max_graph_batch_size: int = Field(
+        256, ge=1, le=GRAPH_BATCH_CAP,
+        description="largest decode batch captured in a CUDA graph (also at most scheduler.max_num_seqs); larger "
+                    "batches run eagerly. The graphs' memory is taken from the KV pool's budget")
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model is split over (heads by whole KV groups, MLP columns); at most the "
                              "model's KV head count")

@@ -15,27 +15,31 @@ section empty, length 0, all-zero settings): they allocate nothing, their write 
 no token. Capture runs with every row padded, because the captured work is not idempotent (it moves
 tokens and adds attention to their scores); the real inputs are copied in afterwards. The decode kernel
 is captured with max_len = max_model_len, which fixes its split count for every length.
+
+Memory (diffkv_serve/engine/graph_memory.py): every bucket writes its logits into one static buffer sized for
+the largest, the buckets share one graph pool, and capture_all captures the largest first so smaller buckets
+reuse its blocks. `memory_bytes` is what capturing took (device memory reserved before vs after).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
+from diffkv_serve.engine.graph_memory import graph_buckets
 from diffkv_serve.engine.model import CausalLM
 from diffkv_serve.engine.profiling import cost_range
 
 
+log = logging.getLogger(__name__)
+
 ROWS = 4  # a step's inputs: ids, positions, slots, new lengths
-
-
-def graph_buckets(max_batch: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
-    return sizes + [max_batch]
 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, attn: PagedAttention, max_batch: int, max_model_len: int,
-                 token_table: torch.Tensor | None = None):
+                 token_table: torch.Tensor | None = None, budget: int | None = None):
         self.model, self.attn, self.kv = model, attn, attn.kv
         # Async scheduling: the forward gathers each row's input id from the slot's last sampled token on the
         # device (ModelRunner.token_table) instead of the staged ids, which the host may not know yet.
@@ -51,14 +55,22 @@ class DecodeGraphs:
         self.ints_host = torch.zeros(ROWS * max_batch, dtype=torch.int64).pin_memory()
         self.copied = torch.cuda.Event()  # the last step's staging copies are done (the buffers may be reused)
         self.graphs: dict[int, tuple] = {}  # bucket -> (plan graph or None, memory graph, forward graph, outputs)
-        self.logits: dict[int, torch.Tensor] = {}
+        # fp32 logits of every bucket (a bucket of b rows writes the first b): outside the graph pool, shared
+        self.logits = torch.empty(max_batch, model.vocab_rows, dtype=torch.float32, device=dev)
+        self.memory_bytes = self.logits.numel() * 4  # the logits buffer, then what each capture took
+        self.budget = budget  # bytes the pool's sizing set aside for the graphs (None: not budgeted)
+        # One stream for every bucket's warm-up: the caching allocator keeps freed blocks per stream, so a new
+        # stream per bucket would strand a step's activations for each.
+        self.side = torch.cuda.Stream(dev)
+        self._warned = False
         self.pool = None
         self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def capture_all(self) -> None:
         """Capture every bucket now (benchmarks: capturing, and compiling what it runs, stays out of timed
-        steps). Only between steps: capture runs padding rows through the step's work."""
-        for b in self.buckets:
+        steps). Only between steps: capture runs padding rows through the step's work. Largest first: the
+        shared pool then holds about one largest step, which the smaller ones reuse."""
+        for b in sorted(self.buckets, reverse=True):
             if b not in self.graphs:
                 self._capture(b)
 
@@ -82,11 +94,25 @@ class DecodeGraphs:
         if self.token_table is not None:
             ids = self.token_table[slots]
         self.attn.meta = StepMetadata(False, pos.int(), dst_page, dst_row, slots.int(), self.max_model_len)
-        return self.model.logits(self.model(ids, pos, self.attn))
+        return self.model.logits(self.model(ids, pos, self.attn), out=self.logits[:b])
 
     def _capture(self, b: int) -> None:
+        dev = self.ints.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
+        self._capture_graphs(b)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the warm-up's blocks, cached for the side stream only, go back
+        self.memory_bytes += max(torch.cuda.memory_reserved(dev) - before, 0)
+        if self.budget is not None and self.memory_bytes > self.budget and not self._warned:
+            self._warned = True
+            log.warning("CUDA graphs up to batch %d took %.0f MiB, past the %.0f MiB the KV pool's sizing set "
+                        "aside (lower max_graph_batch_size or gpu_memory_utilization)", b,
+                        self.memory_bytes / 2**20, self.budget / 2**20)
+
+    def _capture_graphs(self, b: int) -> None:
         self._pad(0, b)
-        side = torch.cuda.Stream(self.ints.device)
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up on padding only: Triton compiles, cuBLAS picks its kernels
             for _ in range(2):
@@ -105,7 +131,7 @@ class DecodeGraphs:
             dst = self._pages(b, plan)
         self.pool = g_mm.pool()
         with torch.cuda.graph(g_fwd, pool=self.pool):
-            self.logits[b] = self._forward(b, *dst)
+            self._forward(b, *dst)
         self.graphs[b] = (g_plan, g_mm, g_fwd, plan, dst)  # keep plan and dst alive: later graphs read them
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], new_lens: list[int],
@@ -115,6 +141,8 @@ class DecodeGraphs:
         n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
+            if not self.graphs and b != self.buckets[-1]:
+                self._capture(self.buckets[-1])  # the largest first: smaller buckets then reuse its pool blocks
             self._capture(b)
         self.copied.synchronize()  # long done (the last step's tokens were read), but never overwrite in flight
         stage = self.ints_host[:ROWS * b].view(ROWS, b)
@@ -138,4 +166,4 @@ class DecodeGraphs:
         with cost_range("model"):
             g_fwd.replay()
         self.kv.set_mm_events(start, end)
-        return self.logits[b][:n]
+        return self.logits[:n]

@@ -91,9 +91,18 @@ class CausalLM(nn.Module):
             h, delta = layer(h, delta, self.rope, tables, attn)
         return self.norm.add_and_norm(h, delta)[1]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [N, vocab]; into `out` (a static buffer, e.g. the CUDA graphs' shared one) when given, by
+        the same one conversion kernel."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ w.t()).float()
+        if out is None:
+            return (hidden @ w.t()).float()
+        return out.copy_(hidden @ w.t())
+
+    @property
+    def vocab_rows(self) -> int:
+        """Width of the logits."""
+        return (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight).shape[0]
 
     # ---- weights --------------------------------------------------------------------------------
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:

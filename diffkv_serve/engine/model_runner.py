@@ -11,6 +11,7 @@ import torch
 from diffkv_serve.engine import key_centering, kv_rotation
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.config import EngineConfig
+from diffkv_serve.engine.graph_memory import graph_batch_limit, graph_memory_estimate, kv_pool_bytes
 from diffkv_serve.engine.host_copy import to_device
 from diffkv_serve.engine.kv.layout import CacheShape, pages_for_bytes
 from diffkv_serve.engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
@@ -89,6 +90,7 @@ class ModelRunner:
         self.model = model.eval()
         self.key_centering = self._center_keys(model_name, pc)
         kv_rotation.install(self.model, kv_rotation.resolve_mode(config.cache))
+        self.graph_budget: Optional[int] = None  # set by _num_pages when it sizes the pool around the graphs
         shape = CacheShape(arch.num_layers, pc.num_kv_heads(arch), arch.head_dim,
                            config.scheduler.max_num_seqs, max_model_len, config.cache.block_size)
         self.kv = KVCache(config.cache, shape, self._num_pages(shape), self.dtype, self.device,
@@ -122,9 +124,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             from diffkv_serve.engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.attn,
-                                       min(config.max_graph_batch_size, config.scheduler.max_num_seqs), max_model_len,
-                                       self.token_table)
+            self.graphs = DecodeGraphs(self.model, self.attn, self._graph_batch(), max_model_len, self.token_table,
+                                       self.graph_budget)
         log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.kv_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
@@ -149,6 +150,7 @@ class ModelRunner:
         self.key_centering = key_centering.describe("calibrated", centers)
 
     def _num_pages(self, shape: CacheShape) -> int:
+        """Pages of the pool; under gpu_memory_utilization, sets graph_budget (the CUDA graphs' reserved bytes)."""
         cc = self.config.cache
         if cc.num_pages is not None:
             return cc.num_pages
@@ -156,12 +158,19 @@ class ModelRunner:
             nbytes = cc.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of a full batch of prefill tokens and logits.
+            # Leave room for activations of a full batch of prefill tokens and logits, and for the decode graphs.
             act = 64 * self.config.scheduler.max_num_batched_tokens * self.arch.hidden_size
-            nbytes = max(free - (1 - cc.gpu_memory_utilization) * total - act, 2**26)
+            graphs = 0 if self.config.enforce_eager else graph_memory_estimate(
+                self.arch, self._graph_batch(), torch.empty((), dtype=self.dtype).element_size(),
+                self.arch.group_size * shape.num_kv_heads, shape.num_kv_heads)  # this rank's heads
+            self.graph_budget = graphs
+            nbytes = kv_pool_bytes(free, total, cc.gpu_memory_utilization, act, graphs)
         else:
             nbytes = 0.5 * 2**30
         return pages_for_bytes(shape, self.dtype, nbytes)
+
+    def _graph_batch(self) -> int:
+        return graph_batch_limit(self.config.max_graph_batch_size, self.config.scheduler.max_num_seqs)
 
     def _to_device(self, rows: list) -> list[torch.Tensor]:
         """Several int lists / numpy arrays in one host-to-device copy (int64)."""

@@ -28,7 +28,7 @@ from diffkv_serve.service import drain, replica_deaths
 from diffkv_serve.service.admission import AdmissionController
 from diffkv_serve.service.api_error import RETRY_AFTER_DEAD_S, APIError
 from diffkv_serve.service.auth import APIKeys
-from diffkv_serve.service.config import ServiceConfig
+from diffkv_serve.service.config import ServiceConfig, config_digest
 from diffkv_serve.service.guard import DRAIN_RETRY_AFTER_S, GuardPolicy, RequestGuard
 from diffkv_serve.service.metrics import Metrics
 from diffkv_serve.service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
@@ -140,6 +140,7 @@ class OpenAIIngress:
     async def __init__(self, engine, config: dict):
         self.engine = engine  # DeploymentHandle of EngineReplica
         self.cfg = ServiceConfig.model_validate(config)
+        self.config_digest = config_digest(config)
         scaling = self.cfg.autoscaling or {}
         self.admission = AdmissionController(
             self.cfg.admission, self.cfg.engine.scheduler.max_num_seqs, self.cfg.num_replicas,
@@ -250,13 +251,21 @@ class OpenAIIngress:
                                 f"(limits.max_prompt_chars)", "invalid_request_error", param, "prompt_too_long")
 
     async def _model_info(self) -> dict:
-        if self._info is None:
-            try:
-                self._info = await self.engine.info.remote()
-            except Exception as e:
-                raise APIError(503, f"no engine replica is available: {e!r}", "service_unavailable",
-                               retry_after=RETRY_AFTER_DEAD_S) from e
-        return self._info
+        """The served model's name, context and cache, from an engine replica. Kept once a replica of this
+        ingress's own deployment answered: during a rolling update a replica of the previous configuration
+        may answer first (its description then serves this request only)."""
+        if self._info is not None:
+            return self._info
+        try:
+            info = await self.engine.info.remote()
+        except Exception as e:
+            raise APIError(503, f"no engine replica is available: {e!r}", "service_unavailable",
+                           retry_after=RETRY_AFTER_DEAD_S) from e
+        if info.get("config_digest") == self.config_digest:
+            self._info = info
+        elif self.cfg.served_model_name:  # this deployment's name for the model, whoever answered
+            info = {**info, "model": self.cfg.served_model_name}
+        return info
 
     def _publish_admission_gauges(self) -> None:
         m = self.metrics

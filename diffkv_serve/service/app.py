@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 APP_NAME = "diffkv"
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+# A stopping engine replica's time beyond drain_timeout_s: its __del__ (stop record, engine shutdown).
+ENGINE_STOP_MARGIN_S = 5.0
+# How long a stopping ingress replica waits for its requests. It does no generation itself: each request it
+# holds ends when its engine replica finishes it, or, if that replica is stopped (drain_timeout_s + margin)
+# or fails, with an SSE error event or a 503. Killing the ingress sooner would cut those streams, so the
+# bound is far above any of that.
+INGRESS_STOP_TIMEOUT_S = 3600.0
 
 
 def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
@@ -39,7 +46,9 @@ def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": 10,
+        # A replica Serve stops (redeploy, scale-down) gets no new requests and runs those it holds to their
+        # end for up to drain_timeout_s, as a drained server does; then Serve kills it.
+        "graceful_shutdown_timeout_s": cfg.drain_timeout_s + ENGINE_STOP_MARGIN_S,
         # how often a stopping replica looks for requests still running (Serve's 2 s would add up to 2 s to
         # every stop, when a drain has already finished them)
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -103,7 +112,20 @@ def build_app(args: ServiceConfig) -> Application:
         # Every request reaches the ingress at once, so admission control sees the real arrivals (Serve's
         # default of 5 would queue them in the proxy, invisibly).
         max_ongoing_requests=100_000, graceful_shutdown_wait_loop_s=0.5,
-        ray_actor_options=ingress_actor_options(cfg)).bind(engine, payload)
+        graceful_shutdown_timeout_s=max(INGRESS_STOP_TIMEOUT_S, cfg.drain_timeout_s + 2 * ENGINE_STOP_MARGIN_S),
+        ray_actor_options=ingress_actor_options(cfg), **ingress_surge()).bind(engine, payload)
+
+
+def ingress_surge() -> dict[str, Any]:
+    """A redeploy starts the new ingress replicas before it stops the old ones, so the proxy always has one to
+    send requests to (an ingress costs a fraction of a CPU). Ray before max_surge_percent stops the old one
+    first: requests then wait in the proxy until the new one runs."""
+    import inspect
+
+    from ray.serve.deployment import Deployment
+
+    return {"max_surge_percent": 100} if "max_surge_percent" in inspect.signature(Deployment.options).parameters \
+        else {}
 
 
 def ingress_actor_options(cfg: ServiceConfig) -> dict[str, Any]:

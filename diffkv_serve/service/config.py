@@ -8,6 +8,8 @@ CPU box with the embedded model.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any, Literal, Mapping, Optional
 
@@ -160,6 +162,12 @@ class ServiceConfig(BaseModel):
         default_factory=dict, description="custom Ray resources an ingress replica holds: pins the ingress to "
                                           "nodes that offer them (e.g. the head, so a worker node's loss costs "
                                           "only engine replicas)")
+    replica_memory_limit_gib: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="an engine replica whose resident memory is above this at one of its memory samples (every "
+                    "2 s) ends itself (SIGKILL) and is reported as a `memory` death; Serve replaces it. Set it "
+                    "below the node's (or pod's) memory so that a leak or an oversized cache costs one replica, "
+                    "not whatever the OOM killer picks. None: no limit")
     health_check_period_s: float = Field(2.0, gt=0, description="how often Serve checks an engine replica's health")
     health_check_timeout_s: float = Field(30.0, gt=0, description="a health check slower than this fails the "
                                                                   "replica (seconds)")
@@ -235,3 +243,11 @@ class ServiceConfig(BaseModel):
     def uses_worker_actors(self) -> bool:
         """The engine runs its ranks as Ray actors (then the replica needs a placement group for them)."""
         return self.engine.executor_kind == "ray"
+
+
+def config_digest(args: Mapping[str, Any]) -> str:
+    """A short fingerprint of the deployment arguments (build_app's payload, API keys left out: only the ingress
+    gets them). During a rolling update old and new engine replicas serve side by side; an ingress takes the
+    model's description only from a replica of its own deployment, which has the same fingerprint."""
+    shared = {k: v for k, v in args.items() if k != "api_keys"}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:16]

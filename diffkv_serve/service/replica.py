@@ -18,6 +18,8 @@ import collections
 import dataclasses
 import json
 import logging
+import os
+import signal
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -28,9 +30,9 @@ import diffkv_serve.engine.errors as engine_errors
 from diffkv_serve.engine.async_engine import AsyncLLMEngine
 from diffkv_serve.engine.errors import InvalidRequestError
 from diffkv_serve.engine.sampling_params import SamplingParams
-from diffkv_serve.service import replica_deaths
+from diffkv_serve.service import replica_deaths, testing_hooks
 from diffkv_serve.service.admission import ServiceMeter
-from diffkv_serve.service.config import ServiceConfig
+from diffkv_serve.service.config import ServiceConfig, config_digest
 from diffkv_serve.service.metrics import KV_MODE, REPLICA, Metrics
 
 log = logging.getLogger("ray.serve")
@@ -64,6 +66,7 @@ class EngineReplica:
         from ray import serve
 
         self.cfg = ServiceConfig.model_validate(config)
+        self.config_digest = config_digest(config)
         try:
             ctx = serve.get_replica_context()
             self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
@@ -102,7 +105,7 @@ class EngineReplica:
         return {"model": self.cfg.served_model_name or self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "kv_mode": self.engine.config.cache.kv_mode, "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
                 "tensor_parallel_size": self.cfg.engine.tensor_parallel_size, "replica": self.replica_id,
-                "kv_cache": self.kv_cache_card()}
+                "kv_cache": self.kv_cache_card(), "config_digest": self.config_digest}
 
     def kv_cache_card(self) -> dict:
         """The cache as the engine resolved it (the model's settings file filled what the config left unset):
@@ -372,15 +375,28 @@ class EngineReplica:
         m.set("diffkv_service_rate", rate or 0.0)
 
     async def _sample_memory(self) -> None:
-        """For service.replica_deaths: if this process is killed without a word, how full its node was."""
+        """For service.replica_deaths: if this process is killed without a word, how full its node was; and
+        replica_memory_limit_gib: past it, the replica ends itself (its sample, recorded first, says why)."""
         now = time.monotonic()
         if self.actor_id is None or now - self._memory_sampled < MEMORY_SAMPLE_PERIOD_S:
             return
         self._memory_sampled = now
+        limit_gib = self.cfg.replica_memory_limit_gib
+        sample = replica_deaths.memory_sample(None if limit_gib is None else int(limit_gib * 2**30))
         try:
-            await asyncio.to_thread(replica_deaths.record_memory, self.app_name, self.actor_id)
+            await asyncio.to_thread(replica_deaths.record_memory, self.app_name, self.actor_id, sample)
         except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the next sample comes soon
             log.debug("engine replica %s: memory sample not recorded", self.replica_id, exc_info=True)
+        if replica_deaths.over_limit(sample):
+            # SIGKILL as the OOM killer would, but at a limit of our choosing and with the cause on record;
+            # a graceful stop would keep the memory while it drains
+            log.error("engine replica %s: resident memory %.2f GiB is above replica_memory_limit_gib %.2f: "
+                      "ending the replica", self.replica_id, sample["rss"] / 2**30, limit_gib)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def hold_memory_for_test(self, gib: float) -> int:
+        """service.testing_hooks.hold_memory in this replica (only with DIFFKV_TEST_HOOKS=1)."""
+        return await asyncio.to_thread(testing_hooks.hold_memory, gib)
 
     async def __del__(self) -> None:
         """Serve calls this on graceful shutdown: end the step thread, abort what is left, release workers."""

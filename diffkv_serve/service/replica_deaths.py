@@ -6,8 +6,9 @@ reports it. Two things the replicas leave there make the cause precise:
   * a stop record, written by the engine replica when Serve stops it gracefully (its __del__): a replica
     stopped on purpose (scale-down, redeploy, delete) is no death, and one stopped because its engine died
     is reported as engine_dead;
-  * a memory sample (the replica's resident memory and its node's memory in use), refreshed with its stats:
-    a process killed without a word (SIGKILL) from a nearly full node was most likely the kernel's OOM killer.
+  * a memory sample (the replica's resident memory, its limit and its node's memory in use), refreshed with
+    its stats: a process killed without a word (SIGKILL) from a nearly full node was most likely the kernel's
+    OOM killer; one whose last sample is over its limit (replica_memory_limit_gib) ended itself for it.
 """
 from __future__ import annotations
 
@@ -55,12 +56,21 @@ def record_stop(app: str, actor_id: str, engine_dead: Optional[str]) -> None:
     _put(_key(app, "stop", actor_id), {"engine_dead": engine_dead})
 
 
-def record_memory(app: str, actor_id: str) -> None:
+def memory_sample(limit_bytes: Optional[int]) -> dict:
+    """This process's resident memory against its limit (None: no limit), and its node's memory in use."""
     import psutil
 
     vm = psutil.virtual_memory()
-    _put(_key(app, "memory", actor_id), {"rss": psutil.Process().memory_info().rss,
-                                         "node_used": 1.0 - vm.available / vm.total, "t": time.time()})
+    return {"rss": psutil.Process().memory_info().rss, "limit": limit_bytes,
+            "node_used": 1.0 - vm.available / vm.total, "t": time.time()}
+
+
+def over_limit(sample: dict) -> bool:
+    return sample.get("limit") is not None and sample["rss"] > sample["limit"]
+
+
+def record_memory(app: str, actor_id: str, sample: dict) -> None:
+    _put(_key(app, "memory", actor_id), sample)
 
 
 # ---- naming the cause -------------------------------------------------------------------------------------
@@ -94,11 +104,16 @@ def classify(death_cause: Any, stop: Optional[dict], memory: Optional[dict],
         return "owner_died", "its owner (Serve's controller) died"
     if reason == "RAY_KILL":
         return "killed", ("killed with ray.kill without a graceful stop: what Serve does to a replica whose health "
-                          "check timed out (hung), or an operator's ray.kill")
+                          "check timed out (hung) or to a replaced one still running requests at the end of its "
+                          "stop (drain_timeout_s), or an operator's ray.kill")
     if reason == "WORKER_DIED":
         if "NODE_OUT_OF_MEMORY" in message:
             return "memory", f"Ray's memory monitor killed its process: {message}"
         seen = ""
+        if memory is not None and over_limit(memory):
+            return "memory", (f"its resident memory passed its limit (replica_memory_limit_gib) at its last "
+                              f"sample: {_gib(memory['rss'])} > {_gib(memory['limit'])}, so it ended itself "
+                              f"(SIGKILL) before the node ran out")
         if memory is not None:
             ago = max(0.0, end_time_s - memory["t"])
             seen = (f"; {ago:.1f}s before, it used {_gib(memory['rss'])} and its node "

@@ -229,12 +229,13 @@ def _drain(cfg, hurry) -> None:
         time.sleep(_DRAIN_FLUSH_S)
 
 
-def _stop_serve(timeout_s: float = 30.0) -> None:
+def _stop_serve(timeout_s: float = 30.0, hurry=None) -> None:
     """serve.shutdown() without its noise. serve.shutdown() waits on a controller call that can only end by
     failing (the controller kills itself), and Ray reports that failure as "Task
     ServeController.graceful_shutdown failed ... will be retried". Here the shutdown is requested without
-    waiting, and the controller actor is waited for until it is gone; any other Ray falls back to
-    serve.shutdown()."""
+    waiting, and the controller actor is waited for until it is gone (replicas still holding requests get
+    their graceful-shutdown timeout, drain_timeout_s and a margin; a second Ctrl-C, `hurry`, stops waiting);
+    any other Ray falls back to serve.shutdown()."""
     import time
 
     import ray
@@ -254,14 +255,16 @@ def _stop_serve(timeout_s: float = 30.0) -> None:
     client.shutdown_cached_handles()
     ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    hurried = hurry.is_set if hurry is not None else (lambda: False)
+    while time.monotonic() < deadline and not hurried():
         try:
             ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
         except ValueError:  # gone: Serve's applications, replicas and proxies are stopped
             break
         time.sleep(0.2)
     else:
-        print(f"Serve's controller did not stop within {timeout_s:g}s", file=sys.stderr, flush=True)
+        if not hurried():
+            print(f"Serve's controller did not stop within {timeout_s:g}s", file=sys.stderr, flush=True)
     client._shutdown = True
     _set_global_client(None)
 
@@ -317,7 +320,7 @@ def cmd_serve(args) -> int:
                 serve.delete(APP_NAME)  # a shared cluster: remove only our app
                 drain.clear(APP_NAME)
             else:
-                _stop_serve()
+                _stop_serve(hurry=hurry)
         finally:
             ray.shutdown()
             _reap(ours)

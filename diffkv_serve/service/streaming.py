@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ray.serve")
 
 
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
 def _sse(obj: Union[dict, str]) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -36,6 +39,7 @@ class _Stream:
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
         self.failed = False  # ended by an error (400 / 503 from the replica)
+        self.error_event: Optional[APIError] = None  # the error a 200 stream ended with, as its last event
         self._closed = False
         self.abort_error: Optional[APIError] = None  # set when the server ends the request (drain timeout)
         self._aborted = asyncio.Event()
@@ -178,6 +182,7 @@ class _Stream:
                     yield _sse(render("delta", text=item["text"], finish_reason=item["finish_reason"], item=item,
                                       **kw))
             except APIError as e:  # headers are sent: report the failure in the stream, as OpenAI does
+                self.error_event = e
                 yield _sse(e.body())
                 return
             if include_usage:
@@ -208,6 +213,15 @@ class _Stream:
                           (now - self.t_first) / (self.completion_tokens - 1), endpoint=self.endpoint)
         self.ingress.admission.release()
         self.ingress._publish_admission_gauges()
+        if self.error_event is not None:
+            self._log_error_event()
+
+    def _log_error_event(self) -> None:
+        """Serve's access line for a stream says 200, the status its headers carried; this line, beside it,
+        says what the client read last: an error event, not a finished answer."""
+        e = self.error_event
+        log.warning("POST %s %s: 200 streamed, then ended with an error event after %d tokens: %d %s: %s",
+                    _PATHS[self.endpoint], self.rid, self.completion_tokens, e.status, e.type, e.message)
 
 
 class _SSEResponse(StreamingResponse):

@@ -13,6 +13,9 @@ from loadtest.soak_cluster import free_port, parse_metrics  # noqa: F401  (free_
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("DIFFKV_CACHE_DIR", os.path.expanduser("~/.cache/diffkv"))
+# Ray workers inherit the driver's environment: the engine replicas of these tests take
+# service.testing_hooks calls (a replica made to outgrow its memory limit).
+os.environ.setdefault("DIFFKV_TEST_HOOKS", "1")
 
 
 @dataclass

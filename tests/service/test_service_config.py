@@ -214,3 +214,40 @@ def test_fp16_server_card_and_kv_compression(fp16_service):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "kv_compression" and "'fp16'" in err["message"] and err["code"] is None
+
+
+def test_config_digest_tells_configurations_apart_and_ignores_keys():
+    """An ingress keeps the model's description only from an engine replica of its own configuration (a
+    rolling update runs old and new replicas side by side); the engine replicas get no API keys."""
+    from diffkv_serve.service.config import ServiceConfig, config_digest
+
+    old = ServiceConfig(device="cpu", model="random:tiny", limits={"max_prompt_chars": 400}).deployment_args()
+    new = ServiceConfig(device="cpu", model="random:tiny", limits={"max_prompt_chars": 200}).deployment_args()
+    keyed = ServiceConfig(device="cpu", model="random:tiny", limits={"max_prompt_chars": 400},
+                          api_keys=["sk-one"]).deployment_args()
+    assert config_digest(old) != config_digest(new)
+    assert config_digest(keyed) == config_digest(old)
+    assert config_digest(dict(reversed(list(old.items())))) == config_digest(old)  # key order does not matter
+
+
+def test_replaced_replicas_get_the_drain_timeout_and_the_ingress_surges():
+    """A rolling update stops old replicas through Serve's graceful shutdown: an engine replica gets
+    drain_timeout_s (and a margin for its __del__) to finish its requests; an ingress waits for its own, which
+    end on their engine replicas, and its replacement starts before it stops."""
+    from diffkv_serve.service.app import ENGINE_STOP_MARGIN_S, INGRESS_STOP_TIMEOUT_S
+
+    app = build_app({"device": "cpu", "drain_timeout_s": 12})
+    ingress = app._bound_deployment._deployment_config
+    engine = app._bound_deployment.init_args[0]._bound_deployment._deployment_config
+    assert engine.graceful_shutdown_timeout_s == 12 + ENGINE_STOP_MARGIN_S
+    assert ingress.graceful_shutdown_timeout_s == INGRESS_STOP_TIMEOUT_S > 12 + ENGINE_STOP_MARGIN_S
+    assert ingress.max_surge_percent == 100 and engine.max_surge_percent == 0
+
+
+@pytest.mark.parametrize("value,says", [(math.nan, "finite number"), (math.inf, "finite number"),
+                                        (0, "greater than 0"), (-1.0, "greater than 0")])
+def test_replica_memory_limit_must_be_a_positive_finite_number(value, says):
+    with pytest.raises(pydantic.ValidationError) as e:
+        ServiceConfig(device="cpu", replica_memory_limit_gib=value)
+    assert "replica_memory_limit_gib" in str(e.value) and says in str(e.value)
+    assert ServiceConfig(device="cpu", replica_memory_limit_gib=1.5).replica_memory_limit_gib == 1.5

@@ -1,7 +1,8 @@
 """Every engine replica death is explained: the cause named from Ray's record of the death and what the
 replica left (a graceful stop, its memory), logged by the ingress and counted in
-diffkv_replica_deaths_total{cause}. End to end: a replica SIGKILLed (process_died) and one killed with
-ray.kill (killed); the memory and engine causes from Ray's own death records."""
+diffkv_replica_deaths_total{cause}. End to end: a replica SIGKILLed (process_died), one killed with
+ray.kill (killed) and one grown past its memory limit (memory); the OOM-killer and engine causes from Ray's
+own death records."""
 import os
 import signal
 from pathlib import Path
@@ -45,6 +46,10 @@ def test_causes_from_ray_death_records():
     assert cause == "process_died" and "SIGKILL" in detail and "41%" in detail and "1.00 GiB" in detail
     cause, detail = classify(_died("WORKER_DIED", SIGKILLED), None, full, 100.0)
     assert cause == "memory" and "OOM killer" in detail and "97%" in detail and "0.5s before" in detail
+    over = {**calm, "rss": 3 * 2**30, "limit": 2 * 2**30}
+    cause, detail = classify(_died("WORKER_DIED", SIGKILLED), None, over, 100.0)
+    assert cause == "memory" and "3.00 GiB > 2.00 GiB" in detail and "replica_memory_limit_gib" in detail
+    assert classify(_died("WORKER_DIED", SIGKILLED), None, {**calm, "limit": 2 * 2**30}, 1.0)[0] == "process_died"
     assert classify(_died("WORKER_DIED", "Worker exit type: NODE_OUT_OF_MEMORY"), None, None, 1.0)[0] == "memory"
     assert classify(_died("RAY_KILL", "killed by `ray.kill`"), None, None, 1.0)[0] == "killed"
     assert classify(_died("NODE_DIED", "node 10.0.0.3 lost"), None, None, 1.0)[0] == "node_lost"
@@ -61,12 +66,12 @@ def service(cluster):
         yield s
 
 
-def _engine_actor(alive_not):
-    """(actor id, pid) of the running engine replica, other than `alive_not`."""
+def _engine_actor(alive_not, app=APP):
+    """(actor id, pid) of the running engine replica of `app`, other than `alive_not`."""
     from ray._private import state
 
     for actor_id, info in state.actors().items():
-        if info.get("ActorClassName") == f"ServeReplica:{APP}:EngineReplica" and info.get("State") == "ALIVE" \
+        if info.get("ActorClassName") == f"ServeReplica:{app}:EngineReplica" and info.get("State") == "ALIVE" \
                 and actor_id != alive_not:
             return actor_id, info["Pid"]
     return None
@@ -76,23 +81,27 @@ def _deaths(cluster, cause):
     return sum(values(parse_metrics(cluster.scrape()), P + "diffkv_replica_deaths_total", cause=cause))
 
 
-def _ingress_log_lines():
+def _ingress_log_lines(app=APP):
     import ray
 
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
-    return [line for p in logs.glob(f"replica_{APP}_OpenAIIngress_*.log") for line in p.read_text().splitlines()
+    return [line for p in logs.glob(f"replica_{app}_OpenAIIngress_*.log") for line in p.read_text().splitlines()
             if "died:" in line]
+
+
+def _answered(service):
+    import httpx
+
+    r = httpx.post(service["base"] + "/v1/completions", timeout=60,
+                   json={"model": service["model"], "prompt": "Hi", "max_tokens": 2})
+    return r.status_code == 200
 
 
 def test_sigkill_and_ray_kill_are_named(service, cluster):
     import ray
 
     def answered():
-        import httpx
-
-        r = httpx.post(service["base"] + "/v1/completions", timeout=60,
-                       json={"model": service["model"], "prompt": "Hi", "max_tokens": 2})
-        return r.status_code == 200
+        return _answered(service)
 
     before = {c: _deaths(cluster, c) for c in ("process_died", "killed")}
     actor_id, pid = wait_for(lambda: _engine_actor(None), 30, what="the engine replica")
@@ -138,3 +147,61 @@ def test_a_graceful_stop_is_recorded_as_a_stop(cluster):
     stop = replica_deaths._get(replica_deaths._key(app, "stop", actor_id))
     assert stop == {"engine_dead": None}
     assert classify(state.actors()[actor_id]["DeathCause"], stop, None, 0.0) is None
+
+
+def test_the_memory_hook_is_off_unless_enabled_and_bounded(monkeypatch):
+    from diffkv_serve.service import testing_hooks
+
+    monkeypatch.delenv(testing_hooks.ENV, raising=False)
+    with pytest.raises(RuntimeError, match=testing_hooks.ENV):
+        testing_hooks.hold_memory(0.01)
+    monkeypatch.setenv(testing_hooks.ENV, "1")
+    for gib in (0, -1, testing_hooks.MAX_HOLD_GIB + 1):
+        with pytest.raises(ValueError, match="gib"):
+            testing_hooks.hold_memory(gib)
+
+
+MEMORY_APP = "deaths_memory"
+LIMIT_GIB = 2.0  # a tiny random model's replica holds well under half of it
+
+
+@pytest.mark.slow  # ~25 s: a deploy, the death, Serve's replacement
+def test_a_replica_past_its_memory_limit_ends_itself_and_is_named_memory(cluster):
+    """A serving replica is made (service.testing_hooks) to hold memory until its resident memory passes
+    replica_memory_limit_gib: at its next memory sample it records the sample and SIGKILLs itself; the
+    ingress names the death `memory` with both figures, counts it once, and Serve's replacement serves."""
+    import psutil
+    import ray
+
+    margin = 1.0  # GiB beyond the limit that must stay free on the machine
+    free = psutil.virtual_memory().available
+    if free < (LIMIT_GIB + margin) * 2**30:
+        pytest.skip(f"the replica grows to {LIMIT_GIB + 0.5:g} GiB; this machine has only "
+                    f"{free / 2**30:.1f} GiB available")
+    config = {"device": "cpu", "model": "random:tiny", "replica_memory_limit_gib": LIMIT_GIB}
+    with served(cluster, config, MEMORY_APP, "/" + MEMORY_APP) as service:
+        before = {c: _deaths(cluster, c) for c in ("memory", "process_died")}
+        actor_id, pid = wait_for(lambda: _engine_actor(None, MEMORY_APP), 30, what="the engine replica")
+        rss = psutil.Process(pid).memory_info().rss
+        assert rss < (LIMIT_GIB - 0.25) * 2**30, f"the replica already holds {rss / 2**30:.2f} GiB"
+        hold_gib = LIMIT_GIB - rss / 2**30 + 0.5
+        try:
+            held = service["engine"].hold_memory_for_test.remote(hold_gib).result(timeout_s=60)
+            assert held >= hold_gib * 2**30 - 1
+        except ray.exceptions.RayActorError:
+            pass  # a memory sample fell while it was still allocating: it ended itself mid-call
+
+        wait_for(lambda: _deaths(cluster, "memory") == before["memory"] + 1, 60, interval=1.0,
+                 what="the death counted as memory")
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        line = wait_for(lambda: [ln for ln in _ingress_log_lines(MEMORY_APP) if "died: memory" in ln], 30,
+                        what="the log line")
+        assert len(line) == 1, line
+        assert f"(pid {pid}) died: memory: its resident memory passed its limit (replica_memory_limit_gib) " \
+               f"at its last sample: " in line[0], line
+        assert f"> {LIMIT_GIB:.2f} GiB, so it ended itself (SIGKILL)" in line[0], line
+
+        wait_for(lambda: _engine_actor(actor_id, MEMORY_APP), 120, what="Serve's replacement replica")
+        wait_for(lambda: _answered(service), 60, what="the replacement to serve")
+        assert _deaths(cluster, "memory") == before["memory"] + 1  # counted once, and the replacement lives
+        assert _deaths(cluster, "process_died") == before["process_died"]

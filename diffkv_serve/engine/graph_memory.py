@@ -1,0 +1,65 @@
+"""What the decode CUDA graphs cost in device memory, counted against the KV pool's budget before the pool is sized.
+
+Graphs are captured after the pool exists (they replay the paged cache's memory management), so their memory is
+reserved from an estimate, as vLLM reserves room for what it cannot profile before sizing its KV cache:
+
+- a static fp32 logits buffer [max_batch, vocab] that every bucket's forward writes into (so no bucket keeps an
+  output of its own alive in the graph pool);
+- the graph pool: the buckets share one private pool and are captured largest first, so it holds about one
+  largest-bucket step of activations (the bf16 logits, the MLP's and attention's intermediates, the attention's
+  split-K partials), which smaller buckets reuse;
+- a fixed amount per bucket (the graph objects, each bucket's plan and write targets).
+
+DecodeGraphs measures the real cost as it captures (`memory_bytes`), to check the estimate against.
+"""
+from __future__ import annotations
+
+from diffkv_serve.engine.config import GRAPH_BATCH_CAP
+from diffkv_serve.engine.model_config import ModelArch
+
+PER_BUCKET_BYTES = 2 * 2**20
+ATTENTION_SPLITS = 16  # split-K partials per row and query head reserved for (the kernel picks fewer at large batch)
+
+
+def graph_batch_limit(max_graph_batch_size: int, max_num_seqs: int) -> int:
+    """Largest captured batch: never more rows than the scheduler runs at once, nor past GRAPH_BATCH_CAP."""
+    for name, v in (("max_graph_batch_size", max_graph_batch_size), ("max_num_seqs", max_num_seqs)):
+        if v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}")
+    return min(max_graph_batch_size, max_num_seqs, GRAPH_BATCH_CAP)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then every 16th up to max_batch (a step pads to the next one)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def step_activation_bytes(arch: ModelArch, rows: int, dtype_bytes: int, num_heads: int | None = None,
+                          num_kv_heads: int | None = None) -> int:
+    """Peak activations of one decode step of `rows` sequences (one layer's intermediates are live at a time)."""
+    h = arch.num_heads if num_heads is None else num_heads
+    hk = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    per_row = dtype_bytes * (arch.vocab_size + 3 * arch.intermediate_size + 6 * arch.hidden_size
+                             + 2 * (h + 2 * hk) * arch.head_dim)
+    per_row += 4 * h * ATTENTION_SPLITS * (arch.head_dim + 2)  # fp32 partial outputs, max and sum
+    return rows * per_row
+
+
+def graph_memory_estimate(arch: ModelArch, max_batch: int, dtype_bytes: int, num_heads: int | None = None,
+                          num_kv_heads: int | None = None) -> int:
+    """Bytes the decode graphs of batches up to `max_batch` take: logits buffer + pool + per-bucket fixed cost."""
+    logits = 4 * max_batch * arch.vocab_size
+    pool = step_activation_bytes(arch, max_batch, dtype_bytes, num_heads, num_kv_heads)
+    return logits + pool + PER_BUCKET_BYTES * len(graph_buckets(max_batch))
+
+
+def kv_pool_bytes(free: int, total: int, utilization: float, activation_bytes: int, graph_bytes: int,
+                  floor: int = 2**26) -> int:
+    """The page pool under gpu_memory_utilization: what is free now (weights loaded), less the share of the
+    device left unused, the prefill activations and the CUDA graphs' estimate; at least `floor`."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    return int(max(free - (1 - utilization) * total - activation_bytes - graph_bytes, floor))
