@@ -187,10 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m evals.cli", description="DiffKV accuracy evaluation and "
                                      "calibration (docs/ACCURACY.md)", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("eval", formatter_class=HelpFormatter, help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
+    e = sub.add_parser("eval", formatter_class=HelpFormatter,
+                       help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
     add_eval_args(e)
     e.set_defaults(func=cmd_eval)
-    c = sub.add_parser("calibrate", formatter_class=HelpFormatter, help="calibrate alpha_high / alpha_low for a model and write its settings file")
+    c = sub.add_parser("calibrate", formatter_class=HelpFormatter,
+                       help="calibrate alpha_high / alpha_low for a model and write its settings file")
     add_calibrate_args(c)
     c.set_defaults(func=cmd_calibrate)
     return parser

@@ -396,8 +396,9 @@ def render() -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
+    written = DASHBOARD_PATH.relative_to(REPO)
     ap = argparse.ArgumentParser(prog="python3 grafana/dashboard.py", description=__doc__.split("\n\n")[0],
-                                 epilog=f"Without --check: rewrite {DASHBOARD_PATH.relative_to(DASHBOARD_PATH.parents[2])}.")
+                                 epilog=f"Without --check: rewrite {written}.")
     ap.add_argument("--check", action="store_true", help="check that the JSON is current and its queries are valid "
                                                         "(writes nothing)")
     args = ap.parse_args(argv)

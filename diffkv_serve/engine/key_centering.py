@@ -8,8 +8,8 @@ k_proj bias) carry a few key channels hundreds of times larger than the rest, in
 where they barely rotate; a per-token min-max scale of 4 bits then wipes out every other channel.
 
 Where the vector comes from (`CacheConfig.key_centering`):
-- "calibrated": the mean post-RoPE key per (layer, KV head) that `python3 -m evals.cli calibrate` measured over calibration
-  sequences, stored in the model's settings file under "key_center" ([layers][kv_heads][head_dim]);
+- "calibrated": the mean post-RoPE key per (layer, KV head) that `python3 -m evals.cli calibrate` measured over
+  calibration sequences, stored in the model's settings file under "key_center" ([layers][kv_heads][head_dim]);
 - "bias": with no calibration, the k_proj bias rotated to every position of a span and averaged (no data
   needed; the outlier channels barely rotate, so this is close to the bias there and near zero elsewhere);
 - "auto": calibrated if the settings file has it, else bias if the model has a k_proj bias, else off; a 16-bit

@@ -150,7 +150,8 @@ class ServiceConfig(BaseModel):
     max_ongoing_requests: int = Field(
         1024, ge=1, description="requests Serve sends one engine replica at once; admission control keeps the "
                                 "real load far below (the engine queues what it cannot batch)")
-    ingress_replicas: int = Field(1, ge=1, description="replicas of the HTTP ingress (validation, admission, streaming)")
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the HTTP ingress (validation, admission, "
+                                                       "streaming)")
     replica_cpus: float = Field(0.5, gt=0, description="CPUs of an engine replica's actor (fractional on CPU)")
     worker_cpus: float = Field(0.25, gt=0, description="CPUs of each tensor-parallel worker actor (CPU runs)")
     ingress_cpus: float = Field(0.25, gt=0, description="CPUs of an ingress replica's actor")

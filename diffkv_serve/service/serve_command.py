@@ -304,7 +304,8 @@ def cmd_serve(args) -> int:
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
         metrics = _metrics_banner(args, _this_node() if args.address else None)
         print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.engine.cache.kv_mode}, "
-              f"replicas={cfg.num_replicas}, tp={cfg.engine.tensor_parallel_size}{metrics}; {_auth_banner(args, cfg)}). "
+              f"replicas={cfg.num_replicas}, tp={cfg.engine.tensor_parallel_size}{metrics}; "
+              f"{_auth_banner(args, cfg)}). "
               f"Ctrl-C stops.", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass

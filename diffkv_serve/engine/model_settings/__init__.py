@@ -50,7 +50,8 @@ def load_model_settings(model_name: str, directory: Path = SETTINGS_DIR) -> Opti
                                   not all(isinstance(x, (int, float)) and x > 0 for x in scale)):
             raise ValueError(f"{LAYER_SCALE} must be a list of numbers > 0")
     except (ValueError, KeyError) as e:
-        raise ValueError(f"{path}: damaged model settings ({e}); rerun `python3 -m evals.cli calibrate` or delete it") from e
+        raise ValueError(f"{path}: damaged model settings ({e}); rerun `python3 -m evals.cli calibrate` or "
+                         f"delete it") from e
     return settings
 
 
