@@ -66,6 +66,7 @@ from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa
 from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel  # noqa: E402
 from diffkv_serve.kernels.kv_write import write_kv  # noqa: E402
 from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 PRECISIONS = {"fp16": "K16V16", "K8V8": "K8V8", "fp8": "K8V8-e4m3", "K8V4": "K8V4", "K4V2": "K4V2",
               "mix": "K8V4+K4V2"}
@@ -321,7 +322,7 @@ def parse_args(argv):
     ap.add_argument("--check-shape", type=int, nargs=2, default=None, metavar=("B", "S"),
                     help="shape of the Triton-vs-ref check of every precision before timing (default 3 1000; "
                          "smoke: 2 300)")
-    ap.add_argument("--device", default="auto")
+    add_engine_flags(ap, only=("device",), defaults={"device": "auto"})
     ap.add_argument("--impl", default="auto", choices=("auto", "triton", "ref"),
                     help="paged kernel: auto = triton on CUDA, ref (torch) on CPU")
     ap.add_argument("--seed", type=int, default=0)

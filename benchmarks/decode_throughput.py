@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
 from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
-from diffkv_serve.engine.config import KV_MODES  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 
 def run_batch(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
@@ -76,11 +76,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s (H100 copy bandwidth measured here)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_engine_flags(ap, only=("device", "dtype", "kv_mode"),
+                     defaults={"device": "auto", "dtype": "auto", "kv_mode": "fp16"})
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_throughput_<gpu>.json)")
-    ap.add_argument("--kv-mode", default="fp16", choices=KV_MODES, help="the engine's kv_mode")
     ap.add_argument("--key-centering", nargs="+", default=None, choices=("auto", "bias", "off"),
                     help="compare these key-centering modes side by side (an engine each, order A B B A)")
     ap.add_argument("--kv-rotation", nargs="+", default=None, choices=("auto", "hadamard", "off"),

@@ -40,6 +40,7 @@ from diffkv_serve.engine.cuda_graph import DecodeGraphs  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.model_runner import ModelRunner  # noqa: E402
 from diffkv_serve.engine.scheduler import Scheduler  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 # (class, method, timer): the time inside each call is added to its timer.
 TIMED = ((Scheduler, "schedule", "schedule"), (ModelRunner, "_decode", "decode"), (DecodeGraphs, "run", "graphs"),
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--seq", type=int, default=1024, help="prompt length")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per (mode, batch)")
-    ap.add_argument("--device", default="auto")
+    add_engine_flags(ap, only=("device",), defaults={"device": "auto"})
     ap.add_argument("--async-scheduling", nargs="+", default=["off", "on"], choices=["auto", "on", "off"],
                     help="engine settings measured, each on its own engine")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host_overhead_<gpu>.json)")

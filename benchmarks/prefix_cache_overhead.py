@@ -19,6 +19,7 @@ from benchmarks._results import write_result
 from diffkv_serve.engine import EngineConfig, SamplingParams
 from diffkv_serve.engine.llm_engine import LLMEngine
 from diffkv_serve.engine.loader import load_checkpoint
+from diffkv_serve.engine.flags import add_engine_flags
 
 
 def prompts(scenario: str, n: int, length: int, seed: int) -> list[list[int]]:
@@ -54,7 +55,7 @@ def run_once(eng: LLMEngine, device: str, reqs: list[list[int]], max_tokens: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
+    add_engine_flags(ap, only=("device",), defaults={"device": "cpu"})
     ap.add_argument("--modes", default="fp16,diffkv")
     ap.add_argument("--scenarios", default="distinct,shared")
     ap.add_argument("--num-prompts", type=int, default=4)

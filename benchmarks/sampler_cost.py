@@ -23,6 +23,7 @@ from benchmarks._results import write_result
 from diffkv_serve.engine import SamplingParams
 from diffkv_serve.engine.logits_processors import TokenHistory
 from diffkv_serve.engine.sampler import sample
+from diffkv_serve.engine.flags import add_engine_flags
 
 SCENARIOS = {
     "greedy": dict(temperature=0),
@@ -101,7 +102,7 @@ def time_engine(device: str, num_requests: int, max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
+    add_engine_flags(ap, only=("device",), defaults={"device": "cpu"})
     ap.add_argument("--vocab", type=int, default=49152)  # SmolLM2's
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--iters", type=int, default=20)

@@ -27,6 +27,7 @@ from diffkv_serve.engine import LLMEngine, SamplingParams  # noqa: E402
 from diffkv_serve.engine.config import EngineConfig  # noqa: E402
 from evals.configs import parse_config  # noqa: E402
 from evals.problems import load_problems  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 DEFAULT_CONFIGS = ["uniform:K8V4", "uniform:K4V4", "diffkv:alpha_high=1,alpha_low=0.02,high=K8V4,low=K4V2",
                    "diffkv"]
@@ -67,8 +68,7 @@ def run(name: str, cache: dict, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    ap.add_argument("--device", default="cpu")
+    add_engine_flags(ap, only=("model", "device"), defaults={"device": "cpu"})
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-pages", type=int, default=3600)

@@ -42,6 +42,7 @@ from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.profiling import CATEGORIES as RANGE_CATEGORIES, PREFIX as RANGE_PREFIX  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 # Kernel name -> category, checked before the launching range: the memory-management graph replays the
 # policy's Algorithm 1 and the forward graph the attention and score-update kernels. Triton kernels by their
@@ -400,8 +401,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pool in pages (overrides --kv-cache-gb)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for generation steps")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_engine_flags(ap, only=("device", "dtype"), defaults={"device": "auto", "dtype": "auto"})
     ap.add_argument("--verbose", action="store_true", help="list work not classified by kernel name")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/step_breakdown_<gpu>.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU; a small pool skips one combination")

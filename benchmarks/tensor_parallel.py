@@ -25,11 +25,11 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from diffkv_serve.engine.config import KV_MODES  # noqa: E402
 from _results import write_result  # noqa: E402
 from decode_throughput import timed_batch  # noqa: E402
 from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 
 def build(args, tp: int, dtype: str, max_len: int, max_seqs: int) -> LLMEngine:
@@ -79,14 +79,12 @@ def device_name(engine: LLMEngine) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="random:llama3-8b")
+    add_engine_flags(ap, only=("model", "kv_mode", "device", "dtype"),
+                     defaults={"model": "random:llama3-8b", "kv_mode": "fp16", "device": "auto", "dtype": "auto"})
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (TP=1 is the reference)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--kv-mode", default="fp16", choices=KV_MODES)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto", help="throughput runs (auto: bf16 on CUDA)")
     ap.add_argument("--check-dtype", default="float32", help="correctness check runs")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-tokens", type=int, default=32)

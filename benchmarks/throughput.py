@@ -39,6 +39,7 @@ from diffkv_serve.engine.config import KV_MODES, SchedulerConfig, parse_settings
 from diffkv_serve.engine.config import GRAPH_BATCH_CAP  # noqa: E402
 from diffkv_serve.engine.graph_memory import graph_memory_estimate  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
 MODES = KV_MODES
@@ -193,7 +194,8 @@ def run_hf(ckpt, prompts: list[list[int]], args) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    add_engine_flags(ap, only=("model", "max_num_seqs", "max_model_len", "device", "dtype"),
+                     defaults={"max_num_seqs": 256, "device": "auto", "dtype": "auto"})
     ap.add_argument("--workload", choices=sorted(WORKLOADS),
                     help="named workload (benchmarks/workloads.py) setting the prompts, lengths and pool; "
                          "flags given beside it override")
@@ -208,14 +210,10 @@ def parse_args(argv):
     ap.add_argument("--reservation", nargs="+", choices=("worst_case", "learned"),
                     default=[SchedulerConfig().reservation], help="diffkv prompt reservation rule(s), one row each")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="page pool size, the same for every mode")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-graph-batch", type=int, default=None,
                     help=f"largest decode batch captured in a CUDA graph (default: --max-num-seqs, at most "
                          f"{GRAPH_BATCH_CAP}); larger batches run eagerly")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--hf-prompts", type=int, default=32, help="prompts given to transformers (a subset)")
     ap.add_argument("--hf-batch", type=int, default=32)

@@ -62,6 +62,7 @@ from evals.configs import baseline_configs, diffkv_config, parse_config  # noqa:
 from evals.problems import load_problems  # noqa: E402
 from evals.tasks import task_prompt  # noqa: E402
 from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
 KV_MODES = typing.get_args(KVMode)
 # Benchmark mode -> the accuracy study's configuration of the same cache (evals/configs.py names).
@@ -295,7 +296,8 @@ def print_table(rows: list[dict], best: dict | None, args) -> None:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    add_engine_flags(ap, only=("model", "max_model_len", "device", "dtype"),
+                     defaults={"model": "qwen2.5-coder-1.5b", "device": "auto", "dtype": "auto"})
     ap.add_argument("--modes", nargs="+", default=None, help=f"default: {' '.join(MODE_ORDER)} (those this engine has)")
     ap.add_argument("--tasks", nargs="+", default=["gsm_symbolic"], help="eval tasks the prompts come from "
                     "(gsm_symbolic, chain_sum, basic_arithmetic), taken in turn")
@@ -318,9 +320,6 @@ def parse_args(argv):
                     help="default: --num-prompts (every prompt may run at once; CUDA graphs up to that batch)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt + max_tokens")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--stats-every", type=int, default=16, help="steps between batch / compression samples")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--annotate", default=None, metavar="JSON",

@@ -1,37 +1,43 @@
-"""`diffkv eval` and `diffkv calibrate`: argument parsing and the two commands (diffkv_serve/service/cli.py registers them)."""
+"""Accuracy evaluation and calibration from the checkout: `python3 -m evals.cli eval | calibrate`. The engine
+flags are diffkv_serve.engine.flags' (the serving CLI's); the serving package never imports this one."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
+from diffkv_serve.engine.flags import HelpFormatter, add_engine_flags, apply_threads
 from evals.problems import TASKS
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="embedded SmolLM2 (default), qwen2.5-coder-1.5b, .gguf or HF folder")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64, help="batch size of the engine")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)")
+# The engine flags of an evaluation model (evals.runner.EvalModel); the cache flags are eval's alone, and an
+# evaluation's subject is the DiffKV cache, so eval's --kv-mode defaults to diffkv.
+MODEL_FLAGS = ("model", "device", "max_model_len", "max_num_seqs", "kv_cache_memory_gb", "threads")
+MODEL_DEFAULTS = {"device": "auto", "max_model_len": 2048, "max_num_seqs": 64}
+CACHE_FLAGS = ("kv_mode", "alpha_high", "alpha_low", "high", "low")
+
+
+def add_model_args(p: argparse.ArgumentParser, cache: bool = False) -> None:
+    add_engine_flags(p, only=MODEL_FLAGS + (CACHE_FLAGS if cache else ()),
+                     defaults={**MODEL_DEFAULTS, **({"kv_mode": "diffkv"} if cache else {})})
+    p.add_argument("--seed", type=int, default=0, help="the evaluation engine's seed")
+
+
+def _eval_model(args):
+    from evals.runner import EvalModel
+
+    return EvalModel(args.model, device=args.device, max_model_len=args.max_model_len,
+                     max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    from diffkv_serve.engine.config import KV_MODES
+    add_model_args(p, cache=True)
     from evals.configs import baseline_configs
 
     p.add_argument("--config", default=None, choices=[c.name for c in baseline_configs(True)] + ["diffkv"],
                    help="a named configuration of docs/ACCURACY.md (else --kv-mode and the DiffKV options)")
-    p.add_argument("--kv-mode", default="diffkv", choices=KV_MODES)
-    p.add_argument("--alpha-high", type=float, default=None, help="diffkv (default: the model's calibrated value)")
-    p.add_argument("--alpha-low", type=float, default=None)
-    p.add_argument("--high", default=None, help="diffkv high precision, e.g. K8V4")
-    p.add_argument("--low", default=None, help="diffkv low precision, e.g. K4V2")
     p.add_argument("--tasks", nargs="*", default=["chain_sum"], choices=TASKS, help="task accuracy on these")
     p.add_argument("--limit", type=int, default=20, help="problems per task (eval split)")
     p.add_argument("--max-tokens", type=int, default=None, help="generation limit per problem")
@@ -39,12 +45,6 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-len", type=int, default=128, help="tokens per fidelity generation")
     p.add_argument("--compare-fp16", action="store_true", help="also run fp16 on the problems: paired difference")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (else stdout)")
-
-
-def _threads(args) -> None:
-    from diffkv_serve.engine.threads import set_threads
-
-    set_threads(args.threads, args.device)
 
 
 def _kv_config(args):
@@ -65,16 +65,14 @@ def cmd_eval(args) -> int:
     from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generations
     from evals.harness import DEFAULT_MAX_TOKENS, evaluate_config
     from evals.problems import load_problems
-    from evals.runner import EvalModel
     from evals.stats import paired_diff
 
     for name in ("limit", "fidelity", "gen_len", "max_num_seqs"):
         if getattr(args, name) < (0 if name == "fidelity" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'fidelity' else '>= 1'}")
     kvc = _kv_config(args)
-    _threads(args)
-    model = EvalModel(args.model, device=args.device, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
+    apply_threads(args)
+    model = _eval_model(args)
     problems = load_problems(split="eval", tasks=tuple(args.tasks), limit=args.limit) if args.tasks else []
     max_tokens = {t: args.max_tokens for t in TASKS} if args.max_tokens else dict(DEFAULT_MAX_TOKENS)
     fp16 = baseline_configs()[0]
@@ -140,13 +138,11 @@ def cmd_calibrate(args) -> int:
     from evals.calibrate import calibrate, write_settings
     from evals.fidelity import fidelity_prompts, reference_generations
     from evals.problems import load_problems
-    from evals.runner import EvalModel
 
     if args.generations < 1 or args.gen_len < 1:
         raise ValueError("--generations and --gen-len must be >= 1")
-    _threads(args)
-    model = EvalModel(args.model, device=args.device, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
+    apply_threads(args)
+    model = _eval_model(args)
     prompts = fidelity_prompts(model, load_problems(split="calib", tasks=("gsm_symbolic",), limit=args.generations))
     with model.engine({"kv_mode": "fp16"}) as eng:
         refs = reference_generations(eng, prompts, args.gen_len)
@@ -185,3 +181,34 @@ def cmd_calibrate(args) -> int:
     if not args.dry_run:
         print(f"wrote {write_settings(result, settings_dir)}", file=sys.stderr)
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python3 -m evals.cli", description="DiffKV accuracy evaluation and "
+                                     "calibration (docs/ACCURACY.md)", formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("eval", formatter_class=HelpFormatter,
+                       help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)")
+    add_eval_args(e)
+    e.set_defaults(func=cmd_eval)
+    c = sub.add_parser("calibrate", formatter_class=HelpFormatter,
+                       help="calibrate alpha_high / alpha_low for a model and write its settings file")
+    add_calibrate_args(c)
+    c.set_defaults(func=cmd_calibrate)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,6 +24,7 @@ from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generati
 from evals.harness import evaluate_config
 from evals.problems import load_problems
 from evals.runner import EvalModel
+from diffkv_serve.engine.flags import add_engine_flags
 
 
 def _summary(result: dict, fp16: dict, baseline: dict | None) -> dict:
@@ -38,16 +39,12 @@ def _summary(result: dict, fp16: dict, baseline: dict | None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    add_engine_flags(ap, only=("model", "device", "max_model_len", "max_num_seqs", "kv_cache_memory_gb", "threads"),
+                     defaults={"device": "cpu", "max_model_len": 2048, "max_num_seqs": 256, "kv_cache_memory_gb": 3.0})
     ap.add_argument("--configs", nargs="+", required=True)
     ap.add_argument("--baseline", default="k4v4", help="configuration each one is also compared with")
     ap.add_argument("--fidelity-n", type=int, default=12, help="generations (the recorded study's 12)")
     ap.add_argument("--gen-len", type=int, default=96, help="tokens per generation (the recorded study's 96)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=3.0)
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 
     python3 -m evals.layer_study --device cpu --threads 1 --out evals/results/smollm2-135m
 
-1. the multipliers from the calibration split (`diffkv calibrate --per-layer`'s procedure) at the model's
+1. the multipliers from the calibration split (`python3 -m evals.cli calibrate --per-layer`'s procedure) at the model's
    calibrated alphas;
 2. DiffKV with them on the fidelity set (teacher forced against the fp16 generations of evals.study's
    references.json when they match, else new ones): its KV memory M;
@@ -26,6 +26,7 @@ from evals.fidelity import compare_to_fp16, fidelity_prompts, reference_generati
 from evals.problems import load_problems
 from evals.runner import EvalModel, run_requests
 from evals.stats import paired_diff
+from diffkv_serve.engine.flags import add_engine_flags
 
 GLOBAL_GRID = (3.0, 4.0, 5.0, 6.0)
 
@@ -62,21 +63,17 @@ def _row(f: dict, base: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="auto")
+    # --alpha-high: another operating point than the calibrated one (writes per_layer_ah<value>.json)
+    add_engine_flags(ap, only=("model", "device", "max_num_seqs", "kv_cache_memory_gb", "max_model_len", "threads",
+                               "alpha_high"),
+                     defaults={"device": "auto", "max_num_seqs": 128, "kv_cache_memory_gb": 3.0, "max_model_len": 2048})
     ap.add_argument("--out", type=Path, required=True, help="the model's results folder (evals.study's --out)")
     ap.add_argument("--fidelity-n", type=int, default=12)
     ap.add_argument("--gen-len", type=int, default=96)
     ap.add_argument("--calib-n", type=int, default=16, help="calibration sequences profiled")
     ap.add_argument("--calib-gen-len", type=int, default=64, help="fp16 continuation of each, profiled too")
     ap.add_argument("--global-grid", type=float, nargs="+", default=list(GLOBAL_GRID))
-    ap.add_argument("--alpha-high", type=float, default=None,
-                    help="another operating point than the calibrated one (writes per_layer_ah<value>.json)")
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=3.0)
-    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_model_settings(model.name)
     if settings is None:
-        raise SystemExit(f"{model.name} has no settings file: run `diffkv calibrate` first")
+        raise SystemExit(f"{model.name} has no settings file: run `python3 -m evals.cli calibrate` first")
     ah, al = settings["alpha_high"], settings["alpha_low"]
     if args.alpha_high is not None:
         if args.alpha_high < al:

@@ -1,7 +1,7 @@
 """Problem sets: generated once with reasoning-gym into evals/data/problems.jsonl (committed), read by
 everything else, so evaluation machines need no reasoning-gym.
 
-Splits (disjoint by question text): `eval` (task accuracy), `calib` (calibration, `diffkv calibrate`) and
+Splits (disjoint by question text): `eval` (task accuracy), `calib` (calibration, `python3 -m evals.cli calibrate`) and
 `fidelity` (prompts for long teacher-forced generations). Regenerate with `python3 -m evals.problems`.
 """
 from __future__ import annotations

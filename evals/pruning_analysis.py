@@ -37,6 +37,7 @@ from evals.problems import load_problems
 from evals.runner import EvalModel, run_requests
 from evals.stats import paired_diff
 from evals.tasks import INSTRUCTIONS, extract_answer, score_tasks, task_prompt, task_requests
+from diffkv_serve.engine.flags import add_engine_flags
 
 TASK = "gsm_symbolic"
 CATEGORIES = ("template", "question_number", "question_text", "instruction", "generated_number", "generated_text")
@@ -295,8 +296,8 @@ def table(rows: dict[str, dict], pruning: Optional[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="embedded (default), qwen2.5-coder-1.5b, a .gguf or HF folder")
-    ap.add_argument("--device", default="auto")
+    add_engine_flags(ap, only=("model", "device", "max_num_seqs", "max_model_len", "kv_cache_memory_gb", "threads"),
+                     defaults={"device": "auto", "max_num_seqs": 128, "max_model_len": 2048})
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--task-n", type=int, default=500, help="gsm_symbolic problems of the eval split")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS[TASK])
@@ -309,14 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, nargs="*", default=[32, 128], help="other windows of the ablation")
     ap.add_argument("--queries", type=int, nargs="*", default=[16, 256], dest="significance_queries_grid",
                     help="other significance_queries of the ablation")
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds: stop before an engine run that the slowest configuration so far says would not "
                          "end in time (rerun with --resume for the rest)")
     ap.add_argument("--resume", action="store_true", help="reuse configs/<name>.json already in --out")
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="a few problems, short generations, one of each ablation")
     args = ap.parse_args(argv)
     for name in ("task_n", "max_tokens", "max_num_seqs", "max_model_len"):

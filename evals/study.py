@@ -33,6 +33,7 @@ from evals.problems import TASKS, load_problems
 from evals.runner import EvalModel
 from evals.stats import paired_diff
 from evals.task_calibration import MIN_AGREEMENT, calib_pairs, calibrate_on_tasks
+from diffkv_serve.engine.flags import add_engine_flags
 
 SMOKE = dict(fidelity_n=2, gen_len=24, calib_n=2, calib_gen_len=24, task_n=3, calib_task_n=3,
              max_tokens={"gsm_symbolic": 24, "basic_arithmetic": 16, "chain_sum": 16})
@@ -124,8 +125,8 @@ def parse_max_tokens(text: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="embedded (default), qwen2.5-coder-1.5b, a .gguf or HF folder")
-    ap.add_argument("--device", default="auto")
+    add_engine_flags(ap, only=("model", "device", "max_num_seqs", "kv_cache_memory_gb", "max_model_len", "threads"),
+                     defaults={"device": "auto", "max_num_seqs": 128, "max_model_len": 2048})
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tasks", nargs="+", default=["gsm_symbolic"], choices=TASKS)
     ap.add_argument("--task-n", type=int, default=250, help="eval problems per task")
@@ -154,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                          "diffkv:alpha_high=A,alpha_low=B[,high=KxVy][,low=KxVy] (evals.configs.parse_config)")
     ap.add_argument("--task-configs", nargs="+", default=None,
                     help="configurations that also run task accuracy (default: all; fp16 always does)")
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads of torch (1 is fastest on a busy host)")
     ap.add_argument("--resume", action="store_true", help="reuse configs/<name>.json already in --out")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline end to end in minutes")
     args = ap.parse_args(argv)

@@ -394,13 +394,23 @@ def render() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--check" in argv:
-        errors = check_static(load())
+    import argparse
+
+    written = DASHBOARD_PATH.relative_to(REPO)
+    ap = argparse.ArgumentParser(prog="python3 grafana/dashboard.py", description=__doc__.split("\n\n")[0],
+                                 epilog=f"Without --check: rewrite {written}.")
+    ap.add_argument("--check", action="store_true", help="check that the JSON is current and its queries are valid "
+                                                        "(writes nothing)")
+    args = ap.parse_args(argv)
+    if args.check:
+        dashboard = load()
+        errors = check_static(dashboard)
         if DASHBOARD_PATH.read_text() != render():
             errors.append(f"{DASHBOARD_PATH} is stale: run python3 grafana/dashboard.py")
         for e in errors:
             print(e, file=sys.stderr)
+        if not errors:
+            print(f"ok: {DASHBOARD_PATH.name} is current and its {len(panel_queries(dashboard))} queries are valid")
         return 1 if errors else 0
     errors = check_static(build())
     if errors:

@@ -180,7 +180,6 @@ def check_service_args(app: dict, where: str):
                           f"({ENGINE_DEPLOYMENT}, {INGRESS_DEPLOYMENT})")
     try:
         cfg = ServiceConfig.model_validate(app.get("args") or {})
-        cfg.engine_config()
     except (ValidationError, ValueError) as e:
         return None, errors + [f"{where}.args: {e}"]
     return cfg, errors
@@ -218,12 +217,12 @@ def check_rayservice(rs: dict, objs: list[dict]) -> list[str]:
         errors += errs
         if svc is None:
             continue
-        if svc.device.startswith("cuda"):
+        if svc.engine.device.startswith("cuda"):
             gpus = [_quantity(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu"))
                     for g in workers for c in g.get("template", {}).get("spec", {}).get("containers", [])]
-            if not gpus or max(gpus) < svc.tensor_parallel_size:
-                errors.append(f"{app_where}.args: device={svc.device!r}, tensor_parallel_size="
-                              f"{svc.tensor_parallel_size} needs a worker pod with that many nvidia.com/gpu "
+            if not gpus or max(gpus) < svc.engine.tensor_parallel_size:
+                errors.append(f"{app_where}.args: device={svc.engine.device!r}, tensor_parallel_size="
+                              f"{svc.engine.tensor_parallel_size} needs a worker pod with that many nvidia.com/gpu "
                               f"(largest: {max(gpus) if gpus else 0:g}); the ranks of a replica pack on one node")
         errors += check_node_failure(svc, cluster, app_where)
         errors += check_api_key_source(svc, cluster, app_where)
@@ -263,9 +262,9 @@ def check_node_failure(svc, cluster: dict, where: str) -> list[str]:
     groups = [("headGroupSpec", cluster.get("headGroupSpec", {}), 1)]
     groups += [(f"workerGroupSpecs({g.get('groupName')})", g, g.get("minReplicas", g.get("replicas", 0)))
                for g in cluster.get("workerGroupSpecs") or []]
-    tp = svc.tensor_parallel_size
+    tp = svc.engine.tensor_parallel_size
     need = {k: v * tp for k, v in svc.rank_resources.items()}
-    if svc.device.startswith("cuda"):
+    if svc.engine.device.startswith("cuda"):
         need["GPU"] = float(tp)
     replicas = svc.autoscaling.get("min_replicas", 1) if svc.autoscaling else svc.num_replicas  # Serve's default
     if replicas < 2:
@@ -416,8 +415,17 @@ def default_targets(root: Path = K8S_DIR) -> list[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 k8s/validate.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="*", type=Path, metavar="DIR",
+                    help="kustomization folders to render and validate (default: k8s/base and every overlay)")
+    args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))  # diffkv_serve.service.config, diffkv_serve.service.app
-    targets = [Path(a) for a in (argv if argv is not None else sys.argv[1:])] or default_targets()
+    targets = args.dirs or default_targets()
+    missing = [t for t in targets if not (t / "kustomization.yaml").is_file()]
+    if missing:
+        ap.error(f"not a kustomization folder (no kustomization.yaml): {', '.join(map(str, missing))}")
     failed = 0
     for t in targets:
         try:

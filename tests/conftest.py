@@ -39,7 +39,7 @@ def make_engine(smollm):
 
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
-    """Commands run in-process (diffkv eval / generate) set torch's thread count for the machine's load; a test
+    """Commands run in-process (evals.cli eval, diffkv generate) set torch's thread count for the machine's load; a test
     that follows must not inherit it (float sums differ with the thread count, and bit-for-bit checks compare
     against Ray workers that set their own)."""
     import torch
@@ -47,3 +47,22 @@ def _restore_torch_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+# The fast subset (`pytest -m "not slow"`, under 5 minutes on 2 cores) leaves out what needs a Ray cluster or a
+# server process, and these files, each of which runs minutes of real engines or processes:
+SLOW_FILES = {
+    "multinode/test_service_multinode.py",  # a multi-node Ray cluster of its own
+    "ops/test_live_service.py",  # a live service scraped by Prometheus
+    "ops/test_soak.py",  # a bounded soak run
+    "test_engine_vs_hf.py",  # the engine against transformers, token for token
+    "test_tensor_parallel.py",  # Ray worker actors per rank
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath / "tests"
+    for item in items:
+        rel = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if rel in SLOW_FILES or "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

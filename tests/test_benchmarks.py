@@ -123,6 +123,7 @@ def test_host_overhead_smoke(tmp_path):
         assert all(ms[p] >= 0 for p in ("schedule", "inputs", "launch", "outputs"))
 
 
+@pytest.mark.slow
 def test_throughput_smoke(tmp_path):
     out = tmp_path / "throughput.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--smoke", "--quiet", "--out",
@@ -201,6 +202,7 @@ def step_breakdown_json(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_step_breakdown_smoke(step_breakdown_json):
     d = step_breakdown_json
     cats = ("model", "attention", "policy", "memory", "other")
@@ -304,6 +306,7 @@ def test_step_breakdown_reads_profiler_events():
         ("_plan_kernel", "device", 9, 5), ("Memcpy DtoH (Device -> Pinned)", "device", 11, 0)]
 
 
+@pytest.mark.slow
 def test_step_breakdown_renders_into_recorded_docs(step_breakdown_json, tmp_path, monkeypatch):
     """A recorded step breakdown appears in docs/PERFORMANCE.md with its GPU, date and command."""
     mod = _load_script("summarize_results")
@@ -377,6 +380,7 @@ def throughput_qwen_json(tmp_path_factory):
     return json.loads((out / "throughput_tiny-qwen2_smoke.json").read_text())  # named by what it measures
 
 
+@pytest.mark.slow
 def test_throughput_qwen_smoke(throughput_qwen_json):
     """One pool for every mode, each mode's runs before the next mode's engine, fits and accuracy lookups."""
     tq = _load_script("throughput_qwen")
@@ -462,6 +466,7 @@ def test_committed_qwen_study_covers_the_throughput_modes():
         assert got["diff_points"] is not None and got["n"] >= 500, (mode, got)
 
 
+@pytest.mark.slow
 def test_throughput_at_accuracy_renders_into_recorded_docs(throughput_qwen_json, tmp_path, monkeypatch):
     """A recorded throughput_qwen.py run appears in both documents with the accuracy column."""
     mod = _load_script("summarize_results")
@@ -487,6 +492,7 @@ def test_throughput_at_accuracy_renders_into_recorded_docs(throughput_qwen_json,
     assert f"| `{name}` | NVIDIA H100 80GB HBM3 |" in readme
 
 
+@pytest.mark.slow
 def test_throughput_qwen_annotate_refreshes_accuracy(throughput_qwen_json, tmp_path):
     """--annotate re-reads a study written after the run: a row gains its accuracy and the ratios follow."""
     d = json.loads(json.dumps(throughput_qwen_json))

@@ -18,6 +18,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_identity_configuration_equals_fp16(make_engine):
     """high = K16V16 and both alphas 0 keep every token at full precision: exactly the fp16 engine."""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -29,6 +30,7 @@ def test_identity_configuration_equals_fp16(make_engine):
     assert [o.token_ids for o in run_all(ident, PROMPTS, sp)] == ref
 
 
+@pytest.mark.slow
 def test_defaults_keep_top1_agreement_on_long_generation(make_engine):
     """Teacher forcing along the fp16 engine's own greedy output of 512 tokens."""
     n = 512

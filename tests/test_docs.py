@@ -42,3 +42,28 @@ def test_no_development_diary_wording():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if diary.search(line) and not http.search(line)]
     assert hits == []
+
+
+def test_readme_is_short_and_its_quickstart_is_complete():
+    """A newcomer's page: at most 150 lines; the quickstart is runnable openai code (tests/service/test_service_cli.py
+    runs it against a live `diffkv serve`); the detail lives in docs/ pages that exist."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    code = readme.split("## Serving quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    for needle in ("from openai import OpenAI", "base_url=", "api_key=", "client.models.list()", "temperature="):
+        assert needle in code, needle
+    assert "default temperature is 1.0" in code
+    assert 'pytest -q -m "not slow"' in readme
+    linked = set(re.findall(r"\]\((docs/[\w.]+\.md)\)", readme))
+    assert {"docs/ENGINE.md", "docs/CONFIGURATION.md", "docs/OPERATIONS.md", "docs/SERVING.md"} <= linked
+    # docs/API.md is the detailed API page; every other link resolves
+    assert [p for p in sorted(linked) if p != "docs/API.md" and not (ROOT / p).is_file()] == []
+
+
+def test_configuration_reference_is_current():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0 and "is current" in p.stdout, p.stdout + p.stderr

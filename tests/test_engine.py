@@ -9,6 +9,7 @@ from engine_helpers import PROMPTS, run_all
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_batch_equals_each_prompt_alone(make_engine):
     engine = make_engine()
     batched = [o.token_ids for o in run_all(engine, PROMPTS, GREEDY)]

@@ -1,4 +1,4 @@
-"""Accuracy harness (evals/): `diffkv eval` smoke run on SmolLM2, answer extraction and scoring, paired
+"""Accuracy harness (evals/): `python3 -m evals.cli eval` smoke run on SmolLM2, answer extraction and scoring, paired
 intervals, memory accounting, problem splits, the baselines as engine configurations, calibration choice,
 per-model settings and the report."""
 import json
@@ -98,6 +98,7 @@ def _usage(engine, prompt, n=24):
 PROMPT = "Write a long and careful explanation of why the sky is blue, with examples. " * 4
 
 
+@pytest.mark.slow
 def test_uniform_through_diffkv_equals_the_uniform_mode(make_engine):
     """high = low = K8V8 with both alphas 0 keeps every token high: same tokens and pages as kv_mode int8."""
     # Prefix caching off (int8's 'auto' is on): a request's usage excludes the blocks it handed to the cache.
@@ -109,6 +110,7 @@ def test_uniform_through_diffkv_equals_the_uniform_mode(make_engine):
     assert a.kv_usage["pages_used"] == b.kv_usage["pages_used"]
 
 
+@pytest.mark.slow
 def test_kivi_like_keeps_only_the_window_high(make_engine):
     kivi = next(c for c in baseline_configs() if c.name == "kivi2")
     assert kivi.cache["alpha_high"] == UNREACHABLE
@@ -161,9 +163,10 @@ def test_engine_uses_the_shipped_settings_of_its_model(make_engine, smollm):
 
 
 # ---- the command ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_diffkv_eval_smoke(tmp_path):
-    """CI smoke: `diffkv eval` on a handful of problems with SmolLM2; the JSON's fields and ranges."""
-    from diffkv_serve.service.cli import main
+    """CI smoke: `python3 -m evals.cli eval` on a handful of problems with SmolLM2; the JSON's fields and ranges."""
+    from evals.cli import main
 
     out = tmp_path / "eval.json"
     rc = main(["eval", "--device", "cpu", "--kv-mode", "diffkv", "--tasks", "chain_sum", "--limit", "3",
@@ -187,7 +190,7 @@ def test_diffkv_eval_smoke(tmp_path):
 
 
 def test_diffkv_eval_rejects_bad_arguments(capsys):
-    from diffkv_serve.service.cli import main
+    from evals.cli import main
 
     assert main(["eval", "--device", "cpu", "--limit", "0"]) == 2
     assert "--limit" in capsys.readouterr().err
@@ -246,7 +249,7 @@ def test_settings_file_low_precision_applies_unless_set(tmp_path):
 
 def test_diffkv_eval_of_fp16_itself(tmp_path):
     """fp16 against itself: full agreement, no NLL increase, and its task results are reported."""
-    from diffkv_serve.service.cli import main
+    from evals.cli import main
 
     out = tmp_path / "fp16.json"
     assert main(["eval", "--device", "cpu", "--kv-mode", "fp16", "--tasks", "chain_sum", "--limit", "2",
@@ -257,6 +260,7 @@ def test_diffkv_eval_of_fp16_itself(tmp_path):
     assert r["fidelity"]["nll_increase"] == 0.0 and r["fidelity"]["memory_fraction"] > 1.0  # score + position rows
 
 
+@pytest.mark.slow
 def test_fidelity_compare_configs_and_run(tmp_path):
     """evals/fidelity_compare.py: config names and diffkv:alpha_high=A,alpha_low=B parse (bad ones name the part),
     and a tiny run writes each configuration's fidelity with its paired difference from the baseline."""

@@ -1,5 +1,5 @@
 """Per-layer budgets (XKV allocation -> multipliers of DiffKV's alphas): the allocation, the engine config and
-the settings file round trip, `diffkv calibrate --per-layer` on a tiny sample."""
+the settings file round trip, `python3 -m evals.cli calibrate --per-layer` on a tiny sample."""
 import json
 import shutil
 
@@ -117,7 +117,7 @@ def test_settings_round_trip(tmp_path):
 
 def test_calibrate_per_layer_cli(tmp_path):
     # Tiny run: the model's alphas stay, 30 multipliers are written, and an engine loads and uses them.
-    from diffkv_serve.service.cli import main
+    from evals.cli import main
 
     shutil.copy(settings_path(SMOLLM, SETTINGS_DIR), tmp_path)
     before = json.loads(settings_path(SMOLLM, tmp_path).read_text())
@@ -134,6 +134,7 @@ def test_calibrate_per_layer_cli(tmp_path):
     assert cfg.cache.layer_alpha_scale == scale
 
 
+@pytest.mark.slow
 def test_engine_uniform_scale_equals_scaled_alphas(make_engine):
     # Prompt classification and the decode plan both use alpha * scale[l]: scale 2 everywhere is alpha doubled;
     # uneven scales move tokens between layers.

@@ -46,6 +46,7 @@ def test_embedded_arch(embedded):
     check_weights(a, embedded.weights, "embedded")
 
 
+@pytest.mark.slow
 def test_embedded_weights_match_transformers(embedded):
     """Our dequantization + Q/K un-permutation equals transformers' GGUF loader on the same file.
     (from_pretrained(gguf_file=...) needs accelerate; it calls this same load_gguf_checkpoint.)"""

@@ -67,6 +67,7 @@ def test_tally_matches_a_direct_count():
         t.add(classes, cats[:-1])
 
 
+@pytest.mark.slow
 def test_smoke_run_with_time_limit_and_resume(tmp_path, capsys):
     out = tmp_path / "pa"
     assert pa.main(["--smoke", "--device", "cpu", "--out", str(out), "--time-limit", "0"]) == 0

@@ -55,8 +55,10 @@ class CacheConfig(BaseModel):
     num_pages: Optional[int] = Field(None, ge=1, description="fixed pool size; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: Optional[float] = Field(
         None, gt=0, description="bytes for the page pool; default: 0.5 GiB on CPU, gpu_memory_utilization on CUDA")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    # diffkv only (paper defaults, Llama-3 calibration, until `diffkv calibrate` writes per-model values)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="CUDA: fraction of the GPU's memory the "
+                                                                          "engine may use (the pool gets what the "
+                                                                          "model leaves)")
+    # diffkv only (paper defaults, Llama-3 calibration, until `python3 -m evals.cli calibrate` writes per-model values)
     high: str = Field("K8V4", description="precision of significant tokens")
     low: str = Field("K4V2", description="precision of moderately significant tokens")
     alpha_high: float = Field(1.0, ge=0, description="token kept high if significance >= alpha_high / position")
@@ -79,7 +81,7 @@ class CacheConfig(BaseModel):
         "auto", description="share the KV of prompt prefixes between requests (docs/PREFIX_CACHING.md); 'auto': "
                             "on for fp16 / int8 / int4 / fp8 (no measurable cost when prompts share nothing), off "
                             "for diffkv (its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
-    # Per-layer budgets (XKV-style; `diffkv calibrate --per-layer` measures them): layer l classifies with
+    # Per-layer budgets (XKV-style; `python3 -m evals.cli calibrate --per-layer` measures them): layer l classifies with
     # alpha_high * s[l] and alpha_low * s[l], per-request alphas included. Unset: the model's settings file;
     # None: one global pair of thresholds.
     layer_alpha_scale: Optional[list[float]] = Field(
@@ -156,8 +158,8 @@ class CacheConfig(BaseModel):
 
 class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_seqs: int = Field(64, ge=1, description="largest batch of running requests")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="most prompt tokens one prefill step computes")
     # Prompt page reservation of DiffKV prompts (engine.kv.footprint): "worst_case" reserves every prompt
     # all-high; "learned" reserves what prompts of that length kept so far and retries a prompt that overflowed
     # the pool under the worst case. Single-precision modes keep exactly their worst case, so both rules agree there.
@@ -179,9 +181,10 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = Field(None, description="HF folder, .gguf file, 'random:<preset>' or None (embedded)")
     device: str = Field("auto", description="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights and unquantized cache values; auto: bfloat16 on CUDA, float32 on CPU")
     max_model_len: Optional[int] = Field(None, ge=1, description="default: the model's context length")
-    seed: int = 0
+    seed: int = Field(0, description="torch seed of the engine (random weights, requests without a seed)")
     enforce_eager: bool = Field(False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     max_graph_batch_size: int = Field(
         256, ge=1, le=GRAPH_BATCH_CAP,
@@ -193,8 +196,8 @@ class EngineConfig(BaseModel):
     distributed_executor: ExecutorKind = Field(
         "auto", description="'local' (in-process, one rank), 'ray' (one Ray actor per rank, in a placement "
                             "group), or 'auto': local for tensor_parallel_size 1, ray otherwise")
-    cache: CacheConfig = Field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="the paged KV cache and its compression")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="batching and page reservation")
 
     @model_validator(mode="after")
     def _check_device(self) -> "EngineConfig":

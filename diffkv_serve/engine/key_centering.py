@@ -8,8 +8,8 @@ k_proj bias) carry a few key channels hundreds of times larger than the rest, in
 where they barely rotate; a per-token min-max scale of 4 bits then wipes out every other channel.
 
 Where the vector comes from (`CacheConfig.key_centering`):
-- "calibrated": the mean post-RoPE key per (layer, KV head) that `diffkv calibrate` measured over calibration
-  sequences, stored in the model's settings file under "key_center" ([layers][kv_heads][head_dim]);
+- "calibrated": the mean post-RoPE key per (layer, KV head) that `python3 -m evals.cli calibrate` measured over
+  calibration sequences, stored in the model's settings file under "key_center" ([layers][kv_heads][head_dim]);
 - "bias": with no calibration, the k_proj bias rotated to every position of a span and averaged (no data
   needed; the outlier channels barely rotate, so this is close to the bias there and near zero elsewhere);
 - "auto": calibrated if the settings file has it, else bias if the model has a k_proj bias, else off; a 16-bit
@@ -41,7 +41,7 @@ def resolve_mode(cache: CacheConfig, arch: ModelArch, settings: Optional[dict]) 
         return "calibrated" if has_calibrated else ("bias" if arch.attention_bias else "off")
     if mode == "calibrated" and not has_calibrated:
         raise ValueError("cache.key_centering='calibrated': the model's settings file has no key_center; run "
-                         "`diffkv calibrate` or use 'bias' / 'auto'")
+                         "`python3 -m evals.cli calibrate` or use 'bias' / 'auto'")
     if mode == "bias" and not arch.attention_bias:
         raise ValueError("cache.key_centering='bias': the model has no k_proj bias; use 'calibrated', 'auto' or 'off'")
     return mode

@@ -144,7 +144,7 @@ class OpenAIIngress:
         self.config_digest = config_digest(config)
         scaling = self.cfg.autoscaling or {}
         self.admission = AdmissionController(
-            self.cfg.admission, self.cfg.scheduler.max_num_seqs, self.cfg.num_replicas,
+            self.cfg.admission, self.cfg.engine.scheduler.max_num_seqs, self.cfg.num_replicas,
             max_replicas=scaling.get("max_replicas") if scaling else self.cfg.num_replicas,
             share=1.0 / self.cfg.ingress_replicas)
         self.metrics = Metrics()

@@ -64,8 +64,8 @@ def engine_deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
         # workers in this placement group.
         worker = {"GPU": 1.0, "CPU": cfg.worker_cpus} if gpu else {"CPU": cfg.worker_cpus}
         worker.update(cfg.rank_resources)
-        opts["placement_group_bundles"] = [{"CPU": cfg.replica_cpus}] + [dict(worker)
-                                                                          for _ in range(cfg.tensor_parallel_size)]
+        ranks = cfg.engine.tensor_parallel_size
+        opts["placement_group_bundles"] = [{"CPU": cfg.replica_cpus}] + [dict(worker) for _ in range(ranks)]
         opts["placement_group_strategy"] = "STRICT_PACK"
         opts["ray_actor_options"] = {"num_cpus": cfg.replica_cpus}
     else:

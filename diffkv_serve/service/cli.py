@@ -1,45 +1,20 @@
-"""`diffkv` command line: serve (the OpenAI API on Ray Serve), generate (one prompt), chat (interactive), and
-eval / calibrate (accuracy, evals/), on the embedded model by default."""
+"""`diffkv` command line: serve (the OpenAI API on Ray Serve), drain, generate (one prompt) and chat
+(interactive), on the embedded model by default. Accuracy evaluation and calibration run from the checkout
+(`python3 -m evals.cli eval | calibrate`): the serving package imports no evaluation code."""
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import sys
 from typing import Optional
 
-from diffkv_serve.engine.config import KV_MODES
+from diffkv_serve.engine.flags import HelpFormatter, add_engine_flags, apply_threads, engine_config_from_args
 from diffkv_serve.service.config import API_KEY_ENV
 from diffkv_serve.service.serve_command import cmd_drain, cmd_serve
 
 
 PACKAGE = "diffkv-serve"
-THREADS_HELP = "torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)"
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each option's default, also for options without help text; options whose default is
-    None or off say nothing (their help says what None means)."""
-
-    _NO_HELP = "\0"  # stands in for a missing help text: argparse prints no help line for an empty one
-
-    @staticmethod
-    def _shows_default(action: argparse.Action) -> bool:
-        d = action.default
-        return bool(action.option_strings) and not (d is None or d is False or d == [] or d is argparse.SUPPRESS)
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if not action.help and self._shows_default(action):
-            action = copy.copy(action)
-            action.help = self._NO_HELP
-        return super()._format_action(action)
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = (action.help or "").replace(self._NO_HELP, "")
-        if "%(default)" in text or not self._shows_default(action):
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
 
 
 def version() -> str:
@@ -52,21 +27,6 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded SmolLM2)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="weights and unquantized cache values; auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--kv-mode", default="fp16", choices=KV_MODES,
-                   help="fp16: uncompressed, in --dtype; fp8: e4m3 with a scale per token and KV head")
-    p.add_argument("--alpha-high", type=float, default=None,
-                   help="diffkv: high-precision threshold (default: the model's calibrated value)")
-    p.add_argument("--alpha-low", type=float, default=None,
-                   help="diffkv: low-precision threshold (default: the model's calibrated value)")
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-
-
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -77,22 +37,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _engine_config(args):
-    """The flags' EngineConfig; thresholds left out stay unset, for the engine to take the model's."""
-    from diffkv_serve.engine import EngineConfig
-
-    cache = {"kv_mode": args.kv_mode}
-    cache.update({k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None})
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                        cache=cache)
-
-
 def _build_engine(args):
     from diffkv_serve.engine.llm_engine import LLMEngine
-    from diffkv_serve.engine.threads import set_threads
 
-    set_threads(args.threads, args.device)
-    return LLMEngine(_engine_config(args))
+    apply_threads(args)
+    return LLMEngine(engine_config_from_args(args))
 
 
 def _sampling(args):
@@ -152,11 +101,12 @@ def cmd_chat(args) -> int:
 
     engine = _build_engine(args)
     history: list[dict] = []
-    print("Chat with the model (empty line or Ctrl-D to quit).", file=sys.stderr)
+    print("Chat with the model (empty line, Ctrl-D or Ctrl-C to quit).", file=sys.stderr)
     while True:
         try:
             text = input("> ").strip()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C at the prompt: a plain goodbye, no traceback
+            print(file=sys.stderr)
             break
         if not text:
             break
@@ -165,50 +115,13 @@ def cmd_chat(args) -> int:
         except InvalidRequestError as e:
             print(f"error: {e}", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # Ctrl-C mid-answer ends the chat as at the prompt
+            print(file=sys.stderr)
+            break
         print()
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": out.text}]
     return 0
 
-
-
-class CommandParser(argparse.ArgumentParser):
-    """A subcommand's parser whose arguments may be added only when it is used (parsed or its help shown):
-    eval / calibrate live in the evaluation package, which the serving commands should not import."""
-
-    def __init__(self, *args, populate=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._populate = populate
-
-    def _ensure_populated(self) -> None:
-        if self._populate is not None:
-            populate, self._populate = self._populate, None
-            populate(self)
-
-    def parse_known_args(self, args=None, namespace=None):
-        self._ensure_populated()
-        return super().parse_known_args(args, namespace)
-
-    def format_usage(self) -> str:
-        self._ensure_populated()
-        return super().format_usage()
-
-    def format_help(self) -> str:
-        self._ensure_populated()
-        return super().format_help()
-
-
-def _eval_command(p: argparse.ArgumentParser) -> None:
-    from evals import cli as evals_cli
-
-    evals_cli.add_eval_args(p)
-    p.set_defaults(func=evals_cli.cmd_eval)
-
-
-def _calibrate_command(p: argparse.ArgumentParser) -> None:
-    from evals import cli as evals_cli
-
-    evals_cli.add_calibrate_args(p)
-    p.set_defaults(func=evals_cli.cmd_calibrate)
 
 
 def _service_default(field: str):
@@ -222,35 +135,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffkv", description="DiffKV Serve: LLM serving with a compressed KV cache",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    sub = parser.add_subparsers(dest="command", required=True)
     add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
     g = add("generate", help="generate a completion for one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, kv)")
-    _engine_args(g)
+    add_engine_flags(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
     c = add("chat", help="interactive chat in the terminal")
-    _engine_args(c)
+    add_engine_flags(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
     s = add("serve", help="serve the OpenAI-compatible API on Ray Serve (Ctrl-C stops)",
-            description="Engine flags left out take --config's value, else ServiceConfig's default.")
+            description="Engine flags left out take --config's value, else EngineConfig's default (DiffKV "
+                        "thresholds and precisions: the model's calibrated values).")
     s.add_argument("--config", default=None, help="YAML/JSON of ServiceConfig fields (or a Serve config file)")
-    s.add_argument("--model", default=None, help="HF folder, .gguf file or random:<preset> (default: embedded)")
-    s.add_argument("--device", default=None, help=f"auto | cpu | cuda (default: {_service_default('device')})")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    s.add_argument("--kv-mode", default=None, choices=KV_MODES,
-                   help=f"(default: {_service_default('cache').kv_mode})")
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                    help="a Jinja chat template used instead of the model's (e.g. one that renders tools)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-replicas", type=int, default=None,
                    help=f"engine replicas (default: {_service_default('num_replicas')})")
-    s.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help=f"worker actors per engine replica (default: {_service_default('tensor_parallel_size')})")
     s.add_argument("--ttft-target", type=float, default=None,
                    help=f"admission control's TTFT target in seconds (default: "
                         f"{_service_default('admission').ttft_target_s})")
@@ -269,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: detected)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus export port of the local Ray (on loopback when --host is)")
+    add_engine_flags(s, exclude=("threads",))  # an engine replica's threads follow its Ray CPUs
     s.set_defaults(func=cmd_serve)
     d = add("drain", help="drain a running app before its cluster stops (a KubeRay preStop hook)",
             description="New requests get 503, requests in flight get the drain timeout to finish, the rest end "
@@ -284,11 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "pod's preStop: its engine replica keeps serving while the head drains)")
     d.add_argument("--follow-s", type=float, default=15.0)
     d.set_defaults(func=cmd_drain)
-    # the evaluation package is imported only when one of these is parsed or its help shown
-    add("eval", help="task accuracy and fidelity vs the fp16 cache of one KV configuration (JSON)",
-        populate=_eval_command)
-    add("calibrate", help="calibrate alpha_high / alpha_low for a model and write its settings file",
-        populate=_calibrate_command)
     return parser
 
 
@@ -302,6 +205,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while a model loads or a completion runs: the shell's code, no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

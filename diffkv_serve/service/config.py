@@ -1,8 +1,10 @@
 """The service's typed arguments: one pydantic model, `ServiceConfig`, for `diffkv serve`, `build_app` and
-Serve config YAMLs (KubeRay). One place defines each name and its default; defaults run on a 2-core CPU
-box with the embedded model.
+Serve config YAMLs (KubeRay). It holds the replicas' `EngineConfig` (engine.config defines every engine setting
+and its default) next to the deployment, admission, router, retry and access settings; defaults run on a 2-core
+CPU box with the embedded model.
 
-    ServiceConfig(kv_mode="diffkv", num_replicas=2, admission={"ttft_target_s": 2.0})
+    ServiceConfig(engine={"cache": {"kv_mode": "diffkv"}}, num_replicas=2, admission={"ttft_target_s": 2.0})
+    ServiceConfig(kv_mode="diffkv", device="cpu")  # engine fields may be written at the top level too
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from diffkv_serve.engine.config import CacheConfig, EngineConfig, KVMode, SchedulerConfig
+from diffkv_serve.engine.config import EngineConfig
 
 
 class AdmissionConfig(BaseModel):
@@ -55,7 +57,8 @@ class RouterConfig(BaseModel):
                                    "headroom is balanced (router.prefix), kv_headroom otherwise; "
                                    "pow2: Serve's default power-of-two-choices")
     stats_period_s: float = Field(1.0, gt=0, description="how often Serve collects each replica's routing stats")
-    prefix: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig)
+    prefix: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig, description="policy prefix: its "
+                                                                                         "thresholds and memory")
 
 
 class RetryConfig(BaseModel):
@@ -97,24 +100,50 @@ class LimitsConfig(BaseModel):
 _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
+# Shorthands accepted at the top level of a ServiceConfig (flags, Serve YAML args): every EngineConfig field,
+# and kv_mode for engine.cache.kv_mode.
+_KV_MODE_SHORTHAND = "kv_mode"
+
+
+def nest_engine_fields(data: dict) -> dict:
+    """`data` with its top-level engine fields moved into data["engine"]; a field given in both places is an
+    error naming it."""
+    top = [k for k in data if k in EngineConfig.model_fields or k == _KV_MODE_SHORTHAND]
+    if not top:
+        return data
+    data = dict(data)
+    engine = data.get("engine") or {}
+    if isinstance(engine, BaseModel):
+        engine = engine.model_dump(exclude_unset=True)  # keeps unset fields unset (calibrated defaults)
+    engine = dict(engine)
+    for key in sorted(top, key=lambda k: k == _KV_MODE_SHORTHAND):  # kv_mode last: it writes into cache
+        value = data.pop(key)
+        if key == _KV_MODE_SHORTHAND:
+            cache = engine.get("cache") or {}
+            cache = dict(cache.model_dump(exclude_unset=True) if isinstance(cache, BaseModel) else cache)
+            if cache.get("kv_mode", value) != value:
+                raise ValueError(f"kv_mode={value!r} contradicts cache.kv_mode={cache['kv_mode']!r}")
+            engine["cache"] = {**cache, "kv_mode": value}
+        elif key in engine and engine[key] != value:
+            raise ValueError(f"{key}: given both at the top level ({value!r}) and in engine ({engine[key]!r})")
+        else:
+            engine[key] = value
+    data["engine"] = engine
+    return data
+
+
 class ServiceConfig(BaseModel):
-    """Everything `build_app` needs. Engine settings map onto engine.EngineConfig (see engine_config())."""
+    """Everything `build_app` needs: the engine replicas' EngineConfig and how they are deployed and guarded."""
 
     # hide_input_in_errors: a rejected API key must not be echoed in the error (messages still name the field)
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
     # ---- the model and its engine ----
-    model: Optional[str] = Field(None, description="HF folder, .gguf file, random:<preset>; None: embedded SmolLM2")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="every engine replica's EngineConfig (model, device, cache, "
+                                                  "scheduler, tensor_parallel_size, seed, ...); its fields may "
+                                                  "also be given at the top level, and kv_mode for cache.kv_mode")
     served_model_name: Optional[str] = Field(None, description="the name clients pass as `model`; default: the "
                                                                "checkpoint's name")
-    device: str = Field("auto", description="auto | cpu | cuda")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    max_model_len: Optional[int] = Field(None, ge=2, description="context length; default: the model's")
-    kv_mode: Optional[KVMode] = Field(None, description="shortcut for cache.kv_mode")
-    cache: CacheConfig = Field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    tensor_parallel_size: int = Field(1, ge=1, description="worker actors (ranks) per engine replica")
-    distributed_executor: Literal["auto", "local", "ray"] = Field(
-        "auto", description="auto: in-process for TP=1, Ray worker actors for TP>1; ray: actors even for TP=1")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by "
                                                            "what the context leaves)")
     chat_template: Optional[str] = Field(None, description="a Jinja chat template (its text, or a path to a file) "
@@ -142,10 +171,11 @@ class ServiceConfig(BaseModel):
     max_ongoing_requests: int = Field(
         1024, ge=1, description="requests Serve sends one engine replica at once; admission control keeps the "
                                 "real load far below (the engine queues what it cannot batch)")
-    ingress_replicas: int = Field(1, ge=1)
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the HTTP ingress (validation, admission, "
+                                                       "streaming)")
     replica_cpus: float = Field(0.5, gt=0, description="CPUs of an engine replica's actor (fractional on CPU)")
     worker_cpus: float = Field(0.25, gt=0, description="CPUs of each tensor-parallel worker actor (CPU runs)")
-    ingress_cpus: float = Field(0.25, gt=0)
+    ingress_cpus: float = Field(0.25, gt=0, description="CPUs of an ingress replica's actor")
     rank_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources each rank holds (the replica for TP=1, each "
                                           "tensor-parallel worker otherwise): pins engines to the nodes that "
@@ -160,18 +190,19 @@ class ServiceConfig(BaseModel):
                     "2 s) ends itself (SIGKILL) and is reported as a `memory` death; Serve replaces it. Set it "
                     "below the node's (or pod's) memory so that a leak or an oversized cache costs one replica, "
                     "not whatever the OOM killer picks. None: no limit")
-    health_check_period_s: float = Field(2.0, gt=0)
-    health_check_timeout_s: float = Field(30.0, gt=0)
+    health_check_period_s: float = Field(2.0, gt=0, description="how often Serve checks an engine replica's health")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="a health check slower than this fails the "
+                                                                  "replica (seconds)")
     stats_period_s: float = Field(0.5, gt=0, description="how often an engine replica reads its engine's stats "
                                                          "into the metrics")
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
-    router: RouterConfig = Field(default_factory=RouterConfig)
-    retry: RetryConfig = Field(default_factory=RetryConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="admission control (429s)")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="how requests pick an engine replica")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="re-sends after a replica failure")
     # ---- access and shutdown ----
     api_keys: list[SecretStr] = Field(
         default_factory=list, description=f"accepted `Authorization: Bearer` keys on /v1/* (empty: no key needed); "
                                           f"{API_KEY_ENV} (comma-separated) adds to them")
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request bounds checked before any work")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on SIGTERM / Ctrl-C, how long requests in flight may run to completion before "
                                 "they are ended (503 / an SSE error event)")
@@ -201,19 +232,16 @@ class ServiceConfig(BaseModel):
         """The configured keys and those of API_KEY_ENV in this process's environment, without repeats."""
         return list(dict.fromkeys([k.get_secret_value() for k in self.api_keys] + api_keys_from_env(environ)))
 
-    @model_validator(mode="after")
-    def _apply_shortcuts(self) -> "ServiceConfig":
-        if self.kv_mode is not None and self.kv_mode != self.cache.kv_mode:
-            self.cache = self.cache.model_copy(update={"kv_mode": self.kv_mode})
-        self.kv_mode = self.cache.kv_mode
-        self.engine_config()  # the engine's own rules (device, TP sizes), checked here, before deploying
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _movenest_engine_fields(cls, data: Any) -> Any:
+        return nest_engine_fields(data) if isinstance(data, dict) else data
 
     def deployment_args(self) -> dict[str, Any]:
         """What build_app hands the deployments (they validate it again): the fields that were set, as JSON.
         A full dump would mark every cache field as set on the replica, and the engine would then never fill
         the model's calibrated thresholds and precisions (engine.model_settings) as it does for `diffkv
-        generate`; unset fields must stay unset."""
+        generate`; unset fields must stay unset (the nested engine's too: exclude_unset recurses)."""
         args = self.model_dump(mode="json", exclude_unset=True)
         if self.api_keys:  # a JSON dump masks secrets; the ingress needs the keys themselves
             args["api_keys"] = [k.get_secret_value() for k in self.api_keys]
@@ -222,9 +250,9 @@ class ServiceConfig(BaseModel):
     def uses_gpu(self) -> bool:
         """Whether engine replicas (or their workers) get GPUs. For 'auto', whether the Ray cluster has any:
         build_app may run on a head node without one (KubeRay) while the workers have them."""
-        if self.device == "cpu":
+        if self.engine.device == "cpu":
             return False
-        if self.device.startswith("cuda"):
+        if self.engine.device.startswith("cuda"):
             return True
         import ray
 
@@ -234,15 +262,9 @@ class ServiceConfig(BaseModel):
 
         return torch.cuda.is_available()
 
-    def engine_config(self) -> EngineConfig:
-        """The engine replica's EngineConfig."""
-        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
-                            cache=self.cache, scheduler=self.scheduler, tensor_parallel_size=self.tensor_parallel_size,
-                            distributed_executor=self.distributed_executor)
-
     def uses_worker_actors(self) -> bool:
         """The engine runs its ranks as Ray actors (then the replica needs a placement group for them)."""
-        return self.engine_config().executor_kind == "ray"
+        return self.engine.executor_kind == "ray"
 
 
 def config_digest(args: Mapping[str, Any]) -> str:

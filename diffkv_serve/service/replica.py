@@ -89,7 +89,7 @@ class EngineReplica:
         from diffkv_serve.engine.llm_engine import LLMEngine
 
         # Loading the model takes seconds: keep the replica's event loop free meanwhile.
-        self.engine = await asyncio.to_thread(LLMEngine, self.cfg.engine_config())
+        self.engine = await asyncio.to_thread(LLMEngine, self.cfg.engine)
         if self.cfg.chat_template is not None:  # this replica's own tokenizer object: nothing else sees it
             self.engine.tokenizer.chat_template = self.cfg.chat_template
         sched = self.engine.config.scheduler
@@ -97,7 +97,7 @@ class EngineReplica:
         self.metrics = Metrics({REPLICA: self.replica_id, KV_MODE: self.engine.config.cache.kv_mode})
         cache = self.engine.config.cache
         self.metrics.start_counters("engine", {"enable_prefix_caching": cache.prefix_caching()},
-                                    rank=tuple(str(r) for r in range(self.cfg.tensor_parallel_size)))
+                                    rank=tuple(str(r) for r in range(self.cfg.engine.tensor_parallel_size)))
         self._batch_sizes: collections.deque[int] = collections.deque(maxlen=100_000)  # step thread -> poller
         self.aeng = AsyncLLMEngine(self.engine, on_step=self._on_step)
         await self.aeng.start()
@@ -110,7 +110,7 @@ class EngineReplica:
         await self._poll_once()  # pages_total for the meter before the first request
         self._poller = asyncio.get_running_loop().create_task(self._poll_stats())
         log.info("engine replica %s ready: %s, tp=%d, torch threads %d, KV cache %s", self.replica_id,
-                 self.engine.model_name, self.cfg.tensor_parallel_size, torch.get_num_threads(),
+                 self.engine.model_name, self.cfg.engine.tensor_parallel_size, torch.get_num_threads(),
                  json.dumps(self.kv_cache_card()))
 
     # ---- requests ------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class EngineReplica:
         """What the ingress needs to validate requests and answer /v1/models."""
         return {"model": self.cfg.served_model_name or self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "kv_mode": self.engine.config.cache.kv_mode, "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
-                "tensor_parallel_size": self.cfg.tensor_parallel_size, "replica": self.replica_id,
+                "tensor_parallel_size": self.cfg.engine.tensor_parallel_size, "replica": self.replica_id,
                 "kv_cache": self.kv_cache_card(), "config_digest": self.config_digest}
 
     def kv_cache_card(self) -> dict:

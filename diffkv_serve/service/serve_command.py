@@ -15,7 +15,8 @@ def _serve_config(args):
     `args` are used) with the command-line flags on top."""
     from pathlib import Path
 
-    from diffkv_serve.service.config import ServiceConfig, api_keys_from_env
+    from diffkv_serve.engine.flags import engine_settings
+    from diffkv_serve.service.config import ServiceConfig, api_keys_from_env, nest_engine_fields
 
     data: dict = {}
     if args.config:
@@ -28,10 +29,16 @@ def _serve_config(args):
             data = yaml.safe_load(text) or {}
         if "applications" in data:  # a Serve config file: take the app's args
             data = dict(data["applications"][0].get("args") or {})
-    flags = {"model": args.model, "device": args.device, "max_model_len": args.max_model_len,
-             "num_replicas": args.num_replicas, "tensor_parallel_size": args.tensor_parallel_size,
-             "kv_mode": args.kv_mode, "chat_template": args.chat_template}
-    data.update({k: v for k, v in flags.items() if v is not None})
+    data = nest_engine_fields(data)  # a file's top-level engine fields into data["engine"], under the flags
+    engine = dict(data.get("engine") or {})
+    for key, value in engine_settings(args).items():
+        engine[key] = {**(engine.get(key) or {}), **value} if isinstance(value, dict) else value
+    if engine:
+        data["engine"] = engine
+    if args.num_replicas is not None:
+        data["num_replicas"] = args.num_replicas
+    if getattr(args, "chat_template", None) is not None:
+        data["chat_template"] = args.chat_template
     if args.ttft_target is not None:
         data.setdefault("admission", {})["ttft_target_s"] = args.ttft_target
     if args.no_admission:
@@ -298,8 +305,9 @@ def cmd_serve(args) -> int:
         deploying = True
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
         metrics = _metrics_banner(args, _this_node() if args.address else None)
-        print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.kv_mode}, "
-              f"replicas={cfg.num_replicas}, tp={cfg.tensor_parallel_size}{metrics}; {_auth_banner(args, cfg)}). "
+        print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.engine.cache.kv_mode}, "
+              f"replicas={cfg.num_replicas}, tp={cfg.engine.tensor_parallel_size}{metrics}; "
+              f"{_auth_banner(args, cfg)}). "
               f"Ctrl-C stops.", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass

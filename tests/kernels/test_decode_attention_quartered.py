@@ -39,8 +39,10 @@ def test_decode_quantized_sections(spec, Hq, Hkv, num_splits):
         assert (res["triton"][2][empty] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("spec,D,block_n,num_splits", [("K8V4+K4V2", 64, 16, None), ("K8V4+K4V2", 64, 32, 5),
-                                                       ("K4V2", 128, 16, None), ("K16V16+K8V4", 64, None, 4),
+@pytest.mark.parametrize("spec,D,block_n,num_splits", [pytest.param("K8V4+K4V2", 64, 16, None, marks=pytest.mark.slow),
+                                                       ("K8V4+K4V2", 64, 32, 5),
+                                                       pytest.param("K4V2", 128, 16, None, marks=pytest.mark.slow),
+                                                       ("K16V16+K8V4", 64, None, 4),
                                                        ("K8V4+K4V2", 32, 32, None), ("K16V16+K4V2", 32, 16, 3),
                                                        ("K2V2", 128, None, 2)])
 def test_decode_quantized_long_multi_split(spec, D, block_n, num_splits):

@@ -31,7 +31,8 @@ def test_base_and_overlays_validate():
     demo = rendered["cpu-demo"]
     (rs,) = _by_kind(demo, "RayService")
     cfg = ServiceConfig.model_validate(_serve_args(rs))
-    assert cfg.device == "cpu" and cfg.model is None and cfg.kv_mode == "diffkv"  # the embedded model
+    engine = cfg.engine
+    assert engine.device == "cpu" and engine.model is None and engine.cache.kv_mode == "diffkv"  # the embedded model
     # node failure: two CPU worker pods, one engine replica each; the ingress on the head; re-sends on
     (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert group["groupName"] == "cpu" and group["minReplicas"] == group["replicas"] == 2
@@ -45,7 +46,8 @@ def test_base_and_overlays_validate():
     gpu = rendered["gpu"]
     (rs,) = _by_kind(gpu, "RayService")
     cfg = ServiceConfig.model_validate(_serve_args(rs))
-    assert cfg.tensor_parallel_size == 2 and cfg.device == "cuda" and cfg.model.startswith("/models/")
+    engine = cfg.engine
+    assert engine.tensor_parallel_size == 2 and engine.device == "cuda" and engine.model.startswith("/models/")
     (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert group["minReplicas"] == 2 and cfg.num_replicas == 2 and cfg.retry.max_retries >= 1
     for _, template in validate.pod_templates(rs):

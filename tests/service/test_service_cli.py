@@ -27,19 +27,36 @@ def test_config_file_and_flags(tmp_path):
     plain = tmp_path / "svc.yaml"
     plain.write_text("kv_mode: int8\nnum_replicas: 3\nadmission: {ttft_target_s: 4.5}\n")
     cfg = _serve_config(parse("--config", str(plain), "--num-replicas", "2", "--ttft-target", "2"))
-    assert (cfg.kv_mode, cfg.cache.kv_mode, cfg.num_replicas, cfg.admission.ttft_target_s) == ("int8", "int8", 2, 2.0)
+    assert (cfg.engine.cache.kv_mode, cfg.num_replicas, cfg.admission.ttft_target_s) == ("int8", 2, 2.0)
     serve_file = tmp_path / "serve.yaml"  # a Serve config: the application's args are used
     serve_file.write_text("applications:\n  - name: diffkv\n    import_path: service.app:build_app\n"
                           "    args: {kv_mode: diffkv, tensor_parallel_size: 2}\n")
     cfg = _serve_config(parse("--config", str(serve_file), "--no-admission"))
-    assert cfg.kv_mode == "diffkv" and cfg.tensor_parallel_size == 2 and not cfg.admission.enabled
+    assert cfg.engine.cache.kv_mode == "diffkv" and cfg.engine.tensor_parallel_size == 2 and not cfg.admission.enabled
+    nested = tmp_path / "nested.yaml"  # the engine section, with flags on top of it
+    nested.write_text("engine: {device: cpu, seed: 3, cache: {kv_mode: int4, num_pages: 64}}\n")
+    cfg = _serve_config(parse("--config", str(nested), "--kv-mode", "fp8", "--enforce-eager"))
+    assert cfg.engine.cache.model_fields_set == {"kv_mode", "num_pages"}
+    assert (cfg.engine.cache.kv_mode, cfg.engine.cache.num_pages, cfg.engine.seed, cfg.engine.enforce_eager,
+            cfg.engine.device) == ("fp8", 64, 3, True, "cpu")
     bad = tmp_path / "bad.yaml"
     bad.write_text("kv_mode: int3\n")
     with pytest.raises(ValueError, match="kv_mode"):
         _serve_config(parse("--config", str(bad)))
 
 
+def readme_quickstart(base_url: str) -> str:
+    """The README's serving quickstart (its first python block after the heading), aimed at base_url."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Serving quickstart", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:8000/v1" in code
+    return code.replace("http://127.0.0.1:8000/v1", base_url)
+
+
+@pytest.mark.slow
 def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
+    """`diffkv serve` as the README starts it: it serves the README's quickstart code, then stops on Ctrl-C."""
     port, metrics = free_port(), free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     log = open(tmp_path / "serve.log", "w")
@@ -52,6 +69,11 @@ def test_serve_starts_serves_and_stops_on_ctrl_c(tmp_path):
         r = httpx.post(base + "/v1/completions", timeout=60,
                        json={"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        quickstart = subprocess.run([sys.executable, "-c", readme_quickstart(base + "/v1")], capture_output=True,
+                                    text=True, timeout=300, cwd=tmp_path)
+        assert quickstart.returncode == 0, quickstart.stderr
+        answer, streamed = quickstart.stdout.strip("\n").split("\n", 1)[0], quickstart.stdout.strip()
+        assert answer.strip() and len(streamed) > len(answer), quickstart.stdout
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
     finally:
@@ -127,6 +149,7 @@ def test_joining_a_cluster_whose_serve_holds_the_port(cluster):
     _check_joined_port(parse("--address", "auto", "--port", str(cluster.http_port)))
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_the_same_ports_serve_again(tmp_path):
     """SIGTERM shuts down like Ctrl-C (no crash trace, no process of its Ray left holding a port), so a restart
     on the same --port / --metrics-port comes up; the metrics port listens on --host (loopback) only."""
@@ -286,7 +309,11 @@ def test_version_comes_from_the_package_metadata():
 def test_help_shows_defaults():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices
-    serve, generate, evaluate = (sub[c].format_help() for c in ("serve", "generate", "eval"))
+    from evals.cli import build_parser as evals_parser
+
+    evals_sub = next(a for a in evals_parser()._actions if a.dest == "command").choices
+    serve, generate = (sub[c].format_help() for c in ("serve", "generate"))
+    evaluate = evals_sub["eval"].format_help()
     for text, needle in [(serve, "(default: 8000)"), (serve, "(default: 127.0.0.1)"), (serve, "(default: 10.0)"),
                          (generate, "(default: 128)"), (generate, "(default: fp16)"), (generate, "(default: 0)"),
                          (evaluate, "(default: 2048)"), (evaluate, "(default: ['chain_sum'])")]:
@@ -295,18 +322,45 @@ def test_help_shows_defaults():
 
 
 def test_serving_imports_no_evaluation_code():
-    """diffkv_serve.service.cli, engine and a parsed serve command leave the evals package unimported; eval loads it."""
-    code = ("import sys, diffkv_serve.engine, diffkv_serve.service.cli as c; c.build_parser().parse_args(['serve']); "
-            "before = sorted(m for m in sys.modules if m.split('.')[0] == 'evals'); "
-            "args = c.build_parser().parse_args(['eval', '--limit', '3']); "
-            "print(before, args.func.__module__, args.limit)")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    """No module of diffkv_serve imports evals (read from the source), and importing every one of them, then
+    parsing each `diffkv` command, loads no evals module (at run time)."""
+    import ast
+    import pkgutil
+
+    import diffkv_serve
+
+    offenders = []
+    for path in Path(diffkv_serve.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "evals"]
+    assert not offenders, offenders
+    modules = [m.name for m in pkgutil.walk_packages(diffkv_serve.__path__, "diffkv_serve.")]
+    assert len(modules) > 50 and "diffkv_serve.service.cli" in modules
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}:\n"
+            "    importlib.import_module(m)\n"
+            "import diffkv_serve.service.cli as c\n"
+            "for argv in (['serve'], ['drain'], ['chat'], ['generate', '--prompt', 'x']):\n"
+            "    c.build_parser().parse_args(argv)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'evals'))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["[]", "evals.cli", "3"]
-    plain = subprocess.run([sys.executable, "-c", "import sys, diffkv_serve.service.cli; "
-                            "print([m for m in sys.modules if m.split('.')[0] == 'evals'])"],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert plain.returncode == 0 and plain.stdout.strip() == "[]", plain.stderr
+    assert p.stdout.strip() == "[]"
+    with pytest.raises(SystemExit):  # eval and calibrate belong to evals.cli, not to the serving CLI
+        build_parser().parse_args(["eval"])
+
+
+def test_evals_cli_runs_eval_and_calibrate_from_the_checkout():
+    p = subprocess.run([sys.executable, "-m", "evals.cli", "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert p.returncode == 0 and "eval" in p.stdout and "calibrate" in p.stdout, p.stderr
+    from evals.cli import build_parser as evals_parser
+
+    args = evals_parser().parse_args(["eval", "--limit", "3", "--device", "cpu"])
+    assert (args.func.__name__, args.limit, args.kv_mode, args.max_model_len) == ("cmd_eval", 3, "diffkv", 2048)
+    assert evals_parser().parse_args(["calibrate", "--dry-run"]).func.__name__ == "cmd_calibrate"
 
 
 def test_cpu_threads_default_and_flag(monkeypatch):
@@ -328,8 +382,11 @@ def test_cpu_threads_default_and_flag(monkeypatch):
             set_threads(0, "cpu")
     finally:
         torch.set_num_threads(before)
-    for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["calibrate"]):
-        assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
+    from evals.cli import build_parser as evals_parser
+
+    for parser, command in [(build_parser, ["generate", "--prompt", "x"]), (build_parser, ["chat"]),
+                            (evals_parser, ["eval"]), (evals_parser, ["calibrate"])]:
+        assert parser().parse_args([*command, "--threads", "3"]).threads == 3
 
 
 def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys):
@@ -355,15 +412,17 @@ def test_every_command_takes_each_kv_mode():
     """--kv-mode of generate, chat, eval and serve offers engine.config.KV_MODES (fp8 included); an
     unknown mode is refused by argparse."""
     from diffkv_serve.engine.config import KV_MODES
+    from evals.cli import build_parser as evals_parser
 
     assert "fp8" in KV_MODES
-    for command in (["generate", "--prompt", "x"], ["chat"], ["eval"], ["serve"]):
-        p = build_parser()
+    for make, command in [(build_parser, ["generate", "--prompt", "x"]), (build_parser, ["chat"]),
+                          (evals_parser, ["eval"]), (build_parser, ["serve"])]:
+        p = make()
         for mode in KV_MODES:
             assert p.parse_args([*command, "--kv-mode", mode]).kv_mode == mode
         with pytest.raises(SystemExit):
             p.parse_args([*command, "--kv-mode", "fp4"])
-    assert _serve_config(parse("--kv-mode", "fp8")).cache.kv_mode == "fp8"
+    assert _serve_config(parse("--kv-mode", "fp8")).engine.cache.kv_mode == "fp8"
 
 
 def test_generate_json_with_the_fp8_cache(capsys):

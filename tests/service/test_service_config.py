@@ -1,5 +1,5 @@
 """What a server runs with, and its API's edges: the effective cache configuration is the same under Serve
-(build_app -> engine replica), `diffkv generate`, `diffkv eval` and the Python API; /v1/models shows it;
+(build_app -> engine replica), `diffkv generate`, `python3 -m evals.cli eval` and the Python API; /v1/models shows it;
 kv_compression on a server that would ignore it is a 400; every error body follows OpenAI's error object."""
 import json
 import math
@@ -13,7 +13,8 @@ from diffkv_serve.engine.model_settings import apply_model_settings, load_model_
 from diffkv_serve.service.api import _check_kv_compression
 from diffkv_serve.service.api_error import APIError
 from diffkv_serve.service.app import build_app
-from diffkv_serve.service.cli import _engine_config, build_parser
+from diffkv_serve.engine.flags import engine_config_from_args
+from diffkv_serve.service.cli import build_parser
 from diffkv_serve.service.config import ServiceConfig
 from diffkv_serve.service.protocol import ErrorResponse, KVCompression, ModelCard
 
@@ -29,23 +30,71 @@ def _payloads(app) -> tuple[dict, dict]:
 
 def _replica_engine_config(payload: dict) -> EngineConfig:
     """What EngineReplica.__init__ hands its LLMEngine."""
-    return ServiceConfig.model_validate(payload).engine_config()
+    return ServiceConfig.model_validate(json.loads(json.dumps(payload))).engine  # Ray ships it as data
 
 
 def test_the_payload_keeps_unset_cache_fields_unset():
     cfg = ServiceConfig(kv_mode="diffkv", device="cpu", cache={"num_pages": 512}, admission={"ttft_target_s": 2.0})
     # what build_app used to ship: a full dump, which marks every cache field as set on the replica
-    full = ServiceConfig.model_validate(cfg.model_dump(mode="json")).engine_config()
+    full = ServiceConfig.model_validate(cfg.model_dump(mode="json")).engine
     assert {"alpha_high", "alpha_low", "high", "low"} <= full.cache.model_fields_set
     engine_payload, ingress_payload = _payloads(build_app(cfg))
     assert engine_payload == ingress_payload == cfg.deployment_args()
     replica = _replica_engine_config(engine_payload)
     assert replica.cache.model_fields_set == {"kv_mode", "num_pages"}
-    assert replica == cfg.engine_config() and ServiceConfig.model_validate(engine_payload) == cfg
+    assert replica == cfg.engine and ServiceConfig.model_validate(engine_payload) == cfg
     # what the user did set still wins over the model's settings file
     mine = ServiceConfig(kv_mode="diffkv", device="cpu", cache={"alpha_high": 2.0, "alpha_low": 0.5})
     resolved = apply_model_settings(_replica_engine_config(_payloads(build_app(mine))[0]), SMOLLM).cache
     assert (resolved.alpha_high, resolved.alpha_low) == (2.0, 0.5)
+
+
+# Every EngineConfig field at a value other than its default (a new field fails the first assert below).
+ALL_ENGINE_FIELDS = {"model": "random:tiny", "device": "cpu", "dtype": "float32", "max_model_len": 300, "seed": 11,
+                     "enforce_eager": True, "max_graph_batch_size": 32, "tensor_parallel_size": 1,
+                     "distributed_executor": "local", "cache": {"kv_mode": "diffkv", "num_pages": 96, "window": 32},
+                     "scheduler": {"max_num_seqs": 8, "reservation": "learned"}}
+
+
+def test_every_engine_field_and_the_calibration_reach_the_replica():
+    """ServiceConfig -> build_app -> Ray's serialization of the deployment's arguments -> the replica's
+    ServiceConfig: the engine the replica builds has every field that was given, and the cache fields left
+    out stay unset, so the model's calibrated thresholds and precisions fill them."""
+    from ray import cloudpickle
+
+    assert set(ALL_ENGINE_FIELDS) == set(EngineConfig.model_fields)
+    settings = load_model_settings(SMOLLM)
+    sent = EngineConfig(**ALL_ENGINE_FIELDS)
+    flat = {k: v for k, v in ALL_ENGINE_FIELDS.items() if k != "cache"} | {"kv_mode": "diffkv",
+                                                                            "cache": {"num_pages": 96, "window": 32}}
+    for cfg in (ServiceConfig(engine=ALL_ENGINE_FIELDS, num_replicas=2), ServiceConfig(**flat, num_replicas=2)):
+        engine_payload, _ = _payloads(build_app(cfg))
+        received = ServiceConfig.model_validate(cloudpickle.loads(cloudpickle.dumps(engine_payload))).engine
+        assert received == sent and received.model_fields_set == set(ALL_ENGINE_FIELDS)
+        assert received.cache.model_fields_set == {"kv_mode", "num_pages", "window"}
+        assert received.scheduler.model_fields_set == {"max_num_seqs", "reservation"}
+        cache = apply_model_settings(received.model_copy(update={"model": None}), SMOLLM).cache
+        assert (cache.alpha_high, cache.alpha_low) == (settings["alpha_high"], settings["alpha_low"])
+        assert (cache.num_pages, cache.window) == (96, 32)
+    # the same fields from `diffkv serve`'s flags
+    from diffkv_serve.service.serve_command import _serve_config
+
+    flags = ["serve", "--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--max-model-len", "300",
+             "--engine-seed", "11", "--enforce-eager", "--max-graph-batch-size", "32", "--kv-mode", "diffkv",
+             "--tensor-parallel-size", "1", "--max-num-seqs", "8"]
+    engine = _serve_config(build_parser().parse_args(flags)).engine
+    assert (engine.seed, engine.enforce_eager, engine.max_graph_batch_size, engine.scheduler.max_num_seqs) == \
+        (11, True, 32, 8)
+    assert engine.cache.model_fields_set == {"kv_mode"}
+
+
+def test_engine_fields_given_twice_must_agree():
+    with pytest.raises(ValueError, match="device: given both"):
+        ServiceConfig(device="cpu", engine={"device": "cuda"})
+    with pytest.raises(ValueError, match="kv_mode='int8' contradicts cache.kv_mode='fp8'"):
+        ServiceConfig(kv_mode="int8", cache={"kv_mode": "fp8"})
+    with pytest.raises(ValueError, match="enforce_eager"):
+        ServiceConfig(engine={"enforce_eager": "sometimes"})
 
 
 def test_serve_yaml_args_and_flags_resolve_the_calibrated_thresholds():
@@ -74,7 +123,9 @@ def test_serve_generate_eval_and_the_python_api_run_the_same_cache():
     serve = LLMEngine(_replica_engine_config(_payloads(build_app({"kv_mode": "diffkv", "device": "cpu"}))[0]))
     generate = _build_engine(build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode", "diffkv",
                                                         "--device", "cpu"]))
-    eval_args = build_parser().parse_args(["eval", "--kv-mode", "diffkv", "--device", "cpu"])
+    from evals.cli import build_parser as evals_parser
+
+    eval_args = evals_parser().parse_args(["eval", "--kv-mode", "diffkv", "--device", "cpu"])
     with EvalModel(eval_args.model, device="cpu").engine(_kv_config(eval_args).cache) as eng:
         evaluated = eng.config.cache.describe()
     api = LLM(device="cpu", cache={"kv_mode": "diffkv"}).engine
@@ -88,7 +139,7 @@ def test_serve_generate_eval_and_the_python_api_run_the_same_cache():
 
 def test_generate_flags_set_only_what_they_name():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode", "diffkv", "--alpha-high", "3"])
-    cache = apply_model_settings(_engine_config(args), SMOLLM).cache
+    cache = apply_model_settings(engine_config_from_args(args), SMOLLM).cache
     assert (cache.alpha_high, cache.alpha_low) == (3.0, load_model_settings(SMOLLM)["alpha_low"])
 
 

@@ -2,6 +2,7 @@
 requests in flight run to completion within --drain-timeout, what is still running then ends with an SSE
 error event (streams) or a 503 (non-streaming), and the process exits cleanly (no traceback, no Serve
 shutdown noise) within the drain timeout + 10 s. CPU, embedded model, loopback."""
+import pytest
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ def _complete(base, model, out):
     out["full"] = r
 
 
+@pytest.mark.slow
 def test_sigterm_drains_streams_then_exits_cleanly(tmp_path):
     port = free_port()
     log_path = tmp_path / "serve.log"

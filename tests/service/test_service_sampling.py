@@ -65,7 +65,7 @@ def local_engines(smollm):
 
     def get(mode: str):
         if mode not in made:
-            cfg = ServiceConfig.model_validate({**CONFIG, "kv_mode": mode}).engine_config()
+            cfg = ServiceConfig.model_validate({**CONFIG, "kv_mode": mode}).engine
             made[mode] = LLMEngine(cfg, checkpoint=smollm)
         return made[mode]
 
@@ -73,6 +73,7 @@ def local_engines(smollm):
 
 
 @pytest.mark.parametrize("mode", ["diffkv", "fp16"])
+@pytest.mark.slow
 def test_completion_logprobs_and_echo_equal_the_engines_teacher_forced_ones(request, mode, local_engines):
     service = request.getfixturevalue("service" if mode == "diffkv" else "fp16_service")
     local_engine = local_engines(mode)

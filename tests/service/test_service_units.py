@@ -296,7 +296,7 @@ def test_engine_deployment_options():
         ServiceConfig(device="cpu", tensor_parallel_size=2, distributed_executor="local")
     with pytest.raises(ValueError):
         ServiceConfig(kv_mode="int3")
-    assert ServiceConfig(kv_mode="diffkv").cache.kv_mode == "diffkv"
+    assert ServiceConfig(kv_mode="diffkv").engine.cache.kv_mode == "diffkv"
 
 
 def test_serve_builds_the_app_from_typed_args():

@@ -1,10 +1,10 @@
-"""Per-model DiffKV settings written by `diffkv calibrate` (one JSON file per model, shipped with the
+"""Per-model DiffKV settings written by `python3 -m evals.cli calibrate` (one JSON file per model, shipped with the
 package): the engine uses a model's calibrated alpha_high / alpha_low whenever the user did not set them.
 
 A file `<model id>.json` holds {"model": <checkpoint name>, "alpha_high": .., "alpha_low": .., "calibration":
 {how they were chosen}} and, when calibration had to change it, "low" (the low precision, e.g. "K8V4" =
 the high one: low precision off, tokens are kept high or pruned, for models that 4-bit keys break); the
-model id is the loaded checkpoint's name, lower-cased. `diffkv calibrate
+model id is the loaded checkpoint's name, lower-cased. `python3 -m evals.cli calibrate
 --per-layer` adds "layer_alpha_scale" (one multiplier of both alphas per layer) and "layer_budget" (how).
 "key_center" ([layers][kv_heads][head_dim], the mean post-RoPE key that calibration measured) is what
 engine.key_centering subtracts from keys before quantizing them; "default_choice", when present, records why the
@@ -50,7 +50,8 @@ def load_model_settings(model_name: str, directory: Path = SETTINGS_DIR) -> Opti
                                   not all(isinstance(x, (int, float)) and x > 0 for x in scale)):
             raise ValueError(f"{LAYER_SCALE} must be a list of numbers > 0")
     except (ValueError, KeyError) as e:
-        raise ValueError(f"{path}: damaged model settings ({e}); rerun `diffkv calibrate` or delete it") from e
+        raise ValueError(f"{path}: damaged model settings ({e}); rerun `python3 -m evals.cli calibrate` or "
+                         f"delete it") from e
     return settings
 
 
