@@ -283,7 +283,7 @@ class LLMEngine:
         mode really takes: twice bytes_fp16 on CPU, where the cache is float32)."""
         pages, hi, lo = self.executor.slot_usage(seq.slot)  # summed over ranks
         heads = self._heads_per_seq()
-        shared = 0 if self.mm.copies_prefix else len(seq.prefix_refs) * heads  # a block: one page per head
+        shared = len(seq.prefix_refs) * heads  # a block: one page per head
         return {"pages_used": pages, "bytes_used": pages * self.mm.page_bytes, "pages_shared": shared,
                 "bytes_fp16": seq.num_cached * self._fp16_token_bytes(),
                 "bytes_uncompressed": seq.num_cached * self._fp16_token_bytes(self.cache_itemsize),

@@ -15,7 +15,7 @@ whose pages did not fit is detected on the device; its sequences go back to the 
 first of them marked for the worst-case rule, so it is scheduled next, and fits.
 
 Prefix caching (engine.kv.prefix_cache): scheduling looks each prompt up, counts only the uncached part's
-pages (single precision: the cached blocks are shared; diffkv copies them, but may cache new blocks), and
+pages (the cached blocks' pages are shared: a hit's first page-table columns point at them), and
 reserves against free plus evictable pages: unreferenced cached blocks are evicted, least recently used
 first, before anything is refused or preempted.
 """
@@ -53,7 +53,6 @@ class PagePool(Protocol):
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]: ...
     # prefix cache: block geometry, what blocks cost (busiest rank) and free when evicted (at least, every rank)
     prefix_block_tokens: int
-    copies_prefix: bool
     def prefix_block_cost(self, num_blocks: int) -> int: ...
     def prefix_block_yield(self, num_blocks: int) -> int: ...
     def evict_blocks(self, block_ids: list[int]) -> None: ...
@@ -171,14 +170,10 @@ class Scheduler:
             if computed > budget and scheduled:
                 break
             need = self._prompt_pages(seq)
-            if hits and not mm.copies_prefix:
+            if hits:
                 need -= mm.prefix_block_cost(len(hits))  # its first columns are the cached blocks' pages
-            insert_cost = mm.prefix_block_cost(len(new)) if mm.copies_prefix else 0
-            if need + insert_cost > free + reclaim:
-                if insert_cost and need <= free + reclaim:
-                    new, insert_cost = [], 0  # room to run it, not to cache its blocks as well
-                else:
-                    break
+            if need > free + reclaim:
+                break
             self.waiting.popleft()
             seq.slot = mm.alloc_slot()
             seq.status = Status.RUNNING
@@ -187,11 +182,11 @@ class Scheduler:
             scheduled.append(seq)
             if self.prefix_cache is not None:
                 self._take_prefix(seq, hits, new)
-            if need + insert_cost > free:  # unreferenced cached blocks make room (the hits are referenced now)
-                free += self._evict(need + insert_cost - free)
+            if need > free:  # unreferenced cached blocks make room (the hits are referenced now)
+                free += self._evict(need - free)
             budget -= computed
             self.num_prefill_computed += computed
-            free -= need + insert_cost
+            free -= need
             if budget <= 0:
                 break
         self.running.extend(scheduled)
@@ -278,16 +273,13 @@ class Scheduler:
         return self.mm.prefix_block_yield(len(ids))
 
     def after_prefill(self, batch: Batch) -> None:
-        """A prefill ran: its new blocks become matchable, and diffkv sequences, which copied what they
-        read into their own pages, let go of every block. Call it before anything releases the batch's
+        """A prefill ran: its new blocks become matchable. Call it before anything releases the batch's
         sequences (settle_prefill), or their new blocks would never be committed."""
         pc = self.prefix_cache
         if pc is None:
             return
         for seq in batch.seqs:
             pc.commit([b for b in seq.prefix_refs if not b.ready])
-            if self.mm.copies_prefix:
-                self._drop_prefix_refs(seq)
 
     def _drop_prefix_refs(self, seq: Sequence) -> None:
         if seq.prefix_refs:
