@@ -12,8 +12,9 @@ from diffkv_serve.engine.loader import load_checkpoint
 
 from engine_helpers import TEST_DEVICE, assert_all_pages_free
 
-# Short window and significance queries on the tiny random model, so a dozen decode steps demote and prune.
-DIFFKV = {"kv_mode": "diffkv", "window": 4, "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 4}
+# A short window on the tiny random model, so a dozen decode steps demote and prune; more significance queries
+# than a hit leaves computed (the suffix scores its tokens with the queries it has).
+DIFFKV = {"kv_mode": "diffkv", "window": 4, "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 16}
 AGGRESSIVE = {"alpha_high": 8.0, "alpha_low": 2.0}
 
 

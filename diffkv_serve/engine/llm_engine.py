@@ -52,9 +52,7 @@ class LLMEngine:
         prefix_cache = None
         if config.cache.prefix_caching():
             prefix_cache = PrefixCache(self.mm.prefix_block_tokens, self.mm.max_prefix_blocks)
-        # diffkv scores prompt tokens by the last significance_queries queries: a prefill computes them.
-        min_computed = config.cache.significance_queries if config.cache.kv_mode == "diffkv" else 1
-        self.scheduler = Scheduler(config.scheduler, self.mm, prefix_cache, min_computed)
+        self.scheduler = Scheduler(config.scheduler, self.mm, prefix_cache)
         self.requests: dict[str, Sequence] = {}
         self._last_step_time = 0.0
         self._pending: Optional[InFlight] = None  # async scheduling: the launched decode step not yet read

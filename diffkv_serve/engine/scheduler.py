@@ -59,12 +59,10 @@ class PagePool(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, mm: PagePool, prefix_cache: Optional[PrefixCache] = None,
-                 min_computed: int = 1):
+    def __init__(self, config: SchedulerConfig, mm: PagePool, prefix_cache: Optional[PrefixCache] = None):
         self.config = config
         self.mm = mm
         self.prefix_cache = prefix_cache
-        self.min_computed = min_computed  # prompt tokens a prefill computes even if cached (diffkv: its queries)
         self.num_prefill_computed = 0  # prompt tokens scheduled prefills compute (cached blocks are read instead)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -240,7 +238,7 @@ class Scheduler:
             return [], [], 0
         toks = seq.all_token_ids
         n = len(toks)
-        limit = n - max(1, min(n, self.min_computed))
+        limit = n - 1  # the last token is computed: its logits are the first output
         if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
             limit = 0  # its prefill must compute every prompt position's logits
         hits, candidates = pc.match(toks, limit)
