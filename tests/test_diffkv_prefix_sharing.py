@@ -139,6 +139,8 @@ def test_pinning_rule_is_a_validated_setting():
     assert not CacheConfig(kv_mode="diffkv").pins_prompt_blocks()  # auto: off with caching off
     assert CacheConfig(kv_mode="diffkv", pin_prompt_blocks=True).pins_prompt_blocks()
     assert not CacheConfig(kv_mode="int4", pin_prompt_blocks=True).pins_prompt_blocks()
+    assert CacheConfig(kv_mode="diffkv", enable_prefix_caching=True).describe()["pin_prompt_blocks"] is True
+    assert "pin_prompt_blocks" not in CacheConfig(kv_mode="diffkv").describe()
     with pytest.raises(ValueError, match="pin_prompt_blocks=False with enable_prefix_caching=True"):
         CacheConfig(kv_mode="diffkv", enable_prefix_caching=True, pin_prompt_blocks=False)
     with pytest.raises(ValueError, match="need policy 'thresholds'"):

@@ -75,7 +75,8 @@ class CacheConfig(BaseModel):
     enable_prefix_caching: Union[bool, Literal["auto"]] = Field(
         "auto", description="share the KV of prompt prefixes between requests (docs/PREFIX_CACHING.md); 'auto': "
                             "on for fp16 / int8 / int4 / fp8 (no measurable cost when prompts share nothing), off "
-                            "for diffkv (its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
+                            "for diffkv (sharing pins each prompt's full blocks at the high precision, which costs "
+                            "memory when nothing is shared)")
     # The rule that lets diffkv share prefix-cache pages (docs/PREFIX_CACHING.md): a prompt's full blocks of
     # the high precision's page size are what a prefix cache may share, so they are kept high, never demoted,
     # pruned or moved, whether or not they came from the cache; the same rule without the cache gives the
@@ -166,7 +167,9 @@ class CacheConfig(BaseModel):
                                "low": f"K{low[0]}V{low[1]}" if low else None,
                                "prefix_caching": self.prefix_caching()}
         if self.kv_mode == "diffkv":
-            out.update(policy=self.policy, window=self.window, pin_prompt_blocks=self.pins_prompt_blocks())
+            out.update(policy=self.policy, window=self.window)
+            if self.pins_prompt_blocks():  # only when on: runs recorded before the rule still match
+                out["pin_prompt_blocks"] = True
             if self.policy == "thresholds":
                 out.update(alpha_high=self.alpha_high, alpha_low=self.alpha_low,
                            layer_alpha_scale=self.layer_alpha_scale, prune_phase=self.prune_phase)
