@@ -201,13 +201,10 @@ class KVCache:
                    hit_rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v with the computed pinned rows replaced by what their high-precision pages will return: with or
         without a cache hit, every query then sees a pinned token the same way (cached rows were read so)."""
-        rows = pinned if hit_rows is None else pinned.index_fill(0, hit_rows, False)
-        idx = rows.nonzero().squeeze(1)
-        if not idx.numel():
-            return k, v
-        mm = self.mm
-        k = k.index_put((idx,), stored_rows_ref(k[idx], mm.fmt_high, mm.cache_dtype, "k").to(k.dtype))
-        v = v.index_put((idx,), stored_rows_ref(v[idx], mm.fmt_high, mm.cache_dtype, "v").to(v.dtype))
+        rows = (pinned if hit_rows is None else pinned.index_fill(0, hit_rows, False)).view(-1, 1, 1)
+        mm = self.mm  # every row converted, then selected: no data-dependent shape, no host sync
+        k = torch.where(rows, stored_rows_ref(k, mm.fmt_high, mm.cache_dtype, "k").to(k.dtype), k)
+        v = torch.where(rows, stored_rows_ref(v, mm.fmt_high, mm.cache_dtype, "v").to(v.dtype), v)
         return k, v
 
     @costed("memory")
