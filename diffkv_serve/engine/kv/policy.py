@@ -143,12 +143,14 @@ class KVCache:
             k, v = self._with_prefix(layer, k, v, prefix)
             positions, max_len, cu_q = prefix.key_positions, prefix.max_len_k, prefix.cu_seqlens_q
             hit_rows = prefix.prefix_rows
+        k_att, v_att = k, v  # what the queries attend over and score with
         if info.pin_block:
-            # Pinned tokens are attended as stored, as a later request reading their shared pages sees them.
+            # Pinned tokens are attended as stored, as a later request reading their shared pages sees them;
+            # the pages are written from the computed values (a stored value quantized again could move).
             pinned = positions < (info.seq_len_of_token // info.pin_block) * info.pin_block
-            k, v = self._as_stored(k, v, pinned, hit_rows)
+            k_att, v_att = self._as_stored(k, v, pinned, hit_rows)
         with cost_range("policy"):
-            sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
+            sig = prompt_significance(q, k_att, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
                                       max_seqlen=max_len, cu_seqlens_q=cu_q)  # [N, H] sums of attention received
             if pinned is not None:
                 sig = pin_significance(sig, pinned)
@@ -179,7 +181,7 @@ class KVCache:
                        info.token_slots, idx_high, idx_low, **where)
         info.n_high[:, layer] = n_high
         info.n_low[:, layer] = n_low
-        return k, v
+        return k_att, v_att
 
     def _with_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                      prefix: CachedPrefix) -> tuple[torch.Tensor, torch.Tensor]:
