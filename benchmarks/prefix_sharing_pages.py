@@ -88,6 +88,7 @@ def main() -> None:
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             runs[name].append(run_once(engines[name], reqs, args.max_tokens, f"r{r}"))
+            print(f"repeat {r} {name}: {runs[name][-1]}", flush=True)
             engines[name].reset_prefix_cache()
     rows = []
     for name in names:
