@@ -31,7 +31,8 @@ class PrefixBlocks:
         self.shared_cols[slot] = k
 
     def adopt_blocks(self, slot: int, first_col: int, block_ids: list[int]) -> None:
-        """After its prefill, full high page columns [first_col, first_col + k) of a sequence become cached blocks (the cache owns the pages now; the sequence keeps reading them)."""
+        """After its prefill, full high page columns [first_col, first_col + k) of a sequence become cached
+        blocks (the cache owns the pages now; the sequence keeps reading them)."""
         k = len(block_ids)
         if k == 0:
             return
