@@ -12,8 +12,8 @@ reserved: each layer takes exactly its plan's pages, and flags a sequence they d
 retries it). With CacheConfig.pin_prompt_blocks (prefix caching) a prompt's full blocks of T_high tokens
 are pinned: high, never demoted, pruned or moved (their significance is +inf), so their pages can be the
 prefix cache's, shared read-only by every request with that prefix. Generation: before each step the token
-leaving the window is placed by Algorithm 1 (compression_plan); then each head gets at most one new page, the tokens move and
-the new token is appended to the high section (diffkv_serve/kernels/decode_pages.py, two launches); the decode kernel
+leaving the window is placed by Algorithm 1 (compression_plan); then each head gets at most one new page, the
+tokens move and the new token is appended to the high section (diffkv_serve/kernels/decode_pages.py, two launches); the decode kernel
 returns each token's attention, which is added to its score. All of it is batched over (sequence, layer, head)
 on the device.
 """
