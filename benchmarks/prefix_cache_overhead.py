@@ -1,5 +1,5 @@
 """Prefix caching on vs off: wall time of the same requests, when prompts share nothing (the overhead:
-hashing, inserting blocks, diffkv's extra uncompressed block writes and pages) and when they share a prefix.
+hashing, inserting blocks; in diffkv also the pinning of each prompt's full blocks) and when they share a prefix.
 
     python3 -m benchmarks.prefix_cache_overhead --device cpu --repeats 3
 

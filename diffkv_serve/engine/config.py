@@ -80,7 +80,17 @@ class CacheConfig(BaseModel):
     enable_prefix_caching: Union[bool, Literal["auto"]] = Field(
         "auto", description="share the KV of prompt prefixes between requests (docs/PREFIX_CACHING.md); 'auto': "
                             "on for fp16 / int8 / int4 / fp8 (no measurable cost when prompts share nothing), off "
-                            "for diffkv (its uncompressed blocks cost extra writes and pages: 7% slower on CPU then)")
+                            "for diffkv (sharing pins each prompt's full blocks at the high precision, which costs "
+                            "memory when nothing is shared)")
+    # The rule that lets diffkv share prefix-cache pages (docs/PREFIX_CACHING.md): a prompt's full blocks of
+    # the high precision's page size are what a prefix cache may share, so they are kept high, never demoted,
+    # pruned or moved, whether or not they came from the cache; the same rule without the cache gives the
+    # same tokens.
+    pin_prompt_blocks: Union[bool, Literal["auto"]] = Field(
+        "auto", description="diffkv: keep each prompt's full blocks (its first floor(n / T) * T tokens, T the high "
+                            "precision's tokens per page) at high precision, never demoted or pruned, and let "
+                            "its prefill attend over them as stored; 'auto': on exactly when prefix caching is "
+                            "(which needs it)")
     # Per-layer budgets (XKV-style; `python3 -m evals.cli calibrate --per-layer` measures them): layer l classifies with
     # alpha_high * s[l] and alpha_low * s[l], per-request alphas included. Unset: the model's settings file;
     # None: one global pair of thresholds.
@@ -109,6 +119,13 @@ class CacheConfig(BaseModel):
                              "by its budget alone)")
         if self.alpha_low > self.alpha_high:
             raise ValueError(f"alpha_low={self.alpha_low} must not exceed alpha_high={self.alpha_high}")
+        if self.kv_mode == "diffkv" and self.policy == "budget" and (self.enable_prefix_caching is True
+                                                                      or self.pin_prompt_blocks is True):
+            raise ValueError("enable_prefix_caching / pin_prompt_blocks need policy 'thresholds' in diffkv mode: "
+                             "the budget policy keeps a fixed share of tokens, so it cannot pin a prompt's blocks")
+        if self.kv_mode == "diffkv" and self.enable_prefix_caching is True and self.pin_prompt_blocks is False:
+            raise ValueError("pin_prompt_blocks=False with enable_prefix_caching=True: diffkv shares prompt "
+                             "blocks only where they are pinned high (docs/PREFIX_CACHING.md)")
         for i, s in enumerate(self.layer_alpha_scale or ()):
             if not 0 < s < float("inf"):
                 raise ValueError(f"layer_alpha_scale[{i}]={s}: per-layer multipliers must be finite and > 0")
@@ -125,6 +142,14 @@ class CacheConfig(BaseModel):
         if self.enable_prefix_caching == "auto":
             return self.kv_mode != "diffkv"
         return self.enable_prefix_caching
+
+    def pins_prompt_blocks(self) -> bool:
+        """Whether diffkv keeps each prompt's full blocks high and unmoved (pin_prompt_blocks, 'auto' resolved)."""
+        if self.kv_mode != "diffkv" or self.policy != "thresholds":
+            return False
+        if self.pin_prompt_blocks == "auto":
+            return self.prefix_caching()
+        return self.pin_prompt_blocks
 
     def precisions(self) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
         """(high, low) page precisions of this mode; low is None for single-precision modes."""
@@ -148,6 +173,8 @@ class CacheConfig(BaseModel):
                                "prefix_caching": self.prefix_caching()}
         if self.kv_mode == "diffkv":
             out.update(policy=self.policy, window=self.window)
+            if self.pins_prompt_blocks():  # only when on: runs recorded before the rule still match
+                out["pin_prompt_blocks"] = True
             if self.policy == "thresholds":
                 out.update(alpha_high=self.alpha_high, alpha_low=self.alpha_low,
                            layer_alpha_scale=self.layer_alpha_scale, prune_phase=self.prune_phase)
@@ -212,6 +239,11 @@ class EngineConfig(BaseModel):
         if self.cache.record_pruning and self.scheduler.async_scheduling == "on":
             raise ValueError("cache.record_pruning needs scheduler.async_scheduling 'off' or 'auto': a step launched "
                              "past a request's stop would change what is recorded")
+        if (self.cache.kv_mode == "diffkv" and self.cache.prefix_caching()
+                and self.scheduler.reservation == "learned"):
+            raise ValueError("cache.enable_prefix_caching with scheduler.reservation 'learned' is not supported "
+                             "for diffkv: a prompt that overflows the pool would leave its new cached blocks "
+                             "without pages; use reservation 'worst_case'")
         if self.distributed_executor == "local" and self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs distributed_executor 'ray' "
                              "or 'auto'; the 'local' executor runs a single rank")

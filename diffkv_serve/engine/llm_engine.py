@@ -53,9 +53,7 @@ class LLMEngine:
         prefix_cache = None
         if config.cache.prefix_caching():
             prefix_cache = PrefixCache(self.mm.prefix_block_tokens, self.mm.max_prefix_blocks)
-        # diffkv scores prompt tokens by the last significance_queries queries: a prefill computes them.
-        min_computed = config.cache.significance_queries if config.cache.kv_mode == "diffkv" else 1
-        self.scheduler = Scheduler(config.scheduler, self.mm, prefix_cache, min_computed)
+        self.scheduler = Scheduler(config.scheduler, self.mm, prefix_cache)
         self.requests: dict[str, Sequence] = {}  # by sequence id (a request of n > 1 has n)
         self._groups: dict[str, list[Sequence]] = {}  # requests of n > 1 sequences: their sequences by index
         self._held: dict[str, list[Sequence]] = {}  # sequences waiting for sequence 0's prefill (prefix cache)
@@ -348,7 +346,7 @@ class LLMEngine:
         mode really takes: twice bytes_fp16 on CPU, where the cache is float32)."""
         pages, hi, lo = self.executor.slot_usage(seq.slot)  # summed over ranks
         heads = self._heads_per_seq()
-        shared = 0 if self.mm.copies_prefix else len(seq.prefix_refs) * heads  # a block: one page per head
+        shared = len(seq.prefix_refs) * heads  # a block: one page per head
         return {"pages_used": pages, "bytes_used": pages * self.mm.page_bytes, "pages_shared": shared,
                 "bytes_fp16": seq.num_cached * self._fp16_token_bytes(),
                 "bytes_uncompressed": seq.num_cached * self._fp16_token_bytes(self.cache_itemsize),

@@ -333,9 +333,8 @@ class ModelRunner:
         # position of each computed token: hit .. n-1 per sequence
         pos = np.arange(int(cu_q[-1]), dtype=np.int64) - np.repeat(cu_q[:-1] - np.array(hit, dtype=np.int64), q_np)
         self.num_prefill_tokens += len(ids)
-        with_prefix = any(hit) or (mm.copies_prefix and any(s.prefix_inserts for s in seqs))
-        prefix_lists = (_cached_prefix_lists(seqs, hit, cu.tolist(), mm.prefix_block_tokens, mm.copies_prefix)
-                        if with_prefix else [])
+        with_prefix = any(hit)
+        prefix_lists = _cached_prefix_lists(seqs, hit, cu.tolist(), mm.prefix_block_tokens) if with_prefix else []
         (input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t, q_slots_t, cu_q_t,
          *prefix_t) = self._to_device([ids, pos, slots_np, lens, token_slots, cu, seq_of_token,
                                        len_of_token, q_slots, cu_q, *prefix_lists])
@@ -346,11 +345,8 @@ class ModelRunner:
             cached_prefix = CachedPrefix(cu_q_t, cu_t, max(lens), key_pos.int(), *rows)
         max_pages = max(-(-n // mm.fmt_high.tokens) for n in lens)
         with cost_range("memory"):
-            if mm.copies_prefix:  # diffkv: new cached blocks get their own pages, written layer by layer
-                mm.alloc_blocks([b for s in seqs for b in s.prefix_inserts])
-            else:  # single precision: cached blocks become the first page-table columns
-                for s in seqs:
-                    mm.attach_blocks(s.slot, s.prefix_hits)
+            for s in seqs:  # cached blocks become the first (high-section) page-table columns
+                mm.attach_blocks(s.slot, s.prefix_hits)
             if not self.learned:
                 mm.reserve(slots, lens_t, max_pages)
         info = None
@@ -360,7 +356,8 @@ class ModelRunner:
                                         [len(s.prompt_token_ids) for s in seqs])
             ah, al = self.kv.prompt_alphas(token_slots_t)
             zeros = lambda: torch.zeros(B, L, H, dtype=torch.int32, device=self.device)  # noqa: E731
-            info = PrefillInfo(slots, token_slots_t, seq_t, len_t.int(), cu_t, ah, al, zeros(), zeros())
+            info = PrefillInfo(slots, token_slots_t, seq_t, len_t.int(), cu_t, ah, al, zeros(), zeros(),
+                               pin_block=mm.fmt_high.tokens if self.kv.pins_prompt_blocks else 0)
             if self.learned:
                 info.overflow = torch.zeros(B, dtype=torch.bool, device=self.device)
                 info.max_new_pages = max_pages + 1  # both sections rounded up: one page over all-high at most
@@ -375,10 +372,9 @@ class ModelRunner:
         with cost_range("model"):
             hidden = self.model(input_ids, positions.long(), self.attn)
         self.kv.finish_prefill(info)
-        if not mm.copies_prefix:  # the prompt's new full blocks: their pages now belong to the prefix cache
-            with cost_range("memory"):
-                for s in seqs:
-                    mm.adopt_blocks(s.slot, len(s.prefix_hits), s.prefix_inserts)
+        with cost_range("memory"):  # the prompt's new full blocks: their pages now belong to the prefix cache
+            for s in seqs:
+                mm.adopt_blocks(s.slot, len(s.prefix_hits), s.prefix_inserts)
         with cost_range("model"):
             if self._samples:
                 self._prompt_lp = self._prompt_logprobs(seqs, hit, cu_q.tolist(), hidden, input_ids)
@@ -436,11 +432,10 @@ def _scatter(values: Optional[list], at: list[int], n: int, fill) -> Optional[li
     return out
 
 
-def _cached_prefix_lists(seqs: list[Sequence], hit: list[int], cu: list[int], block_tokens: int,
-                         copies: bool) -> list[list[int]]:
+def _cached_prefix_lists(seqs: list[Sequence], hit: list[int], cu: list[int], block_tokens: int) -> list[list[int]]:
     """Host lists of a CachedPrefix (after cu_seqlens): key positions, suffix rows, cached rows with their
-    block and row in it, and (diffkv, which copies) the rows of the tokens each new block takes."""
-    key_pos, suffix, p_rows, p_blocks, p_offs, i_rows, i_blocks, i_offs = [], [], [], [], [], [], [], []
+    block and row in it."""
+    key_pos, suffix, p_rows, p_blocks, p_offs = [], [], [], [], []
     for i, s in enumerate(seqs):
         n, h, start = cu[i + 1] - cu[i], hit[i], cu[i]
         key_pos.extend(range(n))
@@ -448,12 +443,7 @@ def _cached_prefix_lists(seqs: list[Sequence], hit: list[int], cu: list[int], bl
         p_rows.extend(range(start, start + h))
         p_blocks.extend(b for b in s.prefix_hits for _ in range(block_tokens))
         p_offs.extend(t % block_tokens for t in range(h))
-        if copies:
-            m = len(s.prefix_inserts) * block_tokens
-            i_rows.extend(range(start + h, start + h + m))
-            i_blocks.extend(b for b in s.prefix_inserts for _ in range(block_tokens))
-            i_offs.extend(t % block_tokens for t in range(m))
-    return [key_pos, suffix, p_rows, p_blocks, p_offs, i_rows, i_blocks, i_offs]
+    return [key_pos, suffix, p_rows, p_blocks, p_offs]
 
 
 def _teacher_token(seq: Sequence):

@@ -15,7 +15,7 @@ whose pages did not fit is detected on the device; its sequences go back to the 
 first of them marked for the worst-case rule, so it is scheduled next, and fits.
 
 Prefix caching (engine.kv.prefix_cache): scheduling looks each prompt up, counts only the uncached part's
-pages (single precision: the cached blocks are shared; diffkv copies them, but may cache new blocks), and
+pages (the cached blocks' pages are shared: a hit's first page-table columns point at them), and
 reserves against free plus evictable pages: unreferenced cached blocks are evicted, least recently used
 first, before anything is refused or preempted.
 """
@@ -53,19 +53,16 @@ class PagePool(Protocol):
     def step_view(self, slots: list[int]) -> tuple[int, list[int]]: ...
     # prefix cache: block geometry, what blocks cost (busiest rank) and free when evicted (at least, every rank)
     prefix_block_tokens: int
-    copies_prefix: bool
     def prefix_block_cost(self, num_blocks: int) -> int: ...
     def prefix_block_yield(self, num_blocks: int) -> int: ...
     def evict_blocks(self, block_ids: list[int]) -> None: ...
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, mm: PagePool, prefix_cache: Optional[PrefixCache] = None,
-                 min_computed: int = 1):
+    def __init__(self, config: SchedulerConfig, mm: PagePool, prefix_cache: Optional[PrefixCache] = None):
         self.config = config
         self.mm = mm
         self.prefix_cache = prefix_cache
-        self.min_computed = min_computed  # prompt tokens a prefill computes even if cached (diffkv: its queries)
         self.num_prefill_computed = 0  # prompt tokens scheduled prefills compute (cached blocks are read instead)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -171,14 +168,10 @@ class Scheduler:
             if computed > budget and scheduled:
                 break
             need = self._prompt_pages(seq)
-            if hits and not mm.copies_prefix:
+            if hits:
                 need -= mm.prefix_block_cost(len(hits))  # its first columns are the cached blocks' pages
-            insert_cost = mm.prefix_block_cost(len(new)) if mm.copies_prefix else 0
-            if need + insert_cost > free + reclaim:
-                if insert_cost and need <= free + reclaim:
-                    new, insert_cost = [], 0  # room to run it, not to cache its blocks as well
-                else:
-                    break
+            if need > free + reclaim:
+                break
             self.waiting.popleft()
             seq.slot = mm.alloc_slot()
             seq.status = Status.RUNNING
@@ -187,11 +180,11 @@ class Scheduler:
             scheduled.append(seq)
             if self.prefix_cache is not None:
                 self._take_prefix(seq, hits, new)
-            if need + insert_cost > free:  # unreferenced cached blocks make room (the hits are referenced now)
-                free += self._evict(need + insert_cost - free)
+            if need > free:  # unreferenced cached blocks make room (the hits are referenced now)
+                free += self._evict(need - free)
             budget -= computed
             self.num_prefill_computed += computed
-            free -= need + insert_cost
+            free -= need
             if budget <= 0:
                 break
         self.running.extend(scheduled)
@@ -245,7 +238,7 @@ class Scheduler:
             return [], [], 0
         toks = seq.all_token_ids
         n = len(toks)
-        limit = n - max(1, min(n, self.min_computed))
+        limit = n - 1  # the last token is computed: its logits are the first output
         if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
             limit = 0  # its prefill must compute every prompt position's logits
         hits, candidates = pc.match(toks, limit)
@@ -278,16 +271,13 @@ class Scheduler:
         return self.mm.prefix_block_yield(len(ids))
 
     def after_prefill(self, batch: Batch) -> None:
-        """A prefill ran: its new blocks become matchable, and diffkv sequences, which copied what they
-        read into their own pages, let go of every block. Call it before anything releases the batch's
+        """A prefill ran: its new blocks become matchable. Call it before anything releases the batch's
         sequences (settle_prefill), or their new blocks would never be committed."""
         pc = self.prefix_cache
         if pc is None:
             return
         for seq in batch.seqs:
             pc.commit([b for b in seq.prefix_refs if not b.ready])
-            if self.mm.copies_prefix:
-                self._drop_prefix_refs(seq)
 
     def _drop_prefix_refs(self, seq: Sequence) -> None:
         if seq.prefix_refs:

@@ -19,6 +19,12 @@ where Algorithm 1 would prune them they stay (a high victim is demoted instead, 
 section's victim is the least significant prunable low token (its only use is being pruned). With every
 position prunable the decisions are Algorithm 1's.
 
+Pinned tokens (a prompt's prefix-cache blocks, diffkv_serve/kernels/prompt_classify.py pin_significance) are
+stored with score +inf: their mean is inf, so none is ever a victim (nothing finite is above it, and a head
+whose older high tokens are all pinned has none: jv = BIG), a pinned t_c stays high (action 1 or a victim
+among the unpinned), and the lazy low section never counts them. They are the first rows of the high
+section, and holes only open at victims, so no move or compaction ever writes their pages (shared pages).
+
 Per-layer budgets (optional `layer_scale`, f32 [L]): layer l compares against alpha * layer_scale[l] / N
 (the product rounded to f32 first, then divided), so each layer keeps its own share of tokens.
 

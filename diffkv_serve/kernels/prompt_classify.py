@@ -11,6 +11,11 @@ tokens are numbered 0, 1, 2, ... per (sequence, head) in token order (where each
 section sizes are returned. The reference does it with torch ops (about 45 launches per layer, which made
 a diffkv prompt step launch-bound); the kernel runs one program per (sequence, KV head), scanning its tokens
 in blocks with a carried count. Divisions are correctly rounded (div_rn), so both give identical classes.
+
+Pinned tokens (CacheConfig.pin_prompt_blocks: a prompt's full prefix-cache blocks) carry significance +inf
+(pin_significance, applied before classifying): every threshold keeps them high, they are the first tokens of
+the high section in position order (whole pages, the ones a prefix cache shares), and the same +inf is their
+stored score, so no later step treats them as anything else (diffkv_serve/kernels/compression_plan.py).
 """
 from __future__ import annotations
 
@@ -79,6 +84,13 @@ def segment_index(mask: torch.Tensor, cu_seqlens: torch.Tensor,
     idx = excl - base[seq_of_token]
     sizes = incl[ends] - base
     return torch.where(mask, idx, torch.full_like(idx, -1)), sizes
+
+
+def pin_significance(sig: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """sig [N, H] with +inf on the pinned tokens (bool [N]): the classification keeps them high, and as their
+    stored score it keeps every generation step from choosing them (inf never falls below a threshold, is never
+    a least significant victim, and stays inf as attention is added to it)."""
+    return sig.masked_fill(pinned.unsqueeze(1), float("inf"))
 
 
 def prompt_mean_significance(sig: torch.Tensor, positions: torch.Tensor, seq_len_of_token: torch.Tensor,

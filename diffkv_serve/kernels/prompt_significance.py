@@ -10,7 +10,9 @@ skipped when the caller passes `lse`), pass 2 runs one program per (key block, s
 over the counted queries, so work per sequence is O(Q * n * group * D).
 
 With a cached prompt prefix only the suffix's queries exist (cu_seqlens_q): queries are aligned to the end
-of their sequence's keys, and the counted ones (the last Q) must all be among them.
+of their sequence's keys, and the counted ones are the last Q that exist. A suffix shorter than Q loses only
+the queries inside the cached prefix, which see no suffix token (causal): the suffix tokens' sums are the
+same as with every query computed (the prefix's own sums are not: the engine pins those tokens anyway).
 """
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ def _lse_kernel(
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
     q_start = tl.load(cu_q_ptr + b)
-    q_base = q_start - (n - (tl.load(cu_q_ptr + b + 1) - q_start))  # packed row of position p: q_base + p
-    first = n - tl.minimum(n, num_queries)  # position of the first counted query
+    n_q = tl.load(cu_q_ptr + b + 1) - q_start
+    q_base = q_start - (n - n_q)  # packed row of position p: q_base + p
+    first = n - tl.minimum(tl.minimum(n, num_queries), n_q)  # position of the first counted query
     m0 = first + pid_m * BLOCK_M
     if m0 < n:
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -101,7 +104,8 @@ def _sig_kernel(
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
     q_start = tl.load(cu_q_ptr + b)
-    q_base = q_start - (n - (tl.load(cu_q_ptr + b + 1) - q_start))  # packed row of query position p: q_base + p
+    n_q = tl.load(cu_q_ptr + b + 1) - q_start
+    q_base = q_start - (n - n_q)  # packed row of query position p: q_base + p
     n0 = pid_n * BLOCK_N
     if n0 < n:
         kn = n0 + tl.arange(0, BLOCK_N)
@@ -113,7 +117,7 @@ def _sig_kernel(
         k = k.to(tl.float32) if DOT_FP32 else k
         acc = tl.zeros([BLOCK_N], tl.float32)
         # Queries before this key block see none of it (causal), so start at the later of the two.
-        q_lo = tl.maximum(n - tl.minimum(n, num_queries), n0)
+        q_lo = tl.maximum(n - tl.minimum(tl.minimum(n, num_queries), n_q), n0)
         for m0 in range(q_lo, n, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             rmask = rows < n
@@ -142,12 +146,12 @@ def prompt_significance_ref(q, k, cu_seqlens, scale, num_queries=64, lse=None, c
     group = Hq // Hkv
     out = torch.zeros(k.shape[0], Hkv, dtype=torch.float32, device=q.device)
     cu = cu_seqlens.tolist()
-    q_ends = (cu if cu_seqlens_q is None else cu_seqlens_q.tolist())[1:]
-    for s, e, qe in zip(cu[:-1], cu[1:], q_ends):
+    cu_q = cu if cu_seqlens_q is None else cu_seqlens_q.tolist()
+    for s, e, qs_, qe in zip(cu[:-1], cu[1:], cu_q[:-1], cu_q[1:]):
         n = e - s
-        if n == 0:
+        nq = min(num_queries, n, qe - qs_)  # the last Q queries that were computed
+        if nq == 0:
             continue
-        nq = min(num_queries, n)
         qs = q[qe - nq:qe].float().transpose(0, 1)  # [Hq, Q, D]
         ks = k[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
         logits = (qs @ ks.transpose(1, 2)) * scale
@@ -206,7 +210,8 @@ def prompt_significance(q, k, cu_seqlens, scale: float | None = None, num_querie
     sequence's last num_queries queries are read); without it a first pass computes them.
     max_seqlen: optional host-side max sequence length (avoids a device sync).
     cu_seqlens_q: when q holds only each sequence's last queries (a cached prefix precedes them): their
-    delimiters, q [Nq, Hq, D]; each sequence needs at least min(num_queries, n) of them. lse is then [Nq, Hq].
+    delimiters, q [Nq, Hq, D]; at least one per sequence (the counted ones: the last num_queries that exist).
+    lse is then [Nq, Hq].
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

@@ -166,6 +166,18 @@ def write_rows_ref(pool: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str
     _segment(pool, meta_off, T, 4).view(torch.float16)[pages, rows] = torch.stack([scale, zero], -1)
 
 
+def stored_rows_ref(x: torch.Tensor, fmt, cache_dtype: torch.dtype, which: str) -> torch.Tensor:
+    """float32 [..., D]: what read_rows_ref returns for rows that write_rows_ref stored x [..., D] into, without
+    a page (a prefill attends over pinned prompt blocks as a later reader of their pages will see them)."""
+    bits = fmt.key_bits if which == "k" else fmt.value_bits
+    if bits == 16:
+        return x.to(cache_dtype).float()
+    if fmt.side_float8(which):
+        return dequantize_fp8_ref(*quantize_fp8_ref(x))
+    packed, scale, zero = quantize_ref(x, bits)
+    return dequantize_ref(packed, scale, zero, bits, fmt.head_dim)
+
+
 # ---------------------------------------------------------------------------------------------- triton
 
 @triton.jit

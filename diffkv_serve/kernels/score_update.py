@@ -3,7 +3,9 @@
 For every cached token of every (batch entry b, KV head h) the score segment (f32) of its page row gets
     max over the query heads g of h's GQA group of exp(logits[b, g, idx] - lse[b, g])
 where idx = j for high token j and len_high + j for low token j, and logits / lse come from
-paged_decode_attention(..., logits_out=, lse_out=) of the same step.
+paged_decode_attention(..., logits_out=, lse_out=) of the same step. A pinned prompt token's score is +inf
+(diffkv_serve/kernels/prompt_classify.py pin_significance) and stays +inf, so the rows of a prefix-cache page
+that several sequences read keep the same value whoever updates them.
 """
 from __future__ import annotations
 

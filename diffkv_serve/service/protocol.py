@@ -396,6 +396,8 @@ class KVCacheCard(BaseModel):
     prune_phase: Optional[PrunePhase] = Field(None, description="diffkv thresholds: which tokens may be pruned "
                                                                 "(both | prompt | generation)")
     budget: Optional[float] = Field(None, description="diffkv budget: fraction of tokens each KV head keeps")
+    pin_prompt_blocks: Optional[bool] = Field(None, description="diffkv: each prompt's full prefix-cache blocks "
+                                                                "are kept high, never demoted or pruned")
 
 
 class ModelCard(BaseModel):

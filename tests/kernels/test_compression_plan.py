@@ -382,3 +382,27 @@ def test_empty_batch():
     pool, pt, lh, ll = _build({}, S=2, L=1, H=2, P=4)
     got = _run_both(pool, pt, lh, ll, [], [], [], [], [])
     assert all(v.shape == (0, 1, 2) for v in got.values())
+
+
+# ---- pinned prompt blocks (score +inf, kernels/prompt_classify.py pin_significance) ----------------------------
+INF = float("inf")
+
+
+def test_pinned_tokens_are_never_victims_and_the_least_significant_unpinned_one_is():
+    # Positions 0..5 pinned (the first high page), far below th_h had they been scored; the victim is token 7.
+    pinned = [(p, INF) for p in range(6)]
+    hi = pinned + [tok(15, 0.3)] + WIN + [tok(7, 0.05), tok(9, 0.06)]
+    _plan_one(hi, [tok(8, 0.03)], expect=dict(action=2, high_hole=10, to_low_src=10, low_dst=1, new_len_high=11,
+                                               new_len_low=2))
+
+
+def test_a_head_whose_older_high_tokens_are_all_pinned_has_no_victim():
+    hi = [(p, INF) for p in range(6)] + [tok(15, 0.3)] + WIN
+    got = _plan_one(hi, [], expect=dict(action=1))
+    assert got["high_hole"] == -1
+
+
+def test_a_pinned_token_leaving_the_window_stays_high():
+    # t_c (position 15) is pinned: it goes nowhere, and the only unpinned old token is above th_h (kept).
+    hi = [(p, INF) for p in range(12)] + [(15, INF), tok(13, 0.5)] + WIN
+    _plan_one(hi, [], expect=dict(action=1))

@@ -120,3 +120,19 @@ def test_significance_with_only_suffix_queries(impl):
                               cu_seqlens_q=cu_q)
     _check(got, whole, dtype)
     _check(whole, _naive(q, k, cu, 0.15, Q), dtype)
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_suffix_shorter_than_the_counted_queries_scores_its_own_tokens_in_full(impl):
+    """Fewer computed queries than Q (a cached prefix covers the rest): the counted queries are the computed
+    ones, and the suffix tokens' sums equal those from every query (the missing ones precede them)."""
+    dtype = DTYPES[-1]
+    seqlens, suffix, Q = [70, 40, 130], [3, 1, 20], 32
+    q, k, cu = _inputs(seqlens, 6, 2, 64, dtype, seed=5)
+    whole = prompt_significance(q, k, cu, 0.15, num_queries=Q, impl="ref")
+    rows = torch.cat([torch.arange(e - n, e) for e, n in zip(cu[1:].tolist(), suffix)]).to(DEVICE)
+    cu_q = torch.tensor([0] + suffix).cumsum(0).to(torch.int32).to(DEVICE)
+    got = prompt_significance(q[rows].contiguous(), k, cu, 0.15, num_queries=Q, impl=impl, max_seqlen=max(seqlens),
+                              cu_seqlens_q=cu_q)
+    _check(got[rows], whole[rows], dtype)
+    assert bool((got != whole).any())  # the prefix tokens lost the queries inside the prefix

@@ -254,3 +254,20 @@ def test_e4m3_values_exact_for_every_code():
     _e4m3_values_kernel[(1,)](codes, out32, out16, N=n)
     want = codes.cpu().to(torch.uint8).view(torch.float8_e4m3fn).float()
     assert torch.equal(out32.cpu(), want) and torch.equal(out16.cpu().float(), want)
+
+
+@pytest.mark.parametrize("spec", [(16, 16), (8, 4), (4, 4), (8, 8, True)])
+def test_stored_rows_are_what_a_page_returns(spec):
+    """stored_rows_ref (what a prefill attends for a pinned token) equals write_rows_ref then read_rows_ref."""
+    from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
+    from diffkv_serve.kernels.quant import read_rows_ref, stored_rows_ref, write_rows_ref
+
+    D, dtype = 32, torch.float32
+    fmt = PageFormat.make(spec[0], spec[1], D, page_bytes_for(4, D, 4), 4, float8=len(spec) > 2)
+    x = torch.randn(5, 3, D) * 2
+    pool = torch.zeros(15, fmt.page_bytes, dtype=torch.uint8)
+    pages = torch.arange(15).view(5, 3)
+    rows = torch.zeros(5, 3, dtype=torch.long)
+    for side in ("k", "v"):
+        write_rows_ref(pool, fmt, dtype, side, pages.flatten(), rows.flatten(), x.view(-1, D))
+        assert torch.equal(read_rows_ref(pool, fmt, dtype, side, pages, rows), stored_rows_ref(x, fmt, dtype, side))

@@ -51,7 +51,6 @@ class DistributedPages:
         self._pending: list[int] = []
         self._rank_heads = [i["heads_per_seq"] for i in infos]
         self.prefix_block_tokens = first["prefix_block_tokens"]
-        self.copies_prefix = first["copies_prefix"]
         self.max_prefix_blocks = min(i["max_prefix_blocks"] for i in infos)
         self._evictions: list[int] = []
         self._check = check

@@ -20,12 +20,11 @@ def held_page_ids(mm) -> list[int]:
 
 def check_prefix_blocks(mm, refcounts: Optional[dict[int, int]]) -> list[int]:
     """Cached blocks' pages (returned); shared columns point at whole cached blocks; given the driver's
-    refcounts (single precision), each block is read by exactly that many slots."""
+    refcounts, each block is read by exactly that many slots."""
     ids = sorted(mm.cached_blocks)
     bp = mm.block_pages.cpu()
     pages = bp[ids].flatten().tolist() if ids else []
     assert all(p >= 0 for p in pages), "a cached block lacks a page"
-    assert not mm.copies_prefix or not any(mm.shared_cols), "diffkv slots never share pages"
     page_to_block = {int(bp[b, 0, 0]): b for b in ids}
     readers = {b: 0 for b in ids}
     pt = mm.page_table.cpu()
@@ -37,8 +36,7 @@ def check_prefix_blocks(mm, refcounts: Optional[dict[int, int]]) -> list[int]:
             readers[b] += 1
     if refcounts is not None:
         assert set(refcounts) == set(ids), f"driver caches blocks {sorted(refcounts)}, rank {ids}"
-        if not mm.copies_prefix:
-            assert readers == refcounts, f"slots reading each block {readers} != refcounts {refcounts}"
+        assert readers == refcounts, f"slots reading each block {readers} != refcounts {refcounts}"
     return pages
 
 

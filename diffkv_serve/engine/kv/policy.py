@@ -9,9 +9,11 @@ and score >= alpha_high / i: high; >= alpha_low / i: low; else pruned) and write
 all-high reservation (high pages from its left, low pages from its right); after the forward the unused
 pages are recycled in one batched operation. With learned reservation (SchedulerConfig.reservation) nothing is
 reserved: each layer takes exactly its plan's pages, and flags a sequence they do not fit for (the scheduler
-retries it). Generation: before each step the token leaving the window
-is placed by Algorithm 1 (compression_plan); then each head gets at most one new page, the tokens move and
-the new token is appended to the high section (diffkv_serve/kernels/decode_pages.py, two launches); the decode kernel
+retries it). With CacheConfig.pin_prompt_blocks (prefix caching) a prompt's full blocks of T_high tokens
+are pinned: high, never demoted, pruned or moved (their significance is +inf), so their pages can be the
+prefix cache's, shared read-only by every request with that prefix. Generation: before each step the token
+leaving the window is placed by Algorithm 1 (compression_plan); then each head gets at most one new page, the
+tokens move and the new token is appended to the high section (diffkv_serve/kernels/decode_pages.py, two launches); the decode kernel
 returns each token's attention, which is added to its score. All of it is batched over (sequence, layer, head)
 on the device.
 """
@@ -33,9 +35,10 @@ from diffkv_serve.kernels.decode_pages import decode_pages
 from diffkv_serve.kernels.decode_attention import paged_decode_attention
 from diffkv_serve.kernels.kv_write import write_kv
 from diffkv_serve.kernels.kv_write_sections import write_sections
-from diffkv_serve.kernels.prompt_classify import classify_prompt, prompt_mean_significance, segment_index
+from diffkv_serve.kernels.prompt_classify import (classify_prompt, pin_significance, prompt_mean_significance,
+                                                 segment_index)
 from diffkv_serve.kernels.prompt_significance import budget_keep_mask, prompt_significance
-from diffkv_serve.kernels.quant import read_rows_ref
+from diffkv_serve.kernels.quant import read_rows_ref, stored_rows_ref
 from diffkv_serve.kernels.score_update import accumulate_scores
 from diffkv_serve.kernels.sections import section_columns
 
@@ -60,11 +63,14 @@ class PrefillInfo:
     # fit for is flagged here (bool [B]) instead (MemoryManager.alloc_prompt_layer). None: reserved.
     overflow: Optional[torch.Tensor] = None
     max_new_pages: int = 0  # host bound on one head's pages in a layer (alloc_prompt_layer)
+    # CacheConfig.pin_prompt_blocks: each prompt's first floor(n / pin_block) * pin_block tokens (its full
+    # prefix-cache blocks) are pinned high; 0: nothing pinned.
+    pin_block: int = 0
 
 
 @dataclass
 class CachedPrefix:
-    """A prefill batch that reads cached prompt blocks or (diffkv) writes new ones (engine.kv.prefix_cache).
+    """A prefill batch that reads cached prompt blocks (engine.kv.prefix_cache).
 
     Keys are every prompt token of the batch, packed per sequence (cached prefix, then the computed
     suffix); queries only the computed ones. All on the device."""
@@ -77,9 +83,6 @@ class CachedPrefix:
     prefix_rows: torch.Tensor  # int64 [Np]: rows of the cached tokens
     prefix_blocks: torch.Tensor  # int64 [Np]: block id of each cached token
     prefix_offsets: torch.Tensor  # int64 [Np]: its row in the block's page
-    insert_rows: torch.Tensor  # int64 [Ni]: diffkv: rows of the tokens copied into new cached blocks
-    insert_blocks: torch.Tensor  # int64 [Ni]
-    insert_offsets: torch.Tensor  # int64 [Ni]
 
 
 class KVCache:
@@ -90,6 +93,7 @@ class KVCache:
         self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low, float8=config.float8,
                                 low_grows=config.policy == "thresholds")
         self.diffkv = low is not None
+        self.pins_prompt_blocks = config.pins_prompt_blocks()  # CacheConfig.pin_prompt_blocks, resolved
         config.check_num_layers(shape.num_layers)
         # Per-layer budgets: [L] multipliers of the alphas (None: one global pair of thresholds).
         scale = config.layer_alpha_scale if self.diffkv and config.policy == "thresholds" else None
@@ -134,14 +138,22 @@ class KVCache:
             write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, dst_page[layer], dst_row[layer], positions)
             return (k, v) if prefix is None else self._with_prefix(layer, k, v, prefix)
         cfg = self.config
-        cu_q = None
-        if prefix is not None:  # the whole prompt is classified and written: cached prefix tokens too
+        cu_q = hit_rows = pinned = None
+        if prefix is not None:  # the whole prompt is classified: its cached (pinned) blocks' tokens too
             k, v = self._with_prefix(layer, k, v, prefix)
-            self._write_new_blocks(layer, k, v, prefix)
             positions, max_len, cu_q = prefix.key_positions, prefix.max_len_k, prefix.cu_seqlens_q
+            hit_rows = prefix.prefix_rows
+        k_att, v_att = k, v  # what the queries attend over and score with
+        if info.pin_block:
+            # Pinned tokens are attended as stored, as a later request reading their shared pages sees them;
+            # the pages are written from the computed values (a stored value quantized again could move).
+            pinned = positions < (info.seq_len_of_token // info.pin_block) * info.pin_block
+            k_att, v_att = self._as_stored(k, v, pinned, hit_rows)
         with cost_range("policy"):
-            sig = prompt_significance(q, k, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
+            sig = prompt_significance(q, k_att, info.cu_seqlens, scale, num_queries=cfg.significance_queries,
                                       max_seqlen=max_len, cu_seqlens_q=cu_q)  # [N, H] sums of attention received
+            if pinned is not None:
+                sig = pin_significance(sig, pinned)
             if cfg.policy == "budget" or self.significance_probe is not None:
                 mean = prompt_mean_significance(sig, positions, info.seq_len_of_token, cfg.significance_queries)
                 if self.significance_probe is not None:
@@ -155,6 +167,8 @@ class KVCache:
                 idx_high, idx_low, n_high, n_low = classify_prompt(
                     sig, positions, info.cu_seqlens, info.seq_of_token, info.seq_len_of_token, info.alpha_high,
                     info.alpha_low, cfg.window, cfg.significance_queries, layer, self.layer_scale, max_len)
+            if hit_rows is not None:  # pinned high, in pages the cache owns: counted, never written again
+                idx_high = idx_high.index_fill(0, hit_rows, -1)
         with cost_range("memory"):
             if info.overflow is not None:  # an overflowed sequence's writes go nowhere
                 mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
@@ -167,12 +181,12 @@ class KVCache:
                        info.token_slots, idx_high, idx_low, **where)
         info.n_high[:, layer] = n_high
         info.n_low[:, layer] = n_low
-        return k, v
+        return k_att, v_att
 
     def _with_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                      prefix: CachedPrefix) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of every prompt token: cached blocks' rows (read from their pages, exact in fp16 and
-        diffkv's K16V16 blocks) and the computed suffix, packed per sequence."""
+        """Keys/values of every prompt token: cached blocks' rows (read from their pages: exact in fp16, as stored
+        in the high precision otherwise) and the computed suffix, packed per sequence."""
         mm = self.mm
         nk = prefix.key_positions.numel()
         k_all, v_all = k.new_empty(nk, *k.shape[1:]), v.new_empty(nk, *v.shape[1:])
@@ -181,21 +195,19 @@ class KVCache:
             pages = mm.block_pages[prefix.prefix_blocks, layer].long()  # [Np, H]
             rows = prefix.prefix_offsets.unsqueeze(1).expand_as(pages)
             for side, dst in (("k", k_all), ("v", v_all)):
-                dst[prefix.prefix_rows] = read_rows_ref(mm.pool, mm.prefix_fmt, mm.cache_dtype, side, pages,
+                dst[prefix.prefix_rows] = read_rows_ref(mm.pool, mm.fmt_high, mm.cache_dtype, side, pages,
                                                         rows).to(dst.dtype)
         return k_all, v_all
 
-    @costed("memory")
-    def _write_new_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, prefix: CachedPrefix) -> None:
-        """diffkv: copy the prompt tokens of newly cached blocks, uncompressed, into the blocks' own pages."""
-        if not prefix.insert_rows.numel():
-            return
-        mm = self.mm
-        pages = mm.block_pages[prefix.insert_blocks, layer]  # [Ni, H] int32
-        rows = prefix.insert_offsets.to(torch.int32).unsqueeze(1).expand_as(pages).contiguous()
-        r = prefix.insert_rows
-        write_kv(mm.pool, mm.prefix_fmt, mm.cache_dtype, k[r], v[r], pages.contiguous(), rows,
-                 prefix.key_positions[r])
+    def _as_stored(self, k: torch.Tensor, v: torch.Tensor, pinned: torch.Tensor,
+                   hit_rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v with the computed pinned rows replaced by what their high-precision pages will return: with or
+        without a cache hit, every query then sees a pinned token the same way (cached rows were read so)."""
+        rows = (pinned if hit_rows is None else pinned.index_fill(0, hit_rows, False)).view(-1, 1, 1)
+        mm = self.mm  # every row converted, then selected: no data-dependent shape, no host sync
+        k = torch.where(rows, stored_rows_ref(k, mm.fmt_high, mm.cache_dtype, "k").to(k.dtype), k)
+        v = torch.where(rows, stored_rows_ref(v, mm.fmt_high, mm.cache_dtype, "v").to(v.dtype), v)
+        return k, v
 
     @costed("memory")
     def finish_prefill(self, info: Optional[PrefillInfo]) -> None:

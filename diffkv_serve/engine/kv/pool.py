@@ -188,8 +188,7 @@ class MemoryManager(PrefixBlocks):
         return {"num_pages": self.num_pages, "page_bytes": self.page_bytes, "heads_per_seq": self.heads_per_seq,
                 "tokens_high": self.fmt_high.tokens, "extra_prompt_pages": self.extra_prompt_pages,
                 "two_sided": self.two_sided, "max_seqs": self.shape.max_seqs,
-                "prefix_block_tokens": self.prefix_block_tokens, "max_prefix_blocks": self.max_prefix_blocks,
-                "copies_prefix": self.copies_prefix}
+                "prefix_block_tokens": self.prefix_block_tokens, "max_prefix_blocks": self.max_prefix_blocks}
 
     # ---- slots (host side, O(requests)) --------------------------------------------------------------
     def alloc_slot(self) -> int:

@@ -4,29 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from diffkv_serve.kernels.page_layout import PageFormat
-
 
 class PrefixBlocks:
     """MemoryManager's prefix-cache block pages (a mixin: it uses the pool's page table and free list)."""
 
     def _init_prefix_blocks(self) -> None:
-        """Single-precision modes share pages: a cached block is one page per (layer, head) that the page
-        tables of its readers point at (columns [0, shared_cols[slot]) of a slot are such pages, read-only).
-        diffkv keeps blocks uncompressed (K16V16, block_size tokens) in pages of their own, which a prefill
-        reads and copies into the sequence's compressed pages; no page table ever points at them."""
+        """A cached block is one high-precision page per (layer, head) that the page tables of its readers point
+        at: columns [0, shared_cols[slot]) of a slot are such pages, read-only. In diffkv they are the first
+        columns of the high section, holding tokens the policy pins high (docs/PREFIX_CACHING.md), so no
+        demotion, pruning or compaction ever writes them."""
         L, H = self.shape.num_layers, self.shape.num_kv_heads
-        self.copies_prefix = self.fmt_low is not None
-        self.prefix_fmt = (PageFormat.make(16, 16, self.shape.head_dim, self.page_bytes, self.fmt_high.full_itemsize)
-                           if self.copies_prefix else self.fmt_high)
-        self.prefix_block_tokens = self.prefix_fmt.tokens
+        self.prefix_block_tokens = self.fmt_high.tokens
         self.max_prefix_blocks = self.num_pages // self.heads_per_seq  # a block costs one page per head
         self.block_pages = torch.full((max(1, self.max_prefix_blocks), L, H), -1, dtype=torch.int32, device=self.device)
         self.cached_blocks: set[int] = set()
         self.shared_cols = [0] * (self.shape.max_seqs + 1)
 
     def attach_blocks(self, slot: int, block_ids: list[int]) -> None:
-        """Single precision: a new sequence reads these cached blocks as its first page-table columns."""
+        """A new sequence reads these cached blocks as its first (high-section) page-table columns."""
         k = len(block_ids)
         if k == 0:
             return
@@ -36,8 +31,8 @@ class PrefixBlocks:
         self.shared_cols[slot] = k
 
     def adopt_blocks(self, slot: int, first_col: int, block_ids: list[int]) -> None:
-        """Single precision: after its prefill, full page columns [first_col, first_col + k) of a sequence
-        become cached blocks (the cache owns the pages now; the sequence keeps reading them)."""
+        """After its prefill, full high page columns [first_col, first_col + k) of a sequence become cached
+        blocks (the cache owns the pages now; the sequence keeps reading them)."""
         k = len(block_ids)
         if k == 0:
             return
@@ -47,19 +42,6 @@ class PrefixBlocks:
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         self.block_pages[ids] = self.page_table[slot, :, :, first_col:first_col + k].permute(2, 0, 1)
         self.shared_cols[slot] = first_col + k
-        self._add_blocks(block_ids)
-
-    def alloc_blocks(self, block_ids: list[int]) -> None:
-        """diffkv: take one page per (layer, head) of each new block from the free list (written by the prefill)."""
-        k = len(block_ids)
-        if k == 0:
-            return
-        n = k * self.heads_per_seq
-        j = torch.arange(n, device=self.device, dtype=torch.int64)
-        pages = self.free_list[(self.counters[0] + j) % self.num_pages]
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.block_pages[ids] = pages.view(k, *self.block_pages.shape[1:])
-        self.counters[0] += n
         self._add_blocks(block_ids)
 
     def evict_blocks(self, block_ids: list[int]) -> None:

@@ -6,9 +6,8 @@ Each cached block has an id that every tensor-parallel rank uses for its own pag
 per (layer, KV head), engine.kv.pool.MemoryManager.block_pages); ranks never decide anything themselves:
 the driver's scheduler looks blocks up, counts references, picks evictions and sends them with the batch.
 
-Reference counts: a sequence holds a reference on every block it reads or inserted until it lets go (at
-its end in single-precision modes, where its page table points at the block's pages; right after its
-prefill in diffkv mode, which copies the prefix into its own compressed pages). Blocks nobody references
+Reference counts: a sequence holds a reference on every block it reads or inserted until its end (its page
+table points at the block's pages, in every mode). Blocks nobody references
 stay cached, least recently used first in line for eviction. A block inserted by a prefill is not
 matchable until that prefill ran (`commit`), so a batch never reads pages written in the same step.
 """
