@@ -396,7 +396,8 @@ def render() -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
-    written = DASHBOARD_PATH.relative_to(REPO)
+    # the path it writes, as the repository names it (a path outside it, e.g. a test's copy, as it is)
+    written = DASHBOARD_PATH.relative_to(REPO) if DASHBOARD_PATH.is_relative_to(REPO) else DASHBOARD_PATH
     ap = argparse.ArgumentParser(prog="python3 grafana/dashboard.py", description=__doc__.split("\n\n")[0],
                                  epilog=f"Without --check: rewrite {written}.")
     ap.add_argument("--check", action="store_true", help="check that the JSON is current and its queries are valid "
