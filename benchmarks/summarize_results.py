@@ -37,6 +37,10 @@ TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
+    "short_requests_bytes_cpu.json": "benchmarks/short_requests.py, SmolLM2, 24 chat requests x 128 tokens on 3,600 "
+                                     "pages: KV bytes over fp16 bytes per held token, mean over steps: uniform K8V4 "
+                                     "0.534, DiffKV K8V4/K4V2 a_h 1 a_l 0.02 0.570, DiffKV K8V4/K4V4 a_h 64 a_l 0 "
+                                     "0.487, uniform K4V4 0.415",
     "graph_decode_check_k4v4_H100.json": "benchmarks/graph_decode_check.py: 256 gsm_symbolic problems, int4, decode "
                                          "steps eager / CUDA graphs captured lazily / warm / in a small pool: same "
                                          "accuracy (0.496 eager, 0.488 graphs) and cut generations (6, 5)",
