@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from diffkv_serve.engine import EngineConfig  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from evals.configs import parse_config  # noqa: E402
 from evals.fidelity import fidelity_prompts, teacher_forced_requests  # noqa: E402
@@ -54,8 +55,7 @@ def build(model: EvalModel, cache: dict, variant: str, args) -> LLMEngine:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--device", default="cuda")
+    add_engine_flags(ap, only=("model", "device"), defaults={"model": "qwen2.5-coder-1.5b", "device": "cuda"})
     ap.add_argument("--config", default="k4v4", help="evals.configs name")
     ap.add_argument("--num-problems", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=512)

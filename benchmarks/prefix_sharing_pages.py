@@ -18,6 +18,7 @@ import time
 import torch
 
 from benchmarks._results import write_result
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 from diffkv_serve.engine import EngineConfig, SamplingParams
 from diffkv_serve.engine.llm_engine import LLMEngine
 from diffkv_serve.engine.loader import load_checkpoint
@@ -60,8 +61,7 @@ def run_once(eng: LLMEngine, reqs: list[list[int]], max_tokens: int, tag: str) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    add_engine_flags(ap, only=("model", "device"), defaults={"device": "cpu"})  # model: default the embedded SmolLM2
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=384)

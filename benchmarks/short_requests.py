@@ -12,7 +12,6 @@ per (layer, KV head) and section.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path

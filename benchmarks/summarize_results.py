@@ -27,16 +27,40 @@ MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
 THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H100.json",
-                               "throughput_natural_stop_1024_qwen2.5-1.5b_H100.json",
-                               "throughput_trace_qwen2.5-1.5b_H100.json",
-                               "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json",
-                               "throughput_natural_stop_qwen2.5-1.5b_H100.json")
+                               "throughput_natural_stop_1024_qwen2.5-1.5b_H100.json")
 # The run whose trace shows where each mode's pool goes (benchmarks/throughput_trace_plot.py draws its plot).
 THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
+# our engine beside vLLM on one box (scripts/device/vllm_compare.sh)
+VLLM_RUNS = ("vllm_vs_ours_long-decode_qwen2.5-1.5b_H100.json", "vllm_vs_ours_serving_qwen2.5-1.5b_H100.json")
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
+    "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
+                                                          "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
+    "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop, 128 prompts, six modes "
+                                                      "(2026-11-25): int4 17,438, diffkv (then K4V4/K4V2) 14,221",
+    "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode "
+                                                        "(the comparison table in docs/PERFORMANCE.md)",
+    "vllm_baseline_serving_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, serving workload",
+    "throughput_long-decode_qwen2.5-1.5b_fp16_H100.json": "benchmarks/throughput.py, our fp16 row of the vLLM "
+                                                          "comparison (long-decode)",
+    "throughput_long-decode_qwen2.5-1.5b_fp8_H100.json": "benchmarks/throughput.py, our fp8 row of the vLLM "
+                                                         "comparison (long-decode)",
+    "throughput_serving_qwen2.5-1.5b_fp16_H100.json": "benchmarks/throughput.py, our fp16 row of the vLLM comparison "
+                                                      "(serving)",
+    "throughput_serving_qwen2.5-1.5b_fp8_H100.json": "benchmarks/throughput.py, our fp8 row of the vLLM comparison "
+                                                     "(serving)",
+    "graph_decode_check_2500_k4v4_H100.json": "benchmarks/graph_decode_check.py, 2,500 problems + the 64 replays, "
+                                              "int4 with the study's measured key centers: graphs 0.5132 (54 cut), "
+                                              "eager 0.5132 (53 cut); fp16 0.5108",
+    "graph_decode_check_2500_settings_centers_k4v4_H100.json": "the same with the settings file's key centers (the "
+                                                               "served default): 0.5132, 54 cut",
+    DECODE_THROUGHPUT: "benchmarks/decode_throughput.py, decode tokens/s against the roofline on the Llama-3-8B "
+                       "shape (H100)",
+    "prefix_sharing_pages_cpu.json": "benchmarks/prefix_sharing_pages.py, SmolLM2, 6 requests sharing a 296-token "
+                                     "prefix: pages held by int4 1,170, diffkv without caching 2,235, diffkv sharing "
+                                     "K8V4 1,257 / K4V4 1,170 (docs/PREFIX_CACHING.md)",
     "short_requests_bytes_cpu.json": "benchmarks/short_requests.py, SmolLM2, 24 chat requests x 128 tokens on 3,600 "
                                      "pages: KV bytes over fp16 bytes per held token, mean over steps: uniform K8V4 "
                                      "0.534, DiffKV K8V4/K4V2 a_h 1 a_l 0.02 0.570, DiffKV K8V4/K4V4 a_h 64 a_l 0 "
@@ -410,7 +434,6 @@ def tensor_parallel_section() -> list[str]:
     return out + [""]
 
 
-VLLM_RUNS = ("vllm_vs_ours_long-decode_qwen2.5-1.5b_H100.json", "vllm_vs_ours_serving_qwen2.5-1.5b_H100.json")
 WORKLOADS = {"long-decode": "128 prompts x 2,048 new tokens (ignore_eos), a 0.98 GiB KV pool",
              "serving": "1,024 prompts of 512 tokens x 256 new tokens (ignore_eos), an 8 GiB KV pool, up to 512 "
                         "sequences"}
@@ -424,9 +447,8 @@ def vllm_section() -> list[str]:
         if d is None:
             continue
         lines += [f"## Against vLLM {d['vllm']}: {d['workload']} workload, {d['model']}", "",
-                  f"{d['device']}, {d.get('date', 'undated')}: `bash scripts/device/vllm_compare.sh {d['workload']}`, "
-                  "which runs:", ""]
-        lines += [f"- `{c}`" for c in d["commands"]] + [""]
+                  f"{d['device']}, {d.get('date', 'undated')}: `bash scripts/device/vllm_compare.sh {d['workload']}` "
+                  "(benchmarks/vllm_baseline.py, then benchmarks/throughput.py per mode, on one box)", ""]
         lines += [f"{WORKLOADS.get(d['workload'], d['workload'])}, random weights of the model's shape, prefix "
                   "caching off in both engines, generate() timed after a warm-up.", "",
                   f"| cache | vLLM {d['vllm']} tok/s | ours tok/s | ours / vLLM |", "|---|---:|---:|---:|"]
@@ -449,7 +471,7 @@ def render_performance() -> str:
         lines += throughput_accuracy_section(name)
     lines += vllm_section()
     lines += pool_trace_section()
-    lines += attention_section() + kernel_ab_section() + decode_throughput_section()
+    lines += attention_section() + kernel_ab_section()
     for section in (throughput_section, step_breakdown_section, memory_manager_section, serve_sweep_section,
                     tensor_parallel_section):
         lines += section()
@@ -458,7 +480,7 @@ def render_performance() -> str:
 
 def render_index() -> str:
     """benchmarks/results/README.md: every recorded file, what it measures, where, when."""
-    shown = [ATTENTION, KERNEL_AB, DECODE_THROUGHPUT, *THROUGHPUT_AT_ACCURACY_RUNS, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
+    shown = [ATTENTION, KERNEL_AB, *THROUGHPUT_AT_ACCURACY_RUNS, *VLLM_RUNS, THROUGHPUT_TRACE, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
              SERVE_SWEEP, TENSOR_PARALLEL]
     lines = ["# Recorded results", "",
              "The runs behind [docs/PERFORMANCE.md](../../docs/PERFORMANCE.md), which shows them with their commands "

@@ -115,7 +115,8 @@ def _body(**kw):
 def test_chat_renderer_reports_tool_calls_whole_and_streamed():
     reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
     render = chat_renderer(_body(tools=[WEATHER]), 0)
-    full = render("full", text=reply, finish_reason="stop", usage=Usage.of(1, 2), rid="x", items=[{}])
+    full = render("full", text=reply, finish_reason="stop", usage=Usage.of(1, 2), rid="x",
+                  items=[{"text": reply, "finish_reason": "stop"}])
     choice = full["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -127,7 +128,8 @@ def test_chat_renderer_reports_tool_calls_whole_and_streamed():
     assert last["finish_reason"] == "tool_calls" and last["delta"]["tool_calls"][0]["index"] == 0
     # tool_choice "none": the reply is text
     render = chat_renderer(_body(tools=[WEATHER], tool_choice="none"), 0)
-    full = render("full", text=reply, finish_reason="stop", usage=Usage.of(1, 2), rid="x", items=[{}])
+    full = render("full", text=reply, finish_reason="stop", usage=Usage.of(1, 2), rid="x",
+                  items=[{"text": reply, "finish_reason": "stop"}])
     assert full["choices"][0]["message"]["content"] == reply and full["choices"][0]["finish_reason"] == "stop"
 
 
