@@ -44,6 +44,7 @@ def _run(engine, reqs):
     return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs], pipelined
 
 
+@pytest.mark.slow  # long kernel / engine sweeps: CI's second stage
 @pytest.mark.parametrize("mode, pages", [("fp16", 450), ("diffkv", None)])
 def test_async_steps_give_the_same_outputs(make_engine, mode, pages):
     """pages=450 (fp16, 90 pages per 16 tokens of a sequence): less than the six sequences need at once, so

@@ -45,6 +45,7 @@ def test_decode_quantized_sections(spec, Hq, Hkv, num_splits):
                                                        ("K16V16+K8V4", 64, None, 4),
                                                        ("K8V4+K4V2", 32, 32, None), ("K16V16+K4V2", 32, 16, 3),
                                                        ("K2V2", 128, None, 2)])
+@pytest.mark.slow  # long kernel / engine sweeps: CI's second stage
 def test_decode_quantized_long_multi_split(spec, D, block_n, num_splits):
     """Long sections split many ways (several tiles per split), GQA 4, two head_dim 128 cases (one in
     launch_config's own tiles); head_dim 32 pads each quarter of the head dimension to the dot's minimum width
@@ -73,6 +74,7 @@ def test_decode_wide_tiles():
 @pytest.mark.parametrize("red", [0, 1])
 @pytest.mark.parametrize("spec,Hq,Hkv,D,block_n,num_splits", [("K8V4+K4V2", 8, 2, 64, 16, 3),
                                                                ("K16V16+K4V2", 16, 1, 32, 16, None)])
+@pytest.mark.slow  # long kernel / engine sweeps: CI's second stage
 def test_decode_row_sum_modes(red, spec, Hq, Hkv, D, block_n, num_splits):
     """Both ways of reducing a tile's rows (LaunchConfig.red): several tiles per split, both sections; GQA 16
     fills the dot's rows (no padding row for the top value scale), a 16-bit high section has no value scales."""
@@ -84,6 +86,7 @@ def test_decode_row_sum_modes(red, spec, Hq, Hkv, D, block_n, num_splits):
                      red=red)
 
 
+@pytest.mark.slow  # long kernel / engine sweeps: CI's second stage
 @pytest.mark.parametrize("key_pairs", [False, True])
 @pytest.mark.parametrize("spec,Hq,Hkv", [("K8V4+K4V2", 8, 2), ("K16V16+K4V2", 8, 2), ("K4V4", 6, 2), ("K2V2", 2, 2)])
 def test_decode_key_pairs(key_pairs, spec, Hq, Hkv):
