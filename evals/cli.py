@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from diffkv_serve.engine.flags import HelpFormatter, add_engine_flags, apply_threads
+from diffkv_serve.engine.flags import HelpFormatter, add_engine_flags, apply_threads, run_command
 from evals.problems import TASKS
 
 
@@ -199,15 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -141,3 +141,24 @@ def apply_threads(args: argparse.Namespace) -> Optional[int]:
     from diffkv_serve.engine.threads import set_threads
 
     return set_threads(getattr(args, "threads", None), getattr(args, "device", None) or "auto")
+
+
+def run_command(parser: argparse.ArgumentParser, argv: Optional[list[str]] = None,
+                interrupt_code: Optional[int] = None) -> int:
+    """A command line's main: parse, run the chosen command; a missing file or a bad value is one `error:` line
+    and exit 2. interrupt_code: Ctrl-C returns it (the shell's 130) instead of raising."""
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if interrupt_code is None:
+            raise
+        print(file=sys.stderr)
+        return interrupt_code

@@ -9,7 +9,8 @@ import json
 import sys
 from typing import Optional
 
-from diffkv_serve.engine.flags import HelpFormatter, add_engine_flags, apply_threads, engine_config_from_args
+from diffkv_serve.engine.flags import (HelpFormatter, add_engine_flags, apply_threads, engine_config_from_args,
+                                       run_command)
 from diffkv_serve.service.config import API_KEY_ENV
 from diffkv_serve.service.serve_command import cmd_drain, cmd_serve
 
@@ -196,18 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C while a model loads or a completion runs: the shell's code, no traceback
-        print(file=sys.stderr)
-        return 130
+    # Ctrl-C while a model loads or a completion runs: the shell's code, no traceback
+    return run_command(build_parser(), argv, interrupt_code=130)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -101,6 +102,16 @@ def wait_serve_healthy(proc, base: str, log_path, interval: float = 0.5, timeout
             return False
     wait_for(healthy, timeout, interval=interval, what="diffkv serve to come up")
     return httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def stop_process(proc, timeout: float = 60) -> None:
+    """Stop a server subprocess the clean way (SIGTERM, so the Ray it started goes too), killing it if it hangs."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def values(samples, name, **labels):

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from _cluster import free_port, wait_for, wait_serve_healthy
+from _cluster import free_port, stop_process, wait_for, wait_serve_healthy
 from diffkv_serve.service.cli import build_parser
 from diffkv_serve.service.serve_command import _serve_config
 
@@ -175,12 +175,7 @@ def test_sigterm_stops_cleanly_and_the_same_ports_serve_again(tmp_path):
             assert proc.wait(timeout=90) == 0
         finally:
             if proc.poll() is None:  # a failed check: stop it the clean way first, so its Ray goes too
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc)
             log.close()
         text = (tmp_path / attempt).read_text()
         assert "shutting down" in text and "SIGTERM received" not in text, text[-3000:]

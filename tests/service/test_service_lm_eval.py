@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from _cluster import free_port, wait_serve_healthy
+from _cluster import free_port, stop_process, wait_serve_healthy
 
 pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra")
 
@@ -79,12 +79,7 @@ def test_lm_eval_local_completions_runs_generate_until_and_multiple_choice(tmp_p
         assert "API request failed" not in logged, logged[-5000:]  # lm-eval's words for any non-2xx answer
         assert "Using remote tokenizer" in logged, logged[-5000:]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     assert 0 <= results["diffkv_local_gen"]["exact_match,none"] <= 1
