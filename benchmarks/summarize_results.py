@@ -451,12 +451,18 @@ def vllm_section() -> list[str]:
                   "(benchmarks/vllm_baseline.py, then benchmarks/throughput.py per mode, on one box)", ""]
         lines += [f"{WORKLOADS.get(d['workload'], d['workload'])}, random weights of the model's shape, prefix "
                   "caching off in both engines, generate() timed after a warm-up.", "",
-                  f"| cache | vLLM {d['vllm']} tok/s | ours tok/s | ours / vLLM |", "|---|---:|---:|---:|"]
+                  f"| cache | vLLM {d['vllm']} tok/s | ours tok/s | ours / vLLM | preemptions (vLLM / ours) |",
+                  "|---|---:|---:|---:|---:|"]
+
+        def num(x, spec=",.0f"):
+            return "-" if x is None else format(x, spec)
+
         for r in d["rows"]:
             v, o = r.get("vllm_tokens_per_s"), r.get("ours_tokens_per_s")
             ratio = f"{r['ours_over_vllm']:.2f}" if r.get("ours_over_vllm") else "-"
-            lines.append(f"| {r['cache']} ({r['ours_mode']}) | {v:,.0f} | {o:,.0f} | {ratio} |" if v and o else
-                         f"| {r['cache']} | {r.get('vllm_error') or '-'} | - | - |")
+            pre = f"{num(r.get('vllm_preemptions'))} / {num(r.get('ours_preemptions'))}"
+            vcell = num(v) if v else (r.get("vllm_error") or "-")
+            lines.append(f"| {r['cache']} ({r['ours_mode']}) | {vcell} | {num(o)} | {ratio} | {pre} |")
         lines.append("")
     return lines
 

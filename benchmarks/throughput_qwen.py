@@ -136,8 +136,8 @@ def pool_gb_for(ckpt, args, seq_tokens: int) -> float:
     """The pool (GiB) that holds args.fp16_seqs sequences of seq_tokens in the 16-bit cache (all pages counted)."""
     arch = ckpt.arch
     itemsize = torch.tensor([], dtype=resolve_dtype(args.dtype, resolve_device(args.device))).element_size()
-    page_bytes = page_bytes_for(args.block_size, arch.head_dim, itemsize)
-    tokens = PageFormat.make(16, 16, arch.head_dim, page_bytes, itemsize).tokens
+    page_bytes = page_bytes_for(args.block_size, arch.head_dim, itemsize, tracked=False)  # the fp16 cache's pages
+    tokens = PageFormat.make(16, 16, arch.head_dim, page_bytes, itemsize, tracked=False).tokens
     pages = args.fp16_seqs * worst_case_pages(arch.num_layers * arch.num_kv_heads, tokens, 0, seq_tokens) + 1
     return pages * page_bytes / 2**30
 

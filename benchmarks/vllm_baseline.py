@@ -124,7 +124,7 @@ def run_one(spec: dict, dtype: str) -> dict:
               dtype="bfloat16", kv_cache_dtype=CACHE_DTYPES[dtype][0],
               kv_cache_memory_bytes=int(spec["kv_memory_gb"] * 2**30), enable_prefix_caching=False,
               max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              seed=spec["seed"], **kw)
+              seed=spec["seed"], disable_log_stats=False, **kw)  # stats on: get_metrics() counts preemptions
     startup = time.perf_counter() - t0
     inputs = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     sp = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True, temperature=0)
@@ -134,15 +134,28 @@ def run_one(spec: dict, dtype: str) -> dict:
         llm.generate(inputs[: spec["max_num_seqs"]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0),
                      use_tqdm=False)
     torch.cuda.synchronize()
+    before = preemptions(llm)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    after = preemptions(llm)
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"mode": f"vllm-{dtype}", "engine": f"vLLM {vllm.__version__}", "kv_cache_dtype": CACHE_DTYPES[dtype][0],
             "compare_with": CACHE_DTYPES[dtype][1], "tokens": generated, "seconds": wall,
             "tokens_per_s": generated / wall, "startup_s": startup, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "vllm": vllm.__version__}
+            "torch": torch.__version__, "vllm": vllm.__version__,
+            "preemptions": None if before is None or after is None else after - before}
+
+
+def preemptions(llm) -> float | None:
+    """vLLM's preemption counter (its Prometheus metric, read through LLM.get_metrics), or None where this vLLM
+    does not expose it: the timed rows must not depend on it."""
+    try:
+        return sum(m.value for m in llm.get_metrics() if "num_preemptions" in m.name)
+    except Exception as e:  # noqa: BLE001 - a metrics API change loses this column only
+        print(f"vllm_baseline: preemptions not read ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
 
 
 def run_all(args, argv: list[str]) -> int:
@@ -234,11 +247,13 @@ def compare(vllm_json: dict, ours: list[dict]) -> list[dict]:
         vt, ot = v.get("tokens_per_s"), (o or {}).get("tokens_per_s")
         table.append({"cache": v["mode"].removeprefix("vllm-"), "ours_mode": v["compare_with"], "vllm_tokens_per_s": vt,
                       "ours_tokens_per_s": ot, "ours_over_vllm": ot / vt if vt and ot else None,
+                      "vllm_preemptions": v.get("preemptions"), "ours_preemptions": (o or {}).get("preemptions"),
                       "vllm_error": v.get("error")})
     for mode, o in our_rows.items():  # our modes vLLM has no counterpart of (int4, diffkv)
         if mode not in {v["compare_with"] for v in vllm_json["rows"]}:
             table.append({"cache": mode, "ours_mode": mode, "vllm_tokens_per_s": None,
-                          "ours_tokens_per_s": o["tokens_per_s"], "ours_over_vllm": None, "vllm_error": None})
+                          "ours_tokens_per_s": o["tokens_per_s"], "ours_over_vllm": None, "vllm_preemptions": None,
+                          "ours_preemptions": o.get("preemptions"), "vllm_error": None})
     return table
 
 

@@ -1,10 +1,10 @@
 """KV memory of a configuration as a fraction of an fp16 cache, metadata included.
 
 Bytes per token of a precision are those of the engine's unified page at a 16-bit cache dtype (what the
-GPU uses): quantized keys and values, their fp16 scale/zero, the f32 significance score and the int32
-position, divided by the tokens a page holds. So the numbers do not depend on the machine (on CPU the
-engine keeps its 16-bit pages in fp32). The fp16 reference is 2 bytes x (K + V) x head_dim per token and KV
-head; the fp16 cache itself costs slightly more (its score and position rows).
+GPU uses): quantized keys and values, their fp16 scale/zero and, in a diffkv cache, the f32 significance score
+and the int32 position, divided by the tokens a page holds (single-precision caches' pages have no score or
+position rows). So the numbers do not depend on the machine (on CPU the engine keeps its 16-bit pages in
+fp32). The fp16 reference is 2 bytes x (K + V) x head_dim per token and KV head, which the fp16 cache is.
 """
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 HALF = 2  # bytes of a 16-bit element
 
 
-def token_bytes(key_bits: int, value_bits: int, head_dim: int, block_size: int = 16) -> float:
-    page = page_bytes_for(block_size, head_dim, HALF)
-    return PageFormat.make(key_bits, value_bits, head_dim, page, HALF).token_bytes()
+def token_bytes(key_bits: int, value_bits: int, head_dim: int, block_size: int = 16, tracked: bool = True) -> float:
+    """tracked: pages with score and position rows (a diffkv cache's, CacheConfig.tracks_tokens)."""
+    page = page_bytes_for(block_size, head_dim, HALF, tracked)
+    return PageFormat.make(key_bits, value_bits, head_dim, page, HALF, tracked=tracked).token_bytes()
 
 
 def fp16_token_bytes(head_dim: int) -> int:
@@ -29,7 +30,8 @@ def memory_fraction(cache: CacheConfig, head_dim: int, tokens_high: int, tokens_
     if total <= 0:
         raise ValueError("memory_fraction: no tokens")
     high, low = cache.precisions()
-    used = tokens_high * token_bytes(*high, head_dim, cache.block_size)
+    tracked = cache.tracks_tokens()
+    used = tokens_high * token_bytes(*high, head_dim, cache.block_size, tracked)
     if tokens_low:
-        used += tokens_low * token_bytes(*low, head_dim, cache.block_size)
+        used += tokens_low * token_bytes(*low, head_dim, cache.block_size, tracked)
     return used / (total * fp16_token_bytes(head_dim))

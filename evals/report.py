@@ -384,6 +384,19 @@ def pruning_section(p: dict, path: Path) -> list[str]:
     return out + [""]
 
 
+def _untracked_note() -> str:
+    """What single-precision caches cost as served: their pages hold no score or position rows, which the
+    recorded uniform rows include."""
+    from evals.memory import fp16_token_bytes, token_bytes  # the page layout's own arithmetic, head_dim 128
+
+    cells = [f"{name} {_pct(token_bytes(kb, vb, 128, tracked=True) / fp16_token_bytes(128))} recorded, "
+             f"{_pct(token_bytes(kb, vb, 128, tracked=False) / fp16_token_bytes(128))} served"
+             for name, kb, vb in (("fp16", 16, 16), ("K8V8", 8, 8), ("K4V4", 4, 4))]
+    return ("Single-precision caches (fp16, int8, fp8, int4) serve from pages without score and position rows "
+            f"(diffkv_serve/kernels/page_layout.py), so their uniform rows below overstate them: {'; '.join(cells)} "
+            "(head_dim 128).")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="write docs/ACCURACY.md and its plot from evals/results/*/summary.json")
     ap.add_argument("--results", type=Path, default=RESULTS)
@@ -404,9 +417,9 @@ def main(argv: list[str] | None = None) -> int:
              "template, greedy, the final number extracted ('Answer: x', else the last number); the difference "
              "to fp16 is paired over the same problems (normal 95% interval).",
              "- **KV memory**: bytes of the kept tokens (quantized keys and values, their fp16 scale/zero, the "
-             "f32 significance score and the int32 position per token, as the engine's pages hold them at a 16-bit "
-             "cache dtype) over 2 bytes x (K + V) x head_dim per token and KV head for every token. The fp16 "
-             "cache is slightly above 100% (its score and position rows).",
+             "f32 significance score and the int32 position per token, as the engine's pages held them at a 16-bit "
+             "cache dtype when measured) over 2 bytes x (K + V) x head_dim per token and KV head for every token. "
+             + _untracked_note(),
              "- Configurations: uniform KxVy keep every token at one precision (mirrors K4V8 and K2V4 test the "
              "keys-over-values claim); KIVI-like keeps the 64 most recent tokens at 16 bits and everything older at "
              "K2V2 (per-token quantization in our pages, unlike KIVI's per-channel keys); prune = equal per-head "

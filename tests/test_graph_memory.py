@@ -76,14 +76,16 @@ def test_pool_is_sized_after_the_graphs_budget(monkeypatch):
     eager, shape, free, total, config = _fake_runner(monkeypatch, True, scheduler=sched)
     graphs, *_ = _fake_runner(monkeypatch, False, scheduler=sched, max_graph_batch_size=512)
     act = 64 * 8192 * QWEN.hidden_size
-    assert eager == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act)
+    assert eager == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act, config.cache.tracks_tokens())
     est = graph_memory_estimate(QWEN, 512, 2)
-    assert graphs == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - est)
+    assert graphs == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - est,
+                                    config.cache.tracks_tokens())
     assert _fake_runner.last.graph_budget == est  # what DecodeGraphs checks its measured memory against
     assert eager > graphs
     # an explicit pool (the benchmarks' --kv-memory-gb, vLLM's kv_cache_memory_bytes) is taken as given
     fixed, *_ = _fake_runner(monkeypatch, False, scheduler=sched, cache={"kv_cache_memory_gb": 0.98})
-    assert fixed == pages_for_bytes(shape, torch.bfloat16, 0.98 * GiB)
+    assert fixed == pages_for_bytes(shape, torch.bfloat16, 0.98 * GiB, tracked=False)  # fp16: untracked pages
+    assert fixed > pages_for_bytes(shape, torch.bfloat16, 0.98 * GiB, tracked=True)
     # fewer scheduled sequences: fewer captured rows, a smaller reservation
     small, *_ = _fake_runner(monkeypatch, False, scheduler={"max_num_seqs": 32, "max_num_batched_tokens": 8192})
     assert graphs < small < eager

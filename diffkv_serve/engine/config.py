@@ -157,6 +157,11 @@ class CacheConfig(BaseModel):
             return parse_precision(self.high, "high"), parse_precision(self.low, "low")
         return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4), "fp8": (8, 8)}[self.kv_mode], None
 
+    def tracks_tokens(self) -> bool:
+        """Whether pages carry each token's score and position: diffkv's policy ranks and moves tokens; a
+        single-precision cache keeps them in order and its pages leave both rows out."""
+        return self.kv_mode == "diffkv"
+
     @property
     def float8(self) -> bool:
         """Whether the 8-bit pages hold e4m3 codes (kv_mode fp8) rather than integer codes."""

@@ -170,7 +170,7 @@ class ModelRunner:
             nbytes = kv_pool_bytes(free, total, cc.gpu_memory_utilization, act, graphs)
         else:
             nbytes = 0.5 * 2**30
-        return pages_for_bytes(shape, self.dtype, nbytes)
+        return pages_for_bytes(shape, self.dtype, nbytes, cc.tracks_tokens())
 
     def _graph_batch(self) -> int:
         return graph_batch_limit(self.config.max_graph_batch_size, self.config.scheduler.max_num_seqs)

@@ -251,8 +251,7 @@ def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[P
         st.held_low, st.free_list, st.counters, st.next_growth, slots, seq_len, aux, *fields, page_out, row_out,
         B, LH, NC, H, P1 - 1, st.pool.shape[0], st.page_table.stride(0), fmt_high.page_bytes // isz,
         fmt_high.page_bytes, D, *seg_offsets(fmt_high, "k"), *seg_offsets(fmt_high, "v"), *seg_offsets(fmt_low_, "k"),
-        *seg_offsets(fmt_low_, "v"), fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low_.score_off // 4,
-        fmt_low_.pos_off // 4,
+        *seg_offsets(fmt_low_, "v"), *fmt_high.tracked_words(), *fmt_low_.tracked_words(),  # read with a plan only
         T_HI=fmt_high.tokens, T_LO=fmt_low_.tokens, PLAN=has_plan, LOW_GROWS=low_grows, HKB=fmt_high.key_bits, HVB=fmt_high.value_bits,
         LKB=fmt_low_.key_bits, LVB=fmt_low_.value_bits, ISZ=isz, BLOCK_H=block_h, BLOCK_D=next_pow2(D),
         BLOCK_R=next_pow2(row_bytes), BLOCK_B=next_pow2(B), BLOCK_NC=next_pow2(NC), num_warps=num_warps,

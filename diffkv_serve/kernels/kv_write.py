@@ -49,16 +49,17 @@ def _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h,
                  pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes, page_words,
                  k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, D,
                  KB: tl.constexpr, VB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 KF8: tl.constexpr = False, VF8: tl.constexpr = False):
+                 KF8: tl.constexpr = False, VF8: tl.constexpr = False, TRACKED: tl.constexpr = True):
     """Token n's keys, values, position and scores [BLOCK_H] into rows `slot` of pages `page` (one format;
-    KF8 / VF8: that side holds e4m3 codes)."""
+    KF8 / VF8: that side holds e4m3 codes; TRACKED: the pages have score and position rows)."""
     _store_side(k_ptr, stride_kn, stride_kh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
                 page_elems, page_bytes, k_off, k_meta_off, D, KB, BLOCK_H, BLOCK_D, KF8)
     _store_side(v_ptr, stride_vn, stride_vh, n, h, d, page, slot, row_ok, pool_c, pool_u8, pool_h,
                 page_elems, page_bytes, v_off, v_meta_off, D, VB, BLOCK_H, BLOCK_D, VF8)
-    word = page * page_words + slot
-    tl.store(pool_i32 + word + pos_off, tl.zeros([BLOCK_H], tl.int32) + pos, mask=row_ok)
-    tl.store(pool_f32 + word + score_off, score, mask=row_ok)
+    if TRACKED:
+        word = page * page_words + slot
+        tl.store(pool_i32 + word + pos_off, tl.zeros([BLOCK_H], tl.int32) + pos, mask=row_ok)
+        tl.store(pool_f32 + word + score_off, score, mask=row_ok)
 
 
 @triton.jit
@@ -70,7 +71,7 @@ def _write_kv_kernel(
     page_elems, page_bytes, k_off, k_meta_off, v_off, v_meta_off,
     page_words, score_off, pos_off,  # in 4-byte words
     KB: tl.constexpr, VB: tl.constexpr, HAS_SCORES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KF8: tl.constexpr, VF8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KF8: tl.constexpr, VF8: tl.constexpr, TRACKED: tl.constexpr,
 ):
     # One program per token: all its heads form one [BLOCK_H, BLOCK_D] tile (contiguous along D).
     n = tl.program_id(0)
@@ -89,7 +90,7 @@ def _write_kv_kernel(
     _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, page, slot, row_ok,
                  tl.load(pos_ptr + n), score, pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes,
                  page_words, k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, D, KB, VB, BLOCK_H, BLOCK_D,
-                 KF8, VF8)
+                 KF8, VF8, TRACKED)
 
 
 def write_kv_ref(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, positions, scores=None):
@@ -101,6 +102,8 @@ def write_kv_ref(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, p
     slot = dst_slot[ok].long()
     write_rows_ref(pool, fmt, cache_dtype, "k", page, slot, k[ok])
     write_rows_ref(pool, fmt, cache_dtype, "v", page, slot, v[ok])
+    if not fmt.tracked:  # a single-precision cache's pages hold no position or score rows
+        return
     pi[page, fmt.pos_off // 4 + slot] = positions[:, None].expand(N, H)[ok].to(torch.int32)
     pf[page, fmt.score_off // 4 + slot] = 0.0 if scores is None else scores[ok].float()
 
@@ -114,7 +117,7 @@ def write_kv_triton(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot
     assert D == fmt.head_dim and k.stride(2) == 1 and v.stride(2) == 1
     assert dst_page.stride(1) == 1 and dst_slot.stride(1) == 1
     if scores is not None:
-        assert scores.shape == (N, H) and scores.stride(1) == 1
+        assert scores.shape == (N, H) and scores.stride(1) == 1 and fmt.tracked
     isz = fmt.full_itemsize
     k_off, k_meta = seg_offsets(fmt, "k")
     v_off, v_meta = seg_offsets(fmt, "v")
@@ -124,9 +127,9 @@ def write_kv_triton(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), dst_page.stride(0), dst_slot.stride(0),
         0 if scores is None else scores.stride(0),
         H, D, fmt.page_bytes // isz, fmt.page_bytes, k_off, k_meta, v_off, v_meta,
-        fmt.page_bytes // 4, fmt.score_off // 4, fmt.pos_off // 4,
+        fmt.page_bytes // 4, *fmt.tracked_words(),
         KB=fmt.key_bits, VB=fmt.value_bits, HAS_SCORES=scores is not None,
-        BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), KF8=fmt.key_float8, VF8=fmt.value_float8,
+        BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), KF8=fmt.key_float8, VF8=fmt.value_float8, TRACKED=fmt.tracked,
         num_warps=4, enable_fp_fusion=False,
     )
 
@@ -137,7 +140,8 @@ def write_kv(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, posit
 
     Any page precision: 16-bit sides store the cache dtype, 8/4/2-bit sides are quantized (diffkv_serve/kernels/quant.py),
     as e4m3 codes where fmt.float8 says so.
-    Also sets that row's position to positions[n] and its score to scores[n, h] (f32 [N, H]; default 0).
+    On tracked pages (fmt.tracked) also sets that row's position to positions[n] and its score to scores[n, h]
+    (f32 [N, H]; default 0).
     """
     fn = write_kv_triton if use_triton(impl, pool, k, v) else write_kv_ref
     fn(pool, fmt, cache_dtype, k, v, dst_page, dst_slot, positions, scores=scores)

@@ -10,6 +10,11 @@ segments, each 16-byte aligned:
     score     [T]    float32 token significance
     position  [T]    int32 token position in its sequence
 
+Score and position exist only on tracked pages (a diffkv cache, whose policy ranks and moves tokens). A
+single-precision cache (fp16, int8, int4, fp8) keeps every token where it was written, in order, and never
+reads either, so its pages leave both out: more tokens per byte (K4V4 60 instead of 57 tokens in the bytes of
+a 16-token fp16 page, fp8 31 instead of 30).
+
 Values follow the keys directly: at head_dim 128 a key row is a multiple of 32 bytes, so the value rows start on a
 32-byte sector like the key rows, and a kernel's 128-byte copy of consecutive rows touches four sectors, not five.
 
@@ -43,15 +48,17 @@ def _segment_bytes(tokens: int, head_dim: int, bits: int, full_itemsize: int) ->
     return _align(tokens * head_dim * bits // 8), _align(tokens * 4)
 
 
-def _page_bytes_needed(tokens: int, head_dim: int, key_bits: int, value_bits: int, full_itemsize: int) -> int:
+def _page_bytes_needed(tokens: int, head_dim: int, key_bits: int, value_bits: int, full_itemsize: int,
+                       tracked: bool = True) -> int:
     kd, km = _segment_bytes(tokens, head_dim, key_bits, full_itemsize)
     vd, vm = _segment_bytes(tokens, head_dim, value_bits, full_itemsize)
-    return kd + km + vd + vm + 2 * _align(tokens * 4)
+    return kd + km + vd + vm + (2 * _align(tokens * 4) if tracked else 0)
 
 
-def page_bytes_for(block_size: int, head_dim: int, full_itemsize: int) -> int:
-    """Page size in bytes: what a full-precision (16/16) page of `block_size` tokens needs."""
-    return _page_bytes_needed(block_size, head_dim, 16, 16, full_itemsize)
+def page_bytes_for(block_size: int, head_dim: int, full_itemsize: int, tracked: bool = True) -> int:
+    """Page size in bytes: what a full-precision (16/16) page of `block_size` tokens needs (with the score and
+    position rows where the pages are tracked)."""
+    return _page_bytes_needed(block_size, head_dim, 16, 16, full_itemsize, tracked)
 
 
 @dataclass(frozen=True)
@@ -68,13 +75,14 @@ class PageFormat:
     k_meta_off: int
     v_off: int
     v_meta_off: int
-    score_off: int
-    pos_off: int
+    score_segment: int  # byte offsets of the score and position rows; -1 on untracked pages
+    pos_segment: int
     float8: bool = False  # 8-bit sides hold e4m3 codes with a scale (zero point 0) instead of integers
+    tracked: bool = True  # the page has score and position rows (a diffkv cache's)
 
     @staticmethod
     def make(key_bits: int, value_bits: int, head_dim: int, page_bytes: int, full_itemsize: int,
-             float8: bool = False) -> "PageFormat":
+             float8: bool = False, tracked: bool = True) -> "PageFormat":
         for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
             if b not in SUPPORTED_BITS:
                 raise ValueError(f"{name}={b}: a page precision uses bits from {SUPPORTED_BITS}")
@@ -83,7 +91,7 @@ class PageFormat:
         if page_bytes % ALIGN:
             raise ValueError(f"page_bytes={page_bytes} must be a multiple of {ALIGN}")
         tokens = 0
-        while _page_bytes_needed(tokens + 1, head_dim, key_bits, value_bits, full_itemsize) <= page_bytes:
+        while _page_bytes_needed(tokens + 1, head_dim, key_bits, value_bits, full_itemsize, tracked) <= page_bytes:
             tokens += 1
         if tokens == 0:
             raise ValueError(f"page_bytes={page_bytes} holds no token of K{key_bits}V{value_bits}, head_dim {head_dim}")
@@ -93,10 +101,30 @@ class PageFormat:
         v_off = k_off + kd
         k_meta_off = v_off + vd
         v_meta_off = k_meta_off + km
-        score_off = v_meta_off + vm
-        pos_off = score_off + _align(tokens * 4)
+        score_off = v_meta_off + vm if tracked else -1
+        pos_off = score_off + _align(tokens * 4) if tracked else -1
         return PageFormat(key_bits, value_bits, head_dim, page_bytes, full_itemsize, tokens,
-                          k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, float8)
+                          k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, float8, tracked)
+
+    def _tracked_segment(self, offset: int, what: str) -> int:
+        if not self.tracked:
+            raise ValueError(f"{self.name} pages of a single-precision cache hold no {what} rows (tracked=False)")
+        return offset
+
+    @property
+    def score_off(self) -> int:
+        """Byte offset of the float32 score row (tracked pages only)."""
+        return self._tracked_segment(self.score_segment, "score")
+
+    @property
+    def pos_off(self) -> int:
+        """Byte offset of the int32 position row (tracked pages only)."""
+        return self._tracked_segment(self.pos_segment, "position")
+
+    def tracked_words(self) -> tuple[int, int]:
+        """(score, position) row offsets in 4-byte words for kernels that take them on every launch and read
+        them only on tracked pages; (0, 0) on untracked ones."""
+        return (self.score_off // 4, self.pos_off // 4) if self.tracked else (0, 0)
 
     @property
     def name(self) -> str:

@@ -7,7 +7,8 @@
 # The call that completes the stash installs vLLM into $VSITE and our wheels into $SITE. Then, carrying nothing:
 #     bash scripts/device/vllm_compare.sh long-decode [PART...]  # 128 prompts x 2,048 new tokens, 0.98 GiB pool
 #     bash scripts/device/vllm_compare.sh serving [PART...]      # 1,024 x 512 in x 256 out, 8 GiB pool
-# PARTs (default all, in this order): vllm (bf16 then fp8, each in its own process), ours-fp16, ours-fp8; each
+# PARTs (default vllm ours-fp16 ours-fp8, in this order): vllm (bf16 then fp8, each in its own process), ours-fp16,
+# ours-fp8, and on request ours-int4 (our K4V4 cache, which vLLM 0.26 has no counterpart of); each
 # runs under its own time limit inside the command's budget ($BUDGET_S, default 570 s), so one failing or
 # running long loses only its own row; a part the budget no longer fits is skipped and named at the end, to run
 # in the next command. Every JSON (vllm_baseline_<workload>_<model>_<GPU>.json, throughput_<workload>_<model>_
@@ -34,13 +35,17 @@ log() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$LOG"; }
 
 case "$WHAT" in
   stash|long-decode|serving) ;;
-  *) echo "usage: vllm_compare.sh stash | long-decode [PART...] | serving [PART...]  (PART: vllm ours-fp16 ours-fp8)"
+  *) echo "usage: vllm_compare.sh stash | long-decode [PART...] | serving [PART...]" \
+          "(PART: vllm ours-fp16 ours-fp8 ours-int4)"
      exit 2 ;;
 esac
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(vllm ours-fp16 ours-fp8)
 for p in "${PARTS[@]}"; do
-  case "$p" in vllm|ours-fp16|ours-fp8) ;; *) echo "unknown PART '$p' (vllm, ours-fp16, ours-fp8)"; exit 2 ;; esac
+  case "$p" in
+    vllm|ours-fp16|ours-fp8|ours-int4) ;;
+    *) echo "unknown PART '$p' (vllm, ours-fp16, ours-fp8, ours-int4)"; exit 2 ;;
+  esac
 done
 
 # ---- wheels: stash what this command carried; install each site once complete -------------------------------
@@ -107,7 +112,7 @@ for p in "${PARTS[@]}"; do
         log "vllm: skipped, vLLM is not installed (carry the .carry/vllm* folders with 'stash' first)"
         skipped+=(vllm)
       fi ;;
-    ours-fp16|ours-fp8)
+    ours-fp16|ours-fp8|ours-int4)
       mode=${p#ours-}
       part "$p" $([ "$mode" = fp16 ] && echo 220 || echo 180) "$PYTHON" benchmarks/throughput.py "${common[@]}" \
         --no-hf --modes "$mode" --warmup full --quiet --out "$(ours_json "$mode")" ;;
@@ -116,7 +121,7 @@ done
 
 # ---- comparison from whatever rows are there (this command's and earlier ones' on this box) ------------------
 ours=()
-for m in fp16 fp8; do f=$(ours_json $m); [ -f "$f" ] && ours+=("$f"); done
+for m in fp16 fp8 int4; do f=$(ours_json $m); [ -f "$f" ] && ours+=("$f"); done
 if [ "$DRY_RUN" = 1 ]; then
   log "compare: $PYTHON benchmarks/vllm_baseline.py --compare $V_JSON --ours ${ours[*]:-} --out $C_JSON"
 elif [ -f "$V_JSON" ]; then
@@ -125,7 +130,7 @@ elif [ -f "$V_JSON" ]; then
 else
   log "compare: no vLLM rows for $WHAT yet"
 fi
-for f in "$V_JSON" "$(ours_json fp16)" "$(ours_json fp8)" "$C_JSON"; do
+for f in "$V_JSON" "$(ours_json fp16)" "$(ours_json fp8)" "$(ours_json int4)" "$C_JSON"; do
   [ -f "$f" ] && cp "$f" "$OUT/"
 done
 if [ ${#skipped[@]} -gt 0 ]; then

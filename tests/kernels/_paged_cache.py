@@ -12,14 +12,17 @@ BLOCK = 16  # page size: a K16V16 page of BLOCK tokens
 
 def formats(spec: str, D: int, isz: int) -> tuple[PageFormat, PageFormat | None]:
     """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low); 'K8V8-e4m3': e4m3 codes (kv_mode fp8);
-    all of one page size: BLOCK 16-bit tokens' worth, or N's with an '@N' suffix ('K4V4@6': 21-token pages)."""
+    all of one page size: BLOCK 16-bit tokens' worth, or N's with an '@N' suffix ('K4V4@6': 21-token pages);
+    a '/u' suffix: untracked pages, without score and position rows, as single-precision caches keep them."""
+    spec, untracked, _ = spec.partition("/u")
     spec, _, block = spec.partition("@")
-    pb = page_bytes_for(int(block) if block else BLOCK, D, isz)
+    tracked = not untracked
+    pb = page_bytes_for(int(block) if block else BLOCK, D, isz, tracked)
     fmts = []
     for name in spec.split("+"):
         name, _, code = name.partition("-")
         kb, vb = name[1:].split("V")
-        fmts.append(PageFormat.make(int(kb), int(vb), D, pb, isz, float8=code == "e4m3"))
+        fmts.append(PageFormat.make(int(kb), int(vb), D, pb, isz, float8=code == "e4m3", tracked=tracked))
     return fmts[0], (fmts[1] if len(fmts) > 1 else None)
 
 

@@ -30,7 +30,7 @@ def _cache(cache_dtype, Hkv, D, lengths_bhl, max_pages, seed):
     """
     torch.manual_seed(seed)
     isz = torch.empty((), dtype=cache_dtype).element_size()
-    fmt = PageFormat.make(16, 16, D, page_bytes_for(T, D, isz), isz)
+    fmt = PageFormat.make(16, 16, D, page_bytes_for(T, D, isz, tracked=False), isz, tracked=False)  # kv_mode fp16
     S = len(lengths_bhl)
     lengths = torch.zeros(S, LAYERS, Hkv, dtype=torch.int32)
     for s, per_head in enumerate(lengths_bhl):

@@ -130,6 +130,7 @@ CASES = [
     ("K8V4", 8, 2, [[300, 77], [41, 0]], None, 1),            # 40-token pages: tiles across three pages
     ("K8V4", 12, 2, [[520, 81], [130, 1]], None, 3),
     ("K4V4", 8, 2, [[400, 57], [58, 0]], None, 2),            # 57-token pages
+    ("K4V4/u", 12, 2, [[400, 60], [61, 0]], None, 2),         # kv_mode int4's untracked 60-token pages
     ("K8V2", 6, 1, [[200], [1]], None, 1),
     ("K8V8", 8, 2, [[300, 77], [33, 0]], None, 1),            # 8-bit values; 30-token pages: tiles across four pages
     ("K8V8", 12, 2, [[520, 81], [130, 1]], None, 3),
@@ -137,6 +138,7 @@ CASES = [
     ("K8V8+K4V8", 8, 1, [[100], [70]], [[90], [0]], 2),
     ("K8V8-e4m3", 8, 2, [[300, 77], [33, 0]], None, 1),       # kv_mode fp8: e4m3 codes, no zero point
     ("K8V8-e4m3", 12, 2, [[520, 81], [130, 1]], None, 3),
+    ("K8V8-e4m3/u", 8, 2, [[300, 62], [31, 0]], None, 2),     # kv_mode fp8's untracked 31-token pages
     ("K8V4-e4m3", 6, 1, [[200], [65]], None, 2),              # e4m3 keys, 4-bit integer values
     ("K8V4+K4V2", 8, 2, [[300, 77], [64, 0]], [[100, 5], [0, 0]], 1),
     ("K8V4+K4V2", 6, 1, [[300], [64], [0]], [[100], [0], [70]], 4),   # a split across the section boundary

@@ -17,7 +17,7 @@ DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.startswith("cuda") else [])
 # atol and rtol alike; e4m3 pages decode to the same numbers in both (exact in fp16), so the same tolerances hold.
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
-SPECS = ("K8V8", "K8V8-e4m3")  # kv_mode int8, kv_mode fp8
+SPECS = ("K8V8/u", "K8V8-e4m3/u", "K8V8")  # kv_mode int8, kv_mode fp8 (untracked pages); tracked pages
 NMAX_PAD = 3  # logits columns past the longest head: must stay untouched
 
 

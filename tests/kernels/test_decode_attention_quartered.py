@@ -13,7 +13,7 @@ from _paged_cache import formats
 # The interpreter reads scalar loads used as loop bounds through a deprecated numpy conversion.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
-SPECS = ["K8V8", "K4V4", "K8V4", "K4V2", "K8V4+K4V2"]
+SPECS = ["K8V8", "K4V4", "K4V4/u", "K8V4", "K4V2", "K8V4+K4V2"]  # '/u': a single-precision cache's pages
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -151,3 +151,45 @@ def test_write_kv_checks_dtype():
     for impl in ("triton", "ref"):
         with pytest.raises(ValueError):  # a 4-byte format with a 2-byte cache dtype
             write_kv(pool, fmt, torch.float16, k, k, idx, idx, pos, impl=impl)
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("kb,vb,float8", [(16, 16, False), (8, 8, False), (4, 4, False), (8, 8, True)])
+def test_write_kv_untracked_pages(cache_dtype, kb, vb, float8):
+    """A single-precision cache's pages (tracked=False) hold no score or position rows: more tokens per page, the
+    Triton bytes equal the reference's, each written row decodes to what a tracked page's row decodes to, and
+    nothing past the key/value segments is written."""
+    isz = torch.empty((), dtype=cache_dtype).element_size()
+    H, D, N, num_pages = 3, 64, 13, 5
+    fmts = {tr: PageFormat.make(kb, vb, D, page_bytes_for(T, D, isz, tr), isz, float8=float8, tracked=tr)
+            for tr in (True, False)}
+    fmt = fmts[False]
+    assert fmt.page_bytes < fmts[True].page_bytes and fmt.tokens >= fmts[True].tokens
+    assert fmt.token_bytes() < fmts[True].token_bytes()
+    with pytest.raises(ValueError, match="no score rows"):
+        fmt.score_off
+    with pytest.raises(ValueError, match="no position rows"):
+        fmt.pos_off
+    torch.manual_seed(kb + vb + float8)
+    k = torch.randn(N, H, D, device=DEVICE).to(cache_dtype) * 2 + 0.5
+    v = (torch.randn(N, H, D, device=DEVICE) - 0.25).to(cache_dtype)
+    rows = torch.randperm(num_pages * fmts[True].tokens)[: N * H].view(N, H)
+    dst_page = (rows // fmts[True].tokens).to(torch.int32).to(DEVICE)
+    dst_slot = (rows % fmts[True].tokens).to(torch.int32).to(DEVICE)
+    positions = torch.randint(0, 10_000, (N,), dtype=torch.int32, device=DEVICE)
+    pools = {}
+    for name, f, impl in (("triton", fmt, "triton"), ("ref", fmt, "ref"), ("tracked", fmts[True], "ref")):
+        pool = torch.zeros(num_pages, f.page_bytes, dtype=torch.uint8, device=DEVICE)
+        pool.view(torch.float32).fill_(float("nan"))
+        write_kv(pool, f, cache_dtype, k, v, dst_page, dst_slot, positions, impl=impl)
+        pools[name] = pool
+    assert torch.equal(pools["triton"], pools["ref"]), "triton differs from the reference"
+    ends = [fmt.k_off, fmt.v_off] + ([fmt.k_meta_off, fmt.v_meta_off] if kb < 16 else [])
+    data_end = max(ends) + (fmt.v_meta_off - fmt.k_meta_off if kb < 16 else fmt.v_off - fmt.k_off)
+    untouched = pools["ref"][:, data_end:].view(torch.float32) if data_end < fmt.page_bytes else None
+    assert untouched is None or untouched.isnan().all()
+    for which in ("k", "v"):
+        got = read_rows_ref(pools["ref"], fmt, cache_dtype, which, dst_page.flatten().long(), dst_slot.flatten().long())
+        want = read_rows_ref(pools["tracked"], fmts[True], cache_dtype, which, dst_page.flatten().long(),
+                             dst_slot.flatten().long())
+        assert torch.equal(got, want)

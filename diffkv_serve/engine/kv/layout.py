@@ -24,7 +24,7 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def pages_for_bytes(shape: CacheShape, cache_dtype: torch.dtype, nbytes: float) -> int:
-    """Pages of nbytes bytes in total (at least one)."""
+def pages_for_bytes(shape: CacheShape, cache_dtype: torch.dtype, nbytes: float, tracked: bool = True) -> int:
+    """Pages of nbytes bytes in total (at least one); tracked: pages with score and position rows."""
     itemsize = torch.tensor([], dtype=cache_dtype).element_size()
-    return max(1, int(nbytes // page_bytes_for(shape.block_size, shape.head_dim, itemsize)))
+    return max(1, int(nbytes // page_bytes_for(shape.block_size, shape.head_dim, itemsize, tracked)))

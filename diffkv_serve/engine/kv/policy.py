@@ -91,7 +91,7 @@ class KVCache:
         self.config = config
         high, low = config.precisions()
         self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low, float8=config.float8,
-                                low_grows=config.policy == "thresholds")
+                                low_grows=config.policy == "thresholds", tracked=config.tracks_tokens())
         self.diffkv = low is not None
         self.pins_prompt_blocks = config.pins_prompt_blocks()  # CacheConfig.pin_prompt_blocks, resolved
         config.check_num_layers(shape.num_layers)
@@ -332,7 +332,10 @@ class KVCache:
             j = torch.arange(n, device=mm.device)
             pages = pt[:, :, section_columns(j, fmt.tokens, low, pt.shape[-1])].long()  # [L, H, n]
             valid = j < lens[..., None]  # rows past a length hold stale positions
-            pos = pos_words[pages.clamp_min(0), fmt.pos_off // 4 + (j % fmt.tokens)].long()
+            if not fmt.tracked:  # one precision keeps tokens in order: row j is position j
+                pos = j.expand_as(valid)
+            else:
+                pos = pos_words[pages.clamp_min(0), fmt.pos_off // 4 + (j % fmt.tokens)].long()
             valid &= (pos >= 0) & (pos < num_tokens)
             out.view(-1)[(head * num_tokens + pos)[valid]] = cls
         return out
