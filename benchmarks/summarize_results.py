@@ -26,13 +26,13 @@ STEP_BREAKDOWN_RUNS = ("step_breakdown_qwen2.5_1.5b_H100.json", "step_breakdown_
 MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
-THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H100.json",
-                               "throughput_natural_stop_1024_qwen2.5-1.5b_H100.json")
+THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H200.json",
+                               "throughput_natural_stop_1024_qwen2.5-1.5b_H200.json")
 # The run whose trace shows where each mode's pool goes (benchmarks/throughput_trace_plot.py draws its plot).
 THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 # our engine beside vLLM on one box (scripts/device/vllm_compare.sh)
-VLLM_RUNS = ("vllm_vs_ours_long-decode_qwen2.5-1.5b_H100.json", "vllm_vs_ours_serving_qwen2.5-1.5b_H100.json")
+VLLM_RUNS = ("vllm_vs_ours_long-decode_qwen2.5-1.5b_H200.json", "vllm_vs_ours_serving_qwen2.5-1.5b_H100.json")
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
@@ -40,8 +40,21 @@ MEASURED_ALTERNATIVES = {
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
     "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop, 128 prompts, six modes "
                                                       "(2026-11-25): int4 17,438, diffkv (then K4V4/K4V2) 14,221",
-    "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode "
+    "vllm_baseline_long-decode_qwen2.5-1.5b_H200.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode "
                                                         "(the comparison table in docs/PERFORMANCE.md)",
+    "vllm_vs_ours_long-decode_qwen2.5-1.5b_H100.json": "the long-decode comparison on an H100 while every page held "
+                                                       "score and position rows: bf16 0.96, fp8 0.83 of vLLM",
+    "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode, "
+                                                        "H100: bf16 7,992, fp8 14,372 tokens/s",
+    "throughput_long-decode_qwen2.5-1.5b_fp16_H200.json": "benchmarks/throughput.py, our fp16 row of the vLLM "
+                                                          "comparison (long-decode, H200)",
+    "throughput_long-decode_qwen2.5-1.5b_fp8_H200.json": "benchmarks/throughput.py, our fp8 row of the vLLM "
+                                                         "comparison (long-decode, H200)",
+    "throughput_long-decode_qwen2.5-1.5b_int4_H200.json": "benchmarks/throughput.py, our int4 beside the vLLM "
+                                                          "comparison (long-decode, H200): 26,033 tokens/s",
+    "graph_decode_check_2500_k4v4_untracked_H200.json": "benchmarks/graph_decode_check.py --variants lazy, 2,500 "
+                                                        "problems, int4 on pages without score and position rows "
+                                                        "(H200): 0.5108, 61 cut",
     "vllm_baseline_serving_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, serving workload",
     "throughput_long-decode_qwen2.5-1.5b_fp16_H100.json": "benchmarks/throughput.py, our fp16 row of the vLLM "
                                                           "comparison (long-decode)",
@@ -439,6 +452,12 @@ WORKLOADS = {"long-decode": "128 prompts x 2,048 new tokens (ignore_eos), a 0.98
                         "sequences"}
 
 
+def parts(d: dict) -> str:
+    """The vllm_compare.sh parts a comparison ran, where they are not the default ones."""
+    ours = {r["ours_mode"] for r in d["rows"] if r.get("ours_tokens_per_s")}
+    return " vllm " + " ".join(f"ours-{m}" for m in ("fp16", "fp8", "int4") if m in ours) if "int4" in ours else ""
+
+
 def vllm_section() -> list[str]:
     """Our engine beside vLLM on the same workload, one device command (scripts/device/vllm_compare.sh)."""
     lines: list[str] = []
@@ -447,7 +466,8 @@ def vllm_section() -> list[str]:
         if d is None:
             continue
         lines += [f"## Against vLLM {d['vllm']}: {d['workload']} workload, {d['model']}", "",
-                  f"{d['device']}, {d.get('date', 'undated')}: `bash scripts/device/vllm_compare.sh {d['workload']}` "
+                  f"{d['device']}, {d.get('date', 'undated')}: `bash scripts/device/vllm_compare.sh {d['workload']}"
+                  f"{parts(d)}` "
                   "(benchmarks/vllm_baseline.py, then benchmarks/throughput.py per mode, on one box)", ""]
         lines += [f"{WORKLOADS.get(d['workload'], d['workload'])}, random weights of the model's shape, prefix "
                   "caching off in both engines, generate() timed after a warm-up.", "",
