@@ -49,6 +49,7 @@ from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 # function names in diffkv_serve/kernels/*.py; vendor attention kernels in case a backend brings them.
 KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
     (r"\b_?decode_\w*kernel|decode_attention|paged_attention", "attention"),
+    (r"^decode_mma$", "attention"),  # the CUDA decode kernel (decode_mma.cu's extern "C" name)
     (r"\b_prefill_kernel|flash|fmha", "attention"),
     (r"\b_write_kv_kernel|\b_write_sections_kernel", "attention"),  # the layer's new K/V into its pages (and diffkv's prefix-cache copies)
     (r"\b_plan_kernel", "policy"),  # Algorithm 1 (diffkv_serve/kernels/compression_plan.py)

@@ -31,6 +31,10 @@ MODES = {
     "diffkv_learned": {**DIFFKV, "alpha_low": 0.9},
     # Half the tokens pruned, nearly none low: about 0.7 of int4's bytes per token.
     "diffkv_pruned": {**DIFFKV, "alpha_high": 2.0, "alpha_low": 1.0},
+    # DiffKV's pruning alone (budget policy: each head keeps half its tokens, all at K8V8): int8's format, fewer
+    # tokens. A policy that never demotes must reserve no low page (MemoryManager.low_grows).
+    "diffkv_budget": {"kv_mode": "diffkv", "policy": "budget", "budget": 0.5, "high": "K8V8", "low": "K8V8",
+                      "window": 4},
 }
 RESERVATION = {"diffkv_learned": "learned"}  # the others: worst_case
 # Known gap (diffkv_pruned): a head whose low section is empty counts as needing a page every decode step
@@ -38,7 +42,7 @@ RESERVATION = {"diffkv_learned": "learned"}  # the others: worst_case
 # opens one only once a page's worth of its older high tokens fall below th_h; with low sections mostly empty,
 # admission keeps a page per head idle for that, about a third of the pool. Strict: passes once the bound knows.
 LOW_SECTION_GAP = pytest.mark.xfail(strict=True, reason="decode growth counts an empty low section as full")
-DIFFKV_MODES = ["diffkv", "diffkv_learned", pytest.param("diffkv_pruned", marks=LOW_SECTION_GAP)]
+DIFFKV_MODES = ["diffkv", "diffkv_learned", pytest.param("diffkv_pruned", marks=LOW_SECTION_GAP), "diffkv_budget"]
 TINY = None
 
 
@@ -124,7 +128,13 @@ def test_batch_follows_bytes_per_token(runs, mode):
     assert 0.85 <= ratio <= 1.15, (mode, runs[mode], runs["int4"])
 
 
-@pytest.mark.parametrize("mode", DIFFKV_MODES)
+def test_pruning_runs_a_larger_batch_than_its_format(runs):
+    """The budget policy keeps half the tokens in int8's format: fewer bytes per token, a clearly larger batch."""
+    b, q = runs["diffkv_budget"], runs["int8"]
+    assert b["bytes_per_token"] < 0.9 * q["bytes_per_token"] and b["batch"] > 1.2 * q["batch"], (b, q)
+
+
+@pytest.mark.parametrize("mode", DIFFKV_MODES[:3])
 def test_diffkv_runs_a_larger_batch_than_int4(runs, mode):
     """DiffKV's extra compression over int4 becomes batch: more sequences, by at least 85% of the bytes ratio."""
     d, q = runs[mode], runs["int4"]

@@ -531,3 +531,15 @@ def test_sampler_cost_smoke(tmp_path):
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(set(r["ms"]) == {"greedy", "sampled", "penalties", "greedy_penalties", "all", "logprobs5", "one_row"} for r in rows)
     assert all(t > 0 for r in rows for t in r["ms"].values())
+
+
+def test_step_breakdown_names_every_decode_attention_kernel():
+    """The CUDA decode kernel (decode_mma.cu, launched by name) counts as attention, as the Triton ones do;
+    neighbours of the name (the model's GEMMs, the merge of splits) keep their own category."""
+    sb = pytest.importorskip("step_breakdown")
+    assert sb.kernel_category("decode_mma") == "attention"
+    assert sb.kernel_category("_decode_split_kernel") == "attention"
+    assert sb.kernel_category("_decode_reduce_kernel") == "attention"
+    assert sb.kernel_category("_score_kernel") == "policy"
+    assert sb.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") is None
+    assert sb.kernel_category("decode_mma_helper") is None
