@@ -536,7 +536,7 @@ def test_sampler_cost_smoke(tmp_path):
 def test_step_breakdown_names_every_decode_attention_kernel():
     """The CUDA decode kernel (decode_mma.cu, launched by name) counts as attention, as the Triton ones do;
     neighbours of the name (the model's GEMMs, the merge of splits) keep their own category."""
-    sb = pytest.importorskip("step_breakdown")
+    sb = _load_script("step_breakdown")
     assert sb.kernel_category("decode_mma") == "attention"
     assert sb.kernel_category("_decode_split_kernel") == "attention"
     assert sb.kernel_category("_decode_reduce_kernel") == "attention"
