@@ -310,7 +310,7 @@ def test_help_shows_defaults():
     serve, generate = (sub[c].format_help() for c in ("serve", "generate"))
     evaluate = evals_sub["eval"].format_help()
     for text, needle in [(serve, "(default: 8000)"), (serve, "(default: 127.0.0.1)"), (serve, "(default: 10.0)"),
-                         (generate, "(default: 128)"), (generate, "(default: fp16)"), (generate, "(default: 0)"),
+                         (generate, "(default: 128)"), (generate, "(default: auto)"), (generate, "(default: 0)"),
                          (evaluate, "(default: 2048)"), (evaluate, "(default: ['chain_sum'])")]:
         assert needle in " ".join(text.split()), needle
     assert "(default: None)" not in serve + generate + evaluate and "(default: False)" not in generate
