@@ -125,7 +125,7 @@ def test_second_request_with_a_1000_token_prefix_computes_only_its_suffix(make_e
 def test_auto_turns_caching_on_for_single_precision_modes_only():
     from diffkv_serve.engine.config import CacheConfig
 
-    assert CacheConfig(kv_mode="int4").prefix_caching() and CacheConfig().prefix_caching()
+    assert CacheConfig(kv_mode="int4").prefix_caching() and CacheConfig(kv_mode="fp16").prefix_caching()
     assert not CacheConfig(kv_mode="diffkv").prefix_caching()
     assert CacheConfig(kv_mode="diffkv", enable_prefix_caching=True).prefix_caching()
     assert not CacheConfig(enable_prefix_caching=False).prefix_caching()

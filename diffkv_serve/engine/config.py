@@ -7,7 +7,11 @@ from typing import Any, Literal, Optional, Union, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 KVMode = Literal["fp16", "int8", "int4", "fp8", "diffkv"]
-KV_MODES: tuple[str, ...] = get_args(KVMode)  # the --kv-mode choices of every command
+KV_MODES: tuple[str, ...] = get_args(KVMode)  # the cache modes an engine runs
+# "auto": the mode the model's settings file names (the fastest that measured within a point of fp16), else fp16;
+# engine.model_settings.resolve_kv_mode replaces it once the engine knows its model and device.
+KVModeSetting = Literal["auto", "fp16", "int8", "int4", "fp8", "diffkv"]
+KV_MODE_CHOICES: tuple[str, ...] = get_args(KVModeSetting)  # the --kv-mode choices of every command
 ExecutorKind = Literal["auto", "local", "ray"]
 # Which tokens DiffKV may prune, by the phase they came from: the prompt's (the prefill's classification and
 # later decode steps), the generated ones (decode steps), or both. A token outside it is kept, at low precision
@@ -47,10 +51,12 @@ def parse_settings(spec: str, keys: dict[str, type], what: str = "spec") -> tupl
 
 class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kv_mode: KVMode = Field("fp16", description="fp16 (uncompressed, in the model's dtype: bfloat16 on CUDA, "
-                                                "float32 on CPU unless dtype says otherwise), int8 (K8V8), "
-                                                "int4 (K4V4), fp8 (e4m3 keys and values with a scale per "
-                                                "token and KV head) or diffkv")
+    kv_mode: KVModeSetting = Field(
+        "auto", description="fp16 (uncompressed, in the model's dtype: bfloat16 on CUDA, float32 on CPU unless "
+                            "dtype says otherwise), int8 (K8V8), int4 (K4V4), fp8 (e4m3 keys and values with a "
+                            "scale per token and KV head), diffkv, or 'auto': the mode the model's settings file "
+                            "names (the fastest one measured within a point of fp16's task accuracy), fp16 for "
+                            "a model without one; resolved when the engine loads the model")
     block_size: int = Field(16, ge=1, description="tokens of a full-precision page; page bytes follow from it")
     num_pages: Optional[int] = Field(None, ge=1, description="fixed pool size; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: Optional[float] = Field(
@@ -131,6 +137,14 @@ class CacheConfig(BaseModel):
                 raise ValueError(f"layer_alpha_scale[{i}]={s}: per-layer multipliers must be finite and > 0")
         return self
 
+    @property
+    def resolved_mode(self) -> KVMode:
+        """kv_mode, which must be resolved: what the pool, the policy and every report use."""
+        if self.kv_mode == "auto":
+            raise ValueError("cache.kv_mode 'auto' is not resolved yet: the engine resolves it for its model "
+                             "(engine.model_settings.resolve_kv_mode); pass an explicit kv_mode here")
+        return self.kv_mode
+
     def check_num_layers(self, num_layers: int) -> None:
         """layer_alpha_scale, when given, has one multiplier per layer of the model."""
         n = len(self.layer_alpha_scale) if self.layer_alpha_scale is not None else num_layers
@@ -140,12 +154,12 @@ class CacheConfig(BaseModel):
     def prefix_caching(self) -> bool:
         """Whether enable_prefix_caching (resolved for 'auto') turns the prefix cache on."""
         if self.enable_prefix_caching == "auto":
-            return self.kv_mode != "diffkv"
+            return self.resolved_mode != "diffkv"
         return self.enable_prefix_caching
 
     def pins_prompt_blocks(self) -> bool:
         """Whether diffkv keeps each prompt's full blocks high and unmoved (pin_prompt_blocks, 'auto' resolved)."""
-        if self.kv_mode != "diffkv" or self.policy != "thresholds":
+        if self.resolved_mode != "diffkv" or self.policy != "thresholds":
             return False
         if self.pin_prompt_blocks == "auto":
             return self.prefix_caching()
@@ -153,9 +167,10 @@ class CacheConfig(BaseModel):
 
     def precisions(self) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
         """(high, low) page precisions of this mode; low is None for single-precision modes."""
-        if self.kv_mode == "diffkv":
+        mode = self.resolved_mode
+        if mode == "diffkv":
             return parse_precision(self.high, "high"), parse_precision(self.low, "low")
-        return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4), "fp8": (8, 8)}[self.kv_mode], None
+        return {"fp16": (16, 16), "int8": (8, 8), "int4": (4, 4), "fp8": (8, 8)}[mode], None
 
     def tracks_tokens(self) -> bool:
         """Whether pages carry each token's score and position: diffkv's policy ranks and moves tokens; a
@@ -165,7 +180,7 @@ class CacheConfig(BaseModel):
     @property
     def float8(self) -> bool:
         """Whether the 8-bit pages hold e4m3 codes (kv_mode fp8) rather than integer codes."""
-        return self.kv_mode == "fp8"
+        return self.resolved_mode == "fp8"
 
     def describe(self) -> dict[str, Any]:
         """What decides how tokens are stored and dropped, resolved ('auto' prefix caching included), as JSON
@@ -173,7 +188,7 @@ class CacheConfig(BaseModel):
         Pool sizing is left out: it says how many tokens fit, not how each is kept."""
         high, low = self.precisions()
         code = "-e4m3" if self.float8 else ""  # PageFormat.name's spelling of e4m3 pages
-        out: dict[str, Any] = {"kv_mode": self.kv_mode, "high": f"K{high[0]}V{high[1]}{code}",
+        out: dict[str, Any] = {"kv_mode": self.resolved_mode, "high": f"K{high[0]}V{high[1]}{code}",
                                "low": f"K{low[0]}V{low[1]}" if low else None,
                                "prefix_caching": self.prefix_caching()}
         if self.kv_mode == "diffkv":

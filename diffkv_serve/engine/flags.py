@@ -14,7 +14,7 @@ import copy
 import re
 from typing import Any, Iterable, Mapping, Optional
 
-from diffkv_serve.engine.config import KV_MODES, CacheConfig, EngineConfig, SchedulerConfig
+from diffkv_serve.engine.config import KV_MODE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 
 THREADS_HELP = "torch CPU threads (default on CPU: the cores not busy with other processes, 1 to 4)"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -27,8 +27,9 @@ _FLAGS: dict[str, tuple[Optional[str], dict[str, Any]]] = {
     "dtype": ("dtype", {"choices": DTYPES, "help": "weights and unquantized cache values; auto: bfloat16 on "
                                                    "CUDA, float32 on CPU"}),
     "max_model_len": ("max_model_len", {"type": int, "help": "context length (default: the model's)"}),
-    "kv_mode": ("cache.kv_mode", {"choices": KV_MODES, "help": "KV cache: fp16 (uncompressed, in --dtype), int8, "
-                                                                 "int4, fp8 (e4m3) or diffkv"}),
+    "kv_mode": ("cache.kv_mode", {"choices": KV_MODE_CHOICES,
+                                  "help": "KV cache: fp16 (uncompressed, in --dtype), int8, int4, fp8 (e4m3), "
+                                          "diffkv, or auto (the model's measured best mode, else fp16)"}),
     "alpha_high": ("cache.alpha_high", {"type": float, "help": "diffkv: high-precision threshold (default: the "
                                                                 "model's calibrated value)"}),
     "alpha_low": ("cache.alpha_low", {"type": float, "help": "diffkv: low-precision threshold (default: the "

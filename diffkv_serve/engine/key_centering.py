@@ -36,7 +36,7 @@ def resolve_mode(cache: CacheConfig, arch: ModelArch, settings: Optional[dict]) 
     has_calibrated = bool(settings) and SETTINGS_KEY in settings
     mode = cache.key_centering
     if mode == "auto":
-        if cache.kv_mode == "fp16":
+        if cache.resolved_mode == "fp16":
             return "off"
         return "calibrated" if has_calibrated else ("bias" if arch.attention_bias else "off")
     if mode == "calibrated" and not has_calibrated:

@@ -413,7 +413,7 @@ class LLMEngine:
         read_blocks = sum(1 for n in pc.refcounts().values() if n) if pc is not None else 0
         pages_running = tokens["pages_held"] + read_blocks * self._heads_per_seq()
         return {
-            "kv_mode": self.config.cache.kv_mode,
+            "kv_mode": self.config.cache.resolved_mode,
             "key_centering": self.executor.key_centering,
             "kv_rotation": kv_rotation.resolve_mode(self.config.cache),
             "cache_dtype": self.cache_dtype,

@@ -129,7 +129,7 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.model, self.attn, self._graph_batch(), max_model_len, self.token_table,
                                        self.graph_budget)
-        log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.kv_mode,
+        log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.resolved_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
     def _center_keys(self, model_name: Optional[str], pc: ParallelContext) -> dict:

@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
                   "tokens_low", "tokens_pruned")
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "prompt_tokens": len(out.prompt_token_ids),
-                          "kv": {"kv_mode": engine.config.cache.kv_mode, "cache_dtype": engine.cache_dtype,
+                          "kv": {"kv_mode": engine.config.cache.resolved_mode, "cache_dtype": engine.cache_dtype,
                                  **{k: kv.get(k, 0) for k in counts}, "pages_total": engine.mm.num_pages,
                                  "mm_seconds": engine.runner.kv.mm_seconds()}}))
     else:

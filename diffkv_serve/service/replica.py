@@ -94,7 +94,7 @@ class EngineReplica:
             self.engine.tokenizer.chat_template = self.cfg.chat_template
         sched = self.engine.config.scheduler
         self.meter = ServiceMeter(self.cfg.admission.rate_window_s, sched.max_num_seqs)
-        self.metrics = Metrics({REPLICA: self.replica_id, KV_MODE: self.engine.config.cache.kv_mode})
+        self.metrics = Metrics({REPLICA: self.replica_id, KV_MODE: self.engine.config.cache.resolved_mode})
         cache = self.engine.config.cache
         self.metrics.start_counters("engine", {"enable_prefix_caching": cache.prefix_caching()},
                                     rank=tuple(str(r) for r in range(self.cfg.engine.tensor_parallel_size)))
@@ -117,7 +117,8 @@ class EngineReplica:
     def info(self) -> dict:
         """What the ingress needs to validate requests and answer /v1/models."""
         return {"model": self.cfg.served_model_name or self.engine.model_name, "max_model_len": self.engine.max_model_len,
-                "kv_mode": self.engine.config.cache.kv_mode, "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
+                "kv_mode": self.engine.config.cache.resolved_mode,
+                "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
                 "tensor_parallel_size": self.cfg.engine.tensor_parallel_size, "replica": self.replica_id,
                 "kv_cache": self.kv_cache_card(), "config_digest": self.config_digest}
 
@@ -333,7 +334,7 @@ class EngineReplica:
                 # service.prefix_router follows prefixes only to replicas that cache them
                 "prefix_caching": self.engine.config.cache.prefix_caching(),
                 "pages_evictable": self._evictable_pages(),
-                "kv_mode": self.engine.config.cache.kv_mode}
+                "kv_mode": self.engine.config.cache.resolved_mode}
 
     def _evictable_pages(self) -> int:
         """Pages of cached prefix blocks no request reads: free as soon as a prompt needs them."""

@@ -53,6 +53,20 @@ def _serve_config(args):
     return ServiceConfig.model_validate(data)
 
 
+def _served_kv_mode(cfg) -> str:
+    """The KV mode the engine replicas run: kv_mode 'auto' is resolved by each replica for its model, so ask one."""
+    if cfg.engine.cache.kv_mode != "auto":
+        return cfg.engine.cache.kv_mode
+    from ray import serve
+
+    from diffkv_serve.service.app import APP_NAME, ENGINE_DEPLOYMENT
+
+    try:
+        return serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME).info.remote().result(timeout_s=30)["kv_mode"]
+    except Exception as e:  # noqa: BLE001 - the banner must not stop a running server
+        return f"auto, resolved by each replica (none answered: {e!r})"
+
+
 def _deploy_with_progress(app, name: str, stop) -> None:
     """serve.run on a thread, with a progress bar over the deployments becoming healthy."""
     import threading
@@ -305,7 +319,7 @@ def cmd_serve(args) -> int:
         deploying = True
         _deploy_with_progress(build_app(cfg), APP_NAME, stop)
         metrics = _metrics_banner(args, _this_node() if args.address else None)
-        print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={cfg.engine.cache.kv_mode}, "
+        print(f"DiffKV Serve: OpenAI API on http://{args.host}:{args.port}/v1 (kv_mode={_served_kv_mode(cfg)}, "
               f"replicas={cfg.num_replicas}, tp={cfg.engine.tensor_parallel_size}{metrics}; "
               f"{_auth_banner(args, cfg)}). "
               f"Ctrl-C stops.", file=sys.stderr, flush=True)

@@ -310,7 +310,7 @@ def test_help_shows_defaults():
     serve, generate = (sub[c].format_help() for c in ("serve", "generate"))
     evaluate = evals_sub["eval"].format_help()
     for text, needle in [(serve, "(default: 8000)"), (serve, "(default: 127.0.0.1)"), (serve, "(default: 10.0)"),
-                         (generate, "(default: 128)"), (generate, "(default: fp16)"), (generate, "(default: 0)"),
+                         (generate, "(default: 128)"), (generate, "(default: auto)"), (generate, "(default: 0)"),
                          (evaluate, "(default: 2048)"), (evaluate, "(default: ['chain_sum'])")]:
         assert needle in " ".join(text.split()), needle
     assert "(default: None)" not in serve + generate + evaluate and "(default: False)" not in generate
@@ -403,17 +403,29 @@ def test_generate_json_names_the_cache_dtype_and_compares_like_with_like(capsys)
     assert kv["bytes_uncompressed"] <= held < 1.5 * kv["bytes_uncompressed"]
 
 
+def _help_text(parser, command) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parser.parse_args([command[0], "--help"])
+    return out.getvalue()
+
+
 def test_every_command_takes_each_kv_mode():
-    """--kv-mode of generate, chat, eval and serve offers engine.config.KV_MODES (fp8 included); an
-    unknown mode is refused by argparse."""
+    """--kv-mode of generate, chat, eval and serve offers engine.config.KV_MODES (fp8 included) and auto, which
+    generate and serve show as their default; an unknown mode is refused by argparse."""
     from diffkv_serve.engine.config import KV_MODES
     from evals.cli import build_parser as evals_parser
 
     assert "fp8" in KV_MODES
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert "(default: auto)" in " ".join(_help_text(build_parser(), command).split())
     for make, command in [(build_parser, ["generate", "--prompt", "x"]), (build_parser, ["chat"]),
                           (evals_parser, ["eval"]), (build_parser, ["serve"])]:
         p = make()
-        for mode in KV_MODES:
+        for mode in ("auto", *KV_MODES):
             assert p.parse_args([*command, "--kv-mode", mode]).kv_mode == mode
         with pytest.raises(SystemExit):
             p.parse_args([*command, "--kv-mode", "fp4"])

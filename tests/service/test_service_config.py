@@ -153,7 +153,8 @@ def test_model_card_carries_the_effective_cache():
     assert card["diffkv"]["high"] == (settings.get("high") or defaults["high"])
     assert card["diffkv"]["low"] == (settings.get("low") or defaults["low"])
     assert card["diffkv"]["prefix_caching"] is False and card["diffkv"]["policy"] == "thresholds"
-    fp16 = ModelCard(id="m", created=0, diffkv={**CacheConfig().describe(), "cache_dtype": "bfloat16"}).model_dump()
+    fp16_cache = CacheConfig(kv_mode="fp16").describe()
+    fp16 = ModelCard(id="m", created=0, diffkv={**fp16_cache, "cache_dtype": "bfloat16"}).model_dump()
     assert fp16["diffkv"]["kv_mode"] == "fp16" and fp16["diffkv"]["high"] == "K16V16"
     assert fp16["diffkv"]["low"] is None and fp16["diffkv"]["alpha_high"] is None
     budget = CacheConfig(kv_mode="diffkv", policy="budget", budget=0.25).describe()
