@@ -7,10 +7,11 @@ import pytest
 
 from diffkv_serve.engine import CacheConfig, EngineConfig
 from diffkv_serve.engine.llm_engine import LLMEngine
-from diffkv_serve.engine.model_settings import load_model_settings, resolve_kv_mode
+from diffkv_serve.engine.model_settings import load_model_settings, on_cpu as model_settings_on_cpu, resolve_kv_mode
 from diffkv_serve.service.protocol import ModelCard
 
 SMOLLM = "SmolLM2-135M-Instruct-Q4_1"  # the embedded model; its settings file names a kv_mode
+GPU = {"device": "cuda"}  # the measured modes are GPU measurements (resolving one needs no GPU here)
 
 
 def _write_settings(directory, name, **fields):
@@ -29,11 +30,11 @@ def test_auto_is_the_default_and_is_not_a_resolved_mode():
 def test_auto_resolves_to_the_settings_files_mode(tmp_path):
     _write_settings(tmp_path, "Some-Model", kv_mode="int4")
     _write_settings(tmp_path, "Other-Model")  # calibrated, but no measured mode
-    assert resolve_kv_mode(EngineConfig(), "Some-Model", tmp_path).cache.kv_mode == "int4"
-    assert resolve_kv_mode(EngineConfig(), "Other-Model", tmp_path).cache.kv_mode == "fp16"
-    assert resolve_kv_mode(EngineConfig(), "Unknown-Model", tmp_path).cache.kv_mode == "fp16"
+    assert resolve_kv_mode(EngineConfig(**GPU), "Some-Model", tmp_path).cache.kv_mode == "int4"
+    assert resolve_kv_mode(EngineConfig(**GPU), "Other-Model", tmp_path).cache.kv_mode == "fp16"
+    assert resolve_kv_mode(EngineConfig(**GPU), "Unknown-Model", tmp_path).cache.kv_mode == "fp16"
     # the settings the user gave survive the resolution (and stay the only ones set)
-    cache = resolve_kv_mode(EngineConfig(cache={"num_pages": 64}), "Some-Model", tmp_path).cache
+    cache = resolve_kv_mode(EngineConfig(**GPU, cache={"num_pages": 64}), "Some-Model", tmp_path).cache
     assert cache.num_pages == 64 and cache.model_fields_set == {"num_pages", "kv_mode"}
 
 
@@ -48,7 +49,7 @@ def test_explicit_kv_mode_overrides_auto(tmp_path):
 def test_invalid_kv_mode_in_a_settings_file_names_the_file_and_field(tmp_path):
     path = _write_settings(tmp_path, "Some-Model", kv_mode="int3")
     with pytest.raises(ValueError) as e:
-        resolve_kv_mode(EngineConfig(), "Some-Model", tmp_path)
+        resolve_kv_mode(EngineConfig(**GPU), "Some-Model", tmp_path)
     assert str(path) in str(e.value) and "kv_mode='int3'" in str(e.value)
 
 
@@ -58,21 +59,35 @@ def test_auto_falls_back_to_fp16_where_the_mode_does_not_run(tmp_path, monkeypat
     _write_settings(tmp_path, "Some-Model", kv_mode="fp8")
     monkeypatch.setattr(model_settings, "unsupported_reason", lambda mode, device: f"{mode} needs sm_89")
     with caplog.at_level(logging.WARNING, logger=model_settings.__name__):
-        cfg = resolve_kv_mode(EngineConfig(), "Some-Model", tmp_path)
+        cfg = resolve_kv_mode(EngineConfig(**GPU), "Some-Model", tmp_path)
     assert cfg.cache.kv_mode == "fp16"
     assert "measured mode fp8 does not run on this device (fp8 needs sm_89)" in caplog.text
+
+
+def test_auto_on_the_cpu_is_fp16(tmp_path):
+    """On the CPU quantized pages run through the torch references, slower per step than 16 bits: auto takes fp16
+    there whatever the model's (GPU-measured) mode."""
+    _write_settings(tmp_path, "Some-Model", kv_mode="int4")
+    for device in ("cpu", "auto"):
+        cfg = EngineConfig(device=device)
+        if device == "auto" and not model_settings_on_cpu("auto"):
+            continue  # a visible GPU: 'auto' is not the CPU here
+        assert resolve_kv_mode(cfg, "Some-Model", tmp_path).cache.kv_mode == "fp16"
 
 
 def test_resolved_mode_that_contradicts_given_settings_says_so(tmp_path):
     _write_settings(tmp_path, "Some-Model", kv_mode="diffkv")
     cfg = EngineConfig(cache={"policy": "budget", "enable_prefix_caching": True})
     with pytest.raises(ValueError, match="kv_mode 'auto' resolved to 'diffkv'.*set kv_mode explicitly"):
-        resolve_kv_mode(cfg, "Some-Model", tmp_path)
+        resolve_kv_mode(cfg.model_copy(update={"device": "cuda"}), "Some-Model", tmp_path)
 
 
-def test_engine_card_and_stats_show_the_resolved_mode():
-    """The embedded model runs its measured mode; a random-weight model (no settings file) runs fp16. The model
-    card is built as EngineReplica.kv_cache_card builds it."""
+def test_engine_card_and_stats_show_the_resolved_mode(monkeypatch):
+    """The embedded model runs its measured mode (as it would on a GPU); a random-weight model (no settings file)
+    runs fp16. The model card is built as EngineReplica.kv_cache_card builds it."""
+    from diffkv_serve.engine import model_settings
+
+    monkeypatch.setattr(model_settings, "on_cpu", lambda device: False)
     measured = load_model_settings(SMOLLM)["kv_mode"]
     for model, expected in [(None, measured), ("random:tiny", "fp16")]:
         engine = LLMEngine(EngineConfig(model=model, device="cpu", cache={"num_pages": 64}))
