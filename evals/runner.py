@@ -61,6 +61,8 @@ class EvalModel:
         try:
             yield eng
         finally:
+            # The caller's `as eng` name outlives the block: closing frees the pool for the next engine anyway.
+            eng.close()
             del eng
             gc.collect()
             if torch.cuda.is_available():

@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ref_path = out / "references.json"
     refs = json.loads(ref_path.read_text()) if args.resume and ref_path.is_file() else None
-    if refs is None or len(refs["fidelity"]) != len(fid) or len(refs["calib"]) != len(cal):
+    # --no-calibrate needs no calibration references: recorded ones are kept, missing ones are not made.
+    if (refs is None or len(refs["fidelity"]) != len(fid)
+            or (not args.no_calibrate and len(refs["calib"]) != len(cal))):
         with model.engine({"kv_mode": "fp16"}) as eng:
             refs = {"fidelity": reference_generations(eng, fid, args.gen_len),
                     "calib": reference_generations(eng, cal, args.calib_gen_len) if not args.no_calibrate else []}

@@ -491,6 +491,13 @@ class LLMEngine:
         if self._dead is None:
             self._dead = "the engine was shut down"
 
+    def close(self) -> None:
+        """shutdown(), then let go of the executor (model, page pool, CUDA graphs), so their device memory is
+        free once garbage is collected even while something still refers to this engine: a later engine in the
+        same process sizes its pool under gpu_memory_utilization by what is free when it starts."""
+        self.shutdown()
+        self.executor = self.runner = self.mm = self.scheduler = None
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine is not serving: {self._dead}")
