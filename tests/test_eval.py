@@ -48,8 +48,11 @@ def test_paired_diff_interval():
 # ---- memory ------------------------------------------------------------------------------------------------
 def test_memory_fraction_includes_metadata():
     D = 64
-    fp16 = memory_fraction(EngineConfig().cache, D, 100, 0, 0)
-    assert fp16 == pytest.approx((4 * D + 8) / (4 * D))  # score + position per token
+    fp16 = memory_fraction(EngineConfig(cache={"kv_mode": "fp16"}).cache, D, 100, 0, 0)
+    assert fp16 == 1.0  # single-precision pages hold no score or position rows
+    int4 = memory_fraction(EngineConfig(cache={"kv_mode": "int4"}).cache, D, 100, 0, 0)
+    assert int4 == pytest.approx(token_bytes(4, 4, D, tracked=False) / fp16_token_bytes(D))
+    assert token_bytes(4, 4, D, tracked=False) < token_bytes(4, 4, D)  # diffkv's pages keep score + position
     diff = diffkv_config(1.0, 0.02).cache_config()
     k8v4, k4v2 = token_bytes(8, 4, D), token_bytes(4, 2, D)
     assert memory_fraction(diff, D, 10, 20, 70) == pytest.approx((10 * k8v4 + 20 * k4v2) / (100 * fp16_token_bytes(D)))
@@ -142,7 +145,8 @@ def test_model_settings_fill_only_unset_thresholds(tmp_path):
     assert (cfg.cache.alpha_high, cfg.cache.alpha_low) == (3.0, 0.04)
     cfg = apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv", "alpha_high": 5.0}), "some-model", tmp_path)
     assert (cfg.cache.alpha_high, cfg.cache.alpha_low) == (5.0, 0.04)
-    for untouched in (EngineConfig(), EngineConfig(cache={"kv_mode": "diffkv", "policy": "budget"})):
+    for untouched in (EngineConfig(cache={"kv_mode": "fp16"}),
+                      EngineConfig(cache={"kv_mode": "diffkv", "policy": "budget"})):
         assert apply_model_settings(untouched, "Some-Model", tmp_path) is untouched
     assert apply_model_settings(EngineConfig(cache={"kv_mode": "diffkv"}), "Other", tmp_path).cache.alpha_high == 1.0
     with pytest.raises(ValueError, match="do not fit together"):
@@ -257,7 +261,8 @@ def test_diffkv_eval_of_fp16_itself(tmp_path):
                  "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["tasks"]["chain_sum"]["n"] == 2 and r["fidelity"]["top1_agreement"] == 1.0
-    assert r["fidelity"]["nll_increase"] == 0.0 and r["fidelity"]["memory_fraction"] > 1.0  # score + position rows
+    assert r["fidelity"]["nll_increase"] == 0.0
+    assert r["fidelity"]["memory_fraction"] == 1.0  # single-precision pages hold no score or position rows
 
 
 @pytest.mark.slow
