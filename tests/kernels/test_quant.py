@@ -256,9 +256,10 @@ def test_e4m3_values_exact_for_every_code():
     assert torch.equal(out32.cpu(), want) and torch.equal(out16.cpu().float(), want)
 
 
-@pytest.mark.parametrize("spec", [(16, 16), (8, 4), (4, 4), (8, 8, True)])
+@pytest.mark.parametrize("spec", [(16, 16), (8, 4), (4, 4), (4, 2), (2, 2), (8, 8, True)])
 def test_stored_rows_are_what_a_page_returns(spec):
-    """stored_rows_ref (what a prefill attends for a pinned token) equals write_rows_ref then read_rows_ref."""
+    """stored_rows_ref (what a prefill attends for a pinned token, and for every token of a single-precision
+    quantized cache) equals write_rows_ref then read_rows_ref, bit for bit."""
     from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
     from diffkv_serve.kernels.quant import read_rows_ref, stored_rows_ref, write_rows_ref
 
