@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
+from _step_loop import step_until_done  # noqa: E402
 from workloads import WORKLOADS, apply_workload  # noqa: E402
 from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -103,39 +104,24 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, reservation: str) 
     before = engine.stats()  # counters start at the warm-up's values: the row reports the timed run only
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, sp)
-    batches, ratios, generated, steps, trace = [], [], 0, 0, []
-    from tqdm import tqdm
+    def trace_row(st: dict, step: int, seconds: float) -> list:  # where the pool goes over the run
+        return [step, round(seconds, 4)] + [st[k] for k in TRACE_FIELDS]
 
-    total = len(prompts) * args.max_tokens
-    t0 = time.perf_counter()
-    with tqdm(total=total, desc=f"{_label(spec, reservation, args):>6}", unit="tok", disable=args.quiet) as bar:
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            steps += 1
-            n = sum(len(o.new_token_ids) for o in outs)
-            generated += n
-            bar.update(n)
-            if steps % args.stats_every == 0:
-                st = engine.stats()
-                batches.append(st["num_running"])
-                if st["compression_ratio"]:
-                    ratios.append(st["compression_ratio"])
-                if args.trace:  # where the pool goes over the run (why a mode keeps the batch it keeps)
-                    trace.append([steps, round(time.perf_counter() - t0, 4)] + [st[k] for k in TRACE_FIELDS])
-    if args.device != "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if args.device != "cpu" and torch.cuda.is_available() else None
+    run = step_until_done(engine, len(prompts) * args.max_tokens, f"{_label(spec, reservation, args):>6}", args.quiet,
+                          args.stats_every, sample=trace_row if args.trace else None, synchronize=sync)
     st = engine.stats()
     adm = st["reservation"]
     cc = engine.config.cache  # after the model's calibrated settings were applied
     res = {"mode": _label(spec, reservation, args), "kv_mode": mode, "reservation": reservation,
            "settings": {k: getattr(cc, k) for k in MODE_SETTINGS} if mode == "diffkv" else {},
-           "overflows": adm["overflows"] - before["reservation"]["overflows"], "prompt_ratio": adm.get("prompt_ratio"), "tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "steps": steps,
-           "mean_batch": statistics.mean(batches) if batches else None, "max_batch": max(batches, default=None),
-           "compression_ratio": statistics.mean(ratios) if ratios else None,
-           "preemptions": st["num_preemptions"] - before["num_preemptions"], "pages_total": st["pages_total"], "page_bytes": st["page_bytes"]}
+           "overflows": adm["overflows"] - before["reservation"]["overflows"], "prompt_ratio": adm.get("prompt_ratio"),
+           **{k: run[k] for k in ("tokens", "seconds", "tokens_per_s", "steps", "mean_batch", "max_batch",
+                                  "compression_ratio")},
+           "preemptions": st["num_preemptions"] - before["num_preemptions"], "pages_total": st["pages_total"],
+           "page_bytes": st["page_bytes"]}
     if args.trace:
-        res["trace"] = {"fields": ["step", "seconds"] + list(TRACE_FIELDS), "samples": trace}
+        res["trace"] = {"fields": ["step", "seconds"] + list(TRACE_FIELDS), "samples": run["trace"]}
     graphs = getattr(getattr(engine, "runner", None), "graphs", None)
     if graphs is not None:  # what capturing took beside the pool (diffkv_serve/engine/graph_memory.py)
         res["graph_memory_bytes"] = graphs.memory_bytes

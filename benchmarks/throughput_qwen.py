@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import gpu_tag, write_result  # noqa: E402
+from _step_loop import step_until_done  # noqa: E402
 from study_accuracy import accuracy_vs_fp16, fastest_within, find_study, load_study  # noqa: E402
 from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.config import GRAPH_BATCH_CAP, KVMode  # noqa: E402
@@ -185,41 +186,21 @@ def warm_up(engine: LLMEngine, prompts: list[list[int]], seq_tokens: int, args) 
 
 def timed_run(engine: LLMEngine, prompts: list[list[int]], args, tag: str, deadline: float) -> dict:
     """One pass of the workload; cut (and flagged) if it is still running at `deadline`."""
-    from tqdm import tqdm
-
     engine.reset_prefix_cache()  # every run starts from the same empty prefix cache
     before = engine.stats()
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.natural_stop)
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", ids, sp)
-    batches, ratios, trace, generated, steps, cut = [], [], [], 0, 0, False
-    t0 = time.perf_counter()
-    with tqdm(total=len(prompts) * args.max_tokens, desc=tag, unit="tok", disable=args.quiet) as bar:
-        while engine.has_unfinished_requests():
-            if time.perf_counter() > deadline:
-                cut = True
-                drain(engine)
-                break
-            outs = engine.step()
-            steps += 1
-            n = sum(len(o.new_token_ids) for o in outs)
-            generated += n
-            bar.update(n)
-            if steps % args.stats_every == 0:
-                st = engine.stats()
-                batches.append(st["num_running"])
-                if st["compression_ratio"]:
-                    ratios.append(st["compression_ratio"])
-                trace.append([steps, st["num_running"], st["num_waiting"], st["pages_used"], st["pages_running"],
-                              st["cached_tokens"], st["tokens_high"], st["tokens_low"], st["tokens_pruned"],
-                              st["num_preemptions"] - before["num_preemptions"]])
-    wall = time.perf_counter() - t0
+
+    def trace_row(st: dict, step: int, seconds: float) -> list:
+        return [step, st["num_running"], st["num_waiting"], st["pages_used"], st["pages_running"], st["cached_tokens"],
+                st["tokens_high"], st["tokens_low"], st["tokens_pruned"],
+                st["num_preemptions"] - before["num_preemptions"]]
+
+    run = step_until_done(engine, len(prompts) * args.max_tokens, tag, args.quiet, args.stats_every,
+                          sample=trace_row, deadline=deadline, drain=lambda: drain(engine))
     st = engine.stats()
-    return {"tokens": generated, "seconds": wall, "tokens_per_s": generated / wall if wall > 0 else 0.0,
-            "steps": steps, "cut": cut, "mean_batch": statistics.mean(batches) if batches else None,
-            "max_batch": max(batches, default=None),
-            "compression_ratio": statistics.mean(ratios) if ratios else None,
-            "preemptions": st["num_preemptions"] - before["num_preemptions"], "trace": trace,
+    return {**run, "preemptions": st["num_preemptions"] - before["num_preemptions"],
             "overflows": st["reservation"]["overflows"] - before["reservation"]["overflows"]}
 
 

@@ -1,0 +1,45 @@
+"""The timed loop the throughput benchmarks share: step an engine until its requests finish, counting tokens and
+sampling its stats() every few steps."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+
+def step_until_done(engine, total_tokens: int, desc: str, quiet: bool, stats_every: int,
+                    sample: Optional[Callable[[dict, int, float], list]] = None, deadline: Optional[float] = None,
+                    drain: Optional[Callable[[], None]] = None, synchronize: Optional[Callable[[], None]] = None
+                    ) -> dict:
+    """Steps `engine` until it has no request left, or, past `deadline` (time.perf_counter()), calls `drain` to end
+    the rest and flags the run as cut. Every `stats_every` steps it records the running batch and compression ratio,
+    and `sample(stats, step, seconds)` where given (a trace row). `synchronize` runs before the clock stops
+    (device work still queued belongs to the run)."""
+    from tqdm import tqdm
+
+    batches, ratios, trace, generated, steps, cut = [], [], [], 0, 0, False
+    t0 = time.perf_counter()
+    with tqdm(total=total_tokens, desc=desc, unit="tok", disable=quiet) as bar:
+        while engine.has_unfinished_requests():
+            if deadline is not None and time.perf_counter() > deadline:
+                cut = True
+                drain()
+                break
+            n = sum(len(o.new_token_ids) for o in engine.step())
+            steps += 1
+            generated += n
+            bar.update(n)
+            if steps % stats_every == 0:
+                st = engine.stats()
+                batches.append(st["num_running"])
+                if st["compression_ratio"]:
+                    ratios.append(st["compression_ratio"])
+                if sample is not None:
+                    trace.append(sample(st, steps, time.perf_counter() - t0))
+    if synchronize is not None:
+        synchronize()
+    wall = time.perf_counter() - t0
+    return {"tokens": generated, "seconds": wall, "tokens_per_s": generated / wall if wall > 0 else 0.0,
+            "steps": steps, "cut": cut, "mean_batch": statistics.mean(batches) if batches else None,
+            "max_batch": max(batches, default=None),
+            "compression_ratio": statistics.mean(ratios) if ratios else None, "trace": trace}
