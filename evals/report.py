@@ -233,8 +233,10 @@ def model_section(summary: dict, per_layer: list[dict] = ()) -> list[str]:
     out = [f"## {summary['model']}", "",
            f"Device: {summary.get('gpu') or summary['device']}; torch {summary['torch']}; study took "
            f"{summary['seconds'] / 60:.1f} min (of the last command, with --resume). Command:", "",
-           "```bash", study_command(s), "```", "",
-           f"DiffKV: {calib.get('high') or 'K8V4'} / {calib.get('low') or 'K4V2'}, alpha_high = "
+           "```bash", study_command(s), "```", ""]
+    if summary.get("caveat"):  # a known flaw of how this study was run, until it is run again
+        out += [f"**Caveat:** {summary['caveat']}", ""]
+    out += [f"DiffKV: {calib.get('high') or 'K8V4'} / {calib.get('low') or 'K4V2'}, alpha_high = "
            f"{calib['alpha_high']:g}, alpha_low = {calib['alpha_low']:g}.", "",
            f"### Fidelity vs the fp16 cache ({s['fidelity_n']} generations x {s['gen_len']} tokens, teacher forced)", ""]
     out += fidelity_table(rows) + [""]
