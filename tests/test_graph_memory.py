@@ -63,6 +63,7 @@ def test_pool_bytes_arithmetic():
 def _fake_runner(monkeypatch, enforce_eager: bool, **cfg):
     free, total = 60 * GiB, 80 * GiB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    cfg["cache"] = {"kv_mode": "fp16", **cfg.get("cache", {})}  # as the engine resolves 'auto' for a GPU model
     config = EngineConfig(enforce_eager=enforce_eager, **cfg)
     runner = SimpleNamespace(config=config, device=torch.device("cuda"), arch=QWEN, dtype=torch.bfloat16)
     runner._graph_batch = lambda: ModelRunner._graph_batch(runner)

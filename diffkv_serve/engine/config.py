@@ -55,8 +55,8 @@ class CacheConfig(BaseModel):
         "auto", description="fp16 (uncompressed, in the model's dtype: bfloat16 on CUDA, float32 on CPU unless "
                             "dtype says otherwise), int8 (K8V8), int4 (K4V4), fp8 (e4m3 keys and values with a "
                             "scale per token and KV head), diffkv, or 'auto': the mode the model's settings file "
-                            "names (the fastest one measured within a point of fp16's task accuracy), fp16 for "
-                            "a model without one; resolved when the engine loads the model")
+                            "names (the fastest one measured on a GPU within a point of fp16's task accuracy), "
+                            "fp16 on the CPU or for a model without one; resolved when the engine loads the model")
     block_size: int = Field(16, ge=1, description="tokens of a full-precision page; page bytes follow from it")
     num_pages: Optional[int] = Field(None, ge=1, description="fixed pool size; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: Optional[float] = Field(
@@ -175,7 +175,7 @@ class CacheConfig(BaseModel):
     def tracks_tokens(self) -> bool:
         """Whether pages carry each token's score and position: diffkv's policy ranks and moves tokens; a
         single-precision cache keeps them in order and its pages leave both rows out."""
-        return self.kv_mode == "diffkv"
+        return self.resolved_mode == "diffkv"
 
     @property
     def float8(self) -> bool:
