@@ -234,6 +234,15 @@ def fidelity_by_cache(row: dict, fid: dict | None):
     return None
 
 
+def study_caveat(study: str | None) -> str:
+    """' Caveat: ...' where the accuracy study a table quotes carries one (docs/ACCURACY.md prints it too)."""
+    path = ROOT / study if study else None
+    if path is None or not path.is_file():
+        return ""
+    caveat = json.loads(path.read_text()).get("caveat")
+    return f" The study's caveat (docs/ACCURACY.md): {caveat}" if caveat else ""
+
+
 def throughput_accuracy_section(name: str) -> list[str]:
     d = load(name)
     if d is None:
@@ -246,7 +255,8 @@ def throughput_accuracy_section(name: str) -> list[str]:
            f"one KV pool of {d['kv_memory_gb']:.2f} GiB for every mode; runs in the order "
            f"{' '.join(d['order'])} (repeat:mode). Accuracy: {task} difference vs fp16 with its paired 95% interval "
            f"from `{d['study'] or 'no study'}`; "
-           f"x best = vs {d['best_within'] or 'none'}, the fastest mode within {c['within']:g} point(s) of fp16.", "",
+           f"x best = vs {d['best_within'] or 'none'}, the fastest mode within {c['within']:g} point(s) of fp16."
+           f"{study_caveat(d['study'])}", "",
            f"| mode | study config | {task} vs fp16 (points) | sequences fit | tokens/s (median) | runs | spread | "
            f"vs fp16 | x best | mean batch | compression | preemptions |",
            "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
