@@ -62,7 +62,14 @@ def test_pool_bytes_arithmetic():
 
 def _fake_runner(monkeypatch, enforce_eager: bool, **cfg):
     free, total = 60 * GiB, 80 * GiB
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    calls = _fake_runner.calls = []
+
+    def mem_get_info(device=None):
+        calls.append("mem_get_info")
+        return free, total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     cfg["cache"] = {"kv_mode": "fp16", **cfg.get("cache", {})}  # as the engine resolves 'auto' for a GPU model
     config = EngineConfig(enforce_eager=enforce_eager, **cfg)
     runner = SimpleNamespace(config=config, device=torch.device("cuda"), arch=QWEN, dtype=torch.bfloat16)
@@ -77,6 +84,8 @@ def test_pool_is_sized_after_the_graphs_budget(monkeypatch):
     eager, shape, free, total, config = _fake_runner(monkeypatch, True, scheduler=sched)
     graphs, *_ = _fake_runner(monkeypatch, False, scheduler=sched, max_graph_batch_size=512)
     act = 64 * 8192 * QWEN.hidden_size
+    # cached blocks no tensor holds (an engine freed before this one) count as free: released before measuring
+    assert _fake_runner.calls == ["empty_cache", "mem_get_info"]
     assert eager == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act, config.cache.tracks_tokens())
     est = graph_memory_estimate(QWEN, 512, 2)
     assert graphs == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - est,

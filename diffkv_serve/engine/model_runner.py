@@ -160,6 +160,8 @@ class ModelRunner:
         if cc.kv_cache_memory_gb is not None:
             nbytes = cc.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
+            # Blocks PyTorch caches but no tensor holds (an engine freed before this one) are free for the pool.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of a full batch of prefill tokens and logits, and for the decode graphs.
             act = 64 * self.config.scheduler.max_num_batched_tokens * self.arch.hidden_size
