@@ -91,7 +91,7 @@ class KVCache:
         self.config = config
         high, low = config.precisions()
         self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low, float8=config.float8,
-                                low_grows=config.policy == "thresholds", tracked=config.tracks_tokens())
+                                low_grows=config.policy == "thresholds")
         self.diffkv = low is not None
         self.pins_prompt_blocks = config.pins_prompt_blocks()  # CacheConfig.pin_prompt_blocks, resolved
         config.check_num_layers(shape.num_layers)

@@ -40,21 +40,18 @@ from diffkv_serve.kernels.sections import section_targets
 class MemoryManager(PrefixBlocks):
     def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device,
                  high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None, float8: bool = False,
-                 low_grows: bool = True, tracked: Optional[bool] = None):
+                 low_grows: bool = True):
         """float8: the high precision's 8-bit sides hold e4m3 codes (kv_mode fp8). low_grows: the policy can
         put tokens in the low section (False for the budget policy, which keeps every kept token high): when
-        it cannot, prompts reserve no low page and decode steps count no low growth. tracked: pages carry each
-        token's score and position (CacheConfig.tracks_tokens; default: exactly when there is a low precision)."""
+        it cannot, prompts reserve no low page and decode steps count no low growth. Pages carry each token's
+        score and position exactly when there is a low precision (CacheConfig.tracks_tokens: a diffkv cache)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the page pool needs at least one page")
         self.shape = shape
         self.device = torch.device(device)
         self.cache_dtype = cache_dtype
         itemsize = torch.tensor([], dtype=cache_dtype).element_size()
-        self.tracked = low is not None if tracked is None else tracked
-        if low is not None and not self.tracked:
-            raise ValueError("tracked=False with a low precision: two-precision pages need each token's score and "
-                             "position")
+        self.tracked = low is not None
         self.page_bytes = page_bytes_for(shape.block_size, shape.head_dim, itemsize, self.tracked)
         self.fmt_high = PageFormat.make(*high, shape.head_dim, self.page_bytes, itemsize, float8=float8,
                                         tracked=self.tracked)
