@@ -106,6 +106,15 @@ def test_empty_sequence():
     _check(got, _naive(q, k, cu, 1 / 8, 64), torch.float32)
 
 
+def _suffix_significance(q, k, cu, seqlens, suffix, Q, impl):
+    """Sums from each sequence's last `suffix` queries only (cu_seqlens_q), as after a prefix-cache hit: the
+    rows of those queries and the sums."""
+    rows = torch.cat([torch.arange(e - n, e) for e, n in zip(cu[1:].tolist(), suffix)]).to(DEVICE)
+    cu_q = torch.tensor([0] + suffix).cumsum(0).to(torch.int32).to(DEVICE)
+    return rows, prompt_significance(q[rows].contiguous(), k, cu, 0.15, num_queries=Q, impl=impl,
+                                     max_seqlen=max(seqlens), cu_seqlens_q=cu_q)
+
+
 @pytest.mark.parametrize("impl", ["triton", "ref"])
 def test_significance_with_only_suffix_queries(impl):
     """q holds only each sequence's last queries (cu_seqlens_q; a cached prefix precedes them): the sums
@@ -114,10 +123,7 @@ def test_significance_with_only_suffix_queries(impl):
     seqlens, suffix, Q = [70, 9, 130], [8, 9, 20], 8
     q, k, cu = _inputs(seqlens, 6, 2, 64, dtype, seed=3)
     whole = prompt_significance(q, k, cu, 0.15, num_queries=Q, impl="ref")
-    rows = torch.cat([torch.arange(e - n, e) for e, n in zip(cu[1:].tolist(), suffix)]).to(DEVICE)
-    cu_q = torch.tensor([0] + suffix).cumsum(0).to(torch.int32).to(DEVICE)
-    got = prompt_significance(q[rows].contiguous(), k, cu, 0.15, num_queries=Q, impl=impl, max_seqlen=max(seqlens),
-                              cu_seqlens_q=cu_q)
+    rows, got = _suffix_significance(q, k, cu, seqlens, suffix, Q, impl)
     _check(got, whole, dtype)
     _check(whole, _naive(q, k, cu, 0.15, Q), dtype)
 
@@ -130,9 +136,6 @@ def test_suffix_shorter_than_the_counted_queries_scores_its_own_tokens_in_full(i
     seqlens, suffix, Q = [70, 40, 130], [3, 1, 20], 32
     q, k, cu = _inputs(seqlens, 6, 2, 64, dtype, seed=5)
     whole = prompt_significance(q, k, cu, 0.15, num_queries=Q, impl="ref")
-    rows = torch.cat([torch.arange(e - n, e) for e, n in zip(cu[1:].tolist(), suffix)]).to(DEVICE)
-    cu_q = torch.tensor([0] + suffix).cumsum(0).to(torch.int32).to(DEVICE)
-    got = prompt_significance(q[rows].contiguous(), k, cu, 0.15, num_queries=Q, impl=impl, max_seqlen=max(seqlens),
-                              cu_seqlens_q=cu_q)
+    rows, got = _suffix_significance(q, k, cu, seqlens, suffix, Q, impl)
     _check(got[rows], whole[rows], dtype)
     assert bool((got != whole).any())  # the prefix tokens lost the queries inside the prefix
