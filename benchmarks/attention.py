@@ -68,8 +68,8 @@ from diffkv_serve.kernels.kv_write import write_kv  # noqa: E402
 from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 
-PRECISIONS = {"fp16": "K16V16", "K8V8": "K8V8", "fp8": "K8V8-e4m3", "K8V4": "K8V4", "K4V2": "K4V2",
-              "mix": "K8V4+K4V2"}
+PRECISIONS = {"fp16": "K16V16", "K8V8": "K8V8", "fp8": "K8V8-e4m3", "int4": "K4V4", "K8V4": "K8V4",
+              "K4V2": "K4V2", "mix": "K8V4+K4V2"}
 SDPA_MODES = ("gqa", "fold")  # enable_gqa=True on q [B,Hq,1,D]; or q folded to [B,Hkv,G,D] (G rows per KV head)
 # Head layouts (query heads, KV heads, head_dim) of diffkv_serve/engine/loader/presets.py's models (tests check they agree;
 # this script imports no engine code, so it runs where only torch and Triton are installed).
@@ -90,13 +90,17 @@ class Mismatch(RuntimeError):
 # ------------------------------------------------------------------------------------------------ formats
 
 def parse_spec(spec: str, head_dim: int, page_bytes: int, isz: int) -> tuple[PageFormat, PageFormat | None]:
-    """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low); 'K8V8-e4m3': fp8 codes (kv_mode fp8)."""
+    """'K8V4' -> (K8V4, None); 'K8V4+K4V2' -> (K8V4 high, K4V2 low); 'K8V8-e4m3': fp8 codes (kv_mode fp8).
+    Pages as the engine lays them out: score and position rows only where there are two sections (a diffkv
+    cache), so a single precision fits its pages as served."""
+    names = spec.split("+")
     fmts = []
-    for name in spec.split("+"):
+    for name in names:
         m = re.fullmatch(r"K(\d+)V(\d+)(-e4m3)?", name)
         if not m:
             raise ValueError(f"precision {spec!r}: expected KxVy, KxVy-e4m3 or KaVb+KcVd")
-        fmts.append(PageFormat.make(int(m[1]), int(m[2]), head_dim, page_bytes, isz, float8=bool(m[3])))
+        fmts.append(PageFormat.make(int(m[1]), int(m[2]), head_dim, page_bytes, isz, float8=bool(m[3]),
+                                    tracked=len(names) > 1))
     if len(fmts) > 2:
         raise ValueError(f"precision {spec!r}: at most a high and a low section")
     return fmts[0], (fmts[1] if len(fmts) == 2 else None)

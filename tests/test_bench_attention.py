@@ -17,7 +17,7 @@ def test_attention_smoke(tmp_path):
     res = json.loads(out.read_text())
     assert res["device"] and res["torch"] and "triton" in res and "attention.py" in res["command"]
     rows = res["rows"]
-    precisions = {"fp16", "K8V8", "fp8", "K8V4", "K4V2", "mix", "sdpa-gqa", "sdpa-fold"}
+    precisions = {"fp16", "K8V8", "fp8", "int4", "K8V4", "K4V2", "mix", "sdpa-gqa", "sdpa-fold"}
     assert {r["precision"] for r in rows} == precisions
     shapes = {(r["batch"], r["seq"]) for r in rows}
     for p in precisions:  # every precision at every smoke shape
@@ -27,7 +27,7 @@ def test_attention_smoke(tmp_path):
         assert r["speedup_vs_fp16"] > 0 and r["speedup_vs_sdpa"] > 0
     # Compressed pages read fewer bytes than fp16 ones, in the expected order.
     b = {r["precision"]: r["kv_bytes"] for r in rows if r["seq"] == max(s for _, s in shapes)}
-    assert b["fp16"] > b["K8V8"] > b["K8V4"] > b["mix"] > b["K4V2"]
+    assert b["fp16"] > b["K8V8"] > b["K8V4"] > b["mix"] > b["int4"] > b["K4V2"]
     assert b["fp8"] == b["K8V8"]  # e4m3 codes: the same bytes per token as integer K8V8
     assert b["fp16"] == b["sdpa-gqa"]
     # The correctness pass ran for every precision; the fp16 reference matched SDPA on the same data.

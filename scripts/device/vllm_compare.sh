@@ -7,6 +7,8 @@
 # The call that completes the stash installs vLLM into $VSITE and our wheels into $SITE. Then, carrying nothing:
 #     bash scripts/device/vllm_compare.sh long-decode [PART...]  # 128 prompts x 2,048 new tokens, 0.98 GiB pool
 #     bash scripts/device/vllm_compare.sh serving [PART...]      # 1,024 x 512 in x 256 out, 8 GiB pool
+#     bash scripts/device/vllm_compare.sh profile [FLAG...]      # one decode step of each engine, kernel by kernel
+#                                                                # (benchmarks/decode_step_profile.py FLAGs)
 # PARTs (default vllm ours-fp16 ours-fp8, in this order): vllm (bf16 then fp8, each in its own process), ours-fp16,
 # ours-fp8, and on request ours-int4 (our K4V4 cache, which vLLM 0.26 has no counterpart of); each
 # runs under its own time limit inside the command's budget ($BUDGET_S, default 570 s), so one failing or
@@ -34,14 +36,17 @@ T0=$SECONDS
 log() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$LOG"; }
 
 case "$WHAT" in
-  stash|long-decode|serving) ;;
-  *) echo "usage: vllm_compare.sh stash | long-decode [PART...] | serving [PART...]" \
+  stash|long-decode|serving|profile) ;;
+  *) echo "usage: vllm_compare.sh stash | long-decode [PART...] | serving [PART...] | profile [FLAG...]" \
           "(PART: vllm ours-fp16 ours-fp8 ours-int4)"
      exit 2 ;;
 esac
 PARTS=("$@")
+PROFILE_FLAGS=()
+if [ "$WHAT" = profile ]; then PROFILE_FLAGS=("$@"); PARTS=(profile); fi
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(vllm ours-fp16 ours-fp8)
 for p in "${PARTS[@]}"; do
+  [ "$WHAT" = profile ] && break
   case "$p" in
     vllm|ours-fp16|ours-fp8|ours-int4) ;;
     *) echo "unknown PART '$p' (vllm, ours-fp16, ours-fp8, ours-int4)"; exit 2 ;;
@@ -103,6 +108,13 @@ part() {
 common=(--model "$MODEL" --workload "$WHAT" $EXTRA)
 for p in "${PARTS[@]}"; do
   case "$p" in
+    profile)
+      P_JSON="$RESULTS/decode_step_profile_${MODEL#random:}_${TAG}.json"
+      part profile $((BUDGET_S - RESERVE)) "$PYTHON" benchmarks/decode_step_profile.py --model "$MODEL" \
+        --vllm-site "$VSITE" "${PROFILE_FLAGS[@]}" --out "$P_JSON"
+      [ -f "$P_JSON" ] && cp "$P_JSON" "$OUT/"
+      log "done in $((SECONDS - T0)) s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+      exit 0 ;;
     vllm)
       if [ "$vllm_ready" = 1 ]; then
         limit=$((BUDGET_S - (SECONDS - T0) - RESERVE)); [ "$limit" -gt 320 ] && limit=320
