@@ -12,12 +12,18 @@ def step_until_done(engine, total_tokens: int, desc: str, quiet: bool, stats_eve
                     drain: Optional[Callable[[], None]] = None, synchronize: Optional[Callable[[], None]] = None
                     ) -> dict:
     """Steps `engine` until it has no request left, or, past `deadline` (time.perf_counter()), calls `drain` to end
-    the rest and flags the run as cut. Every `stats_every` steps it records the running batch and compression ratio,
+    the rest and flags the run as cut. `phases` splits the steps and their wall time into those that computed
+    prompt tokens (prefills and recomputes) and the rest (decode). Every `stats_every` steps it records the running batch and compression ratio,
     and `sample(stats, step, seconds)` where given (a trace row). `synchronize` runs before the clock stops
     (device work still queued belongs to the run)."""
     from tqdm import tqdm
 
     batches, ratios, trace, generated, steps, cut = [], [], [], 0, 0, False
+    # Steps that computed prompt tokens (prefills, recomputes after preemption) against the rest, by the
+    # scheduler's counter: where the wall time goes besides decoding.
+    scheduler = getattr(engine, "scheduler", None)
+    computed = getattr(scheduler, "num_prefill_computed", None)
+    phases = {"prefill": {"steps": 0, "seconds": 0.0, "tokens": 0}, "decode": {"steps": 0, "seconds": 0.0}}
     t0 = time.perf_counter()
     with tqdm(total=total_tokens, desc=desc, unit="tok", disable=quiet) as bar:
         while engine.has_unfinished_requests():
@@ -25,7 +31,16 @@ def step_until_done(engine, total_tokens: int, desc: str, quiet: bool, stats_eve
                 cut = True
                 drain()
                 break
+            ts = time.perf_counter()
             n = sum(len(o.new_token_ids) for o in engine.step())
+            dt = time.perf_counter() - ts
+            now = getattr(scheduler, "num_prefill_computed", None)
+            phase = phases["prefill" if computed is not None and now != computed else "decode"]
+            phase["steps"] += 1
+            phase["seconds"] += dt
+            if now is not None and computed is not None:
+                phases["prefill"]["tokens"] += now - computed
+            computed = now
             steps += 1
             generated += n
             bar.update(n)
@@ -42,4 +57,5 @@ def step_until_done(engine, total_tokens: int, desc: str, quiet: bool, stats_eve
     return {"tokens": generated, "seconds": wall, "tokens_per_s": generated / wall if wall > 0 else 0.0,
             "steps": steps, "cut": cut, "mean_batch": statistics.mean(batches) if batches else None,
             "max_batch": max(batches, default=None),
-            "compression_ratio": statistics.mean(ratios) if ratios else None, "trace": trace}
+            "compression_ratio": statistics.mean(ratios) if ratios else None, "trace": trace,
+            "phases": phases if computed is not None else None}

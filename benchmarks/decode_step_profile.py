@@ -37,7 +37,7 @@ from _results import write_result  # noqa: E402  (imports nothing of this projec
 # Kernel name -> what it does, first match wins (case-insensitive). Attention before GEMMs: FlashAttention's Hopper
 # kernels carry "Sm90" in their names as cuBLAS's do.
 CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("attention", r"flash|fmha|attention|attn|decode_mma|_decode_\w*kernel|merge|paged|reshape_and_cache|write_kv"),
+    ("attention", r"flash|fmha|attention|attn|decode_mma|decode_\w*kernel|merge|paged|reshape_and_cache|write_kv"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|splitk|sm90_|sm80_|wgmma"),
     ("norm", r"rms|norm"),
     ("rope", r"rotary|rope"),

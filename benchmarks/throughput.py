@@ -117,7 +117,7 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, reservation: str) 
            "settings": {k: getattr(cc, k) for k in MODE_SETTINGS} if mode == "diffkv" else {},
            "overflows": adm["overflows"] - before["reservation"]["overflows"], "prompt_ratio": adm.get("prompt_ratio"),
            **{k: run[k] for k in ("tokens", "seconds", "tokens_per_s", "steps", "mean_batch", "max_batch",
-                                  "compression_ratio")},
+                                  "compression_ratio", "phases")},
            "preemptions": st["num_preemptions"] - before["num_preemptions"], "pages_total": st["pages_total"],
            "page_bytes": st["page_bytes"]}
     if args.trace:
@@ -264,6 +264,13 @@ def main(argv=None) -> int:
         print(f"{r['mode']:>18} {r['tokens_per_s']:>9.0f} {f('speedup_vs_fp16', '.2f'):>8} "
               f"{f('mean_batch', '.1f'):>10} {f('max_batch', 'd'):>9} {f('compression_ratio', '.2f'):>7} "
               f"{f('preemptions', 'd'):>7} {f('overflows', 'd'):>8} {r['seconds']:>8.1f}")
+    for r in rows:
+        ph = r.get("phases")
+        if ph:
+            pf, dc = ph["prefill"], ph["decode"]
+            print(f"{r['mode']}: {pf['steps']} prompt steps ({pf['tokens']} tokens) {pf['seconds']:.2f} s; "
+                  f"{dc['steps']} decode steps {dc['seconds']:.2f} s "
+                  f"({1e3 * dc['seconds'] / max(dc['steps'], 1):.3f} ms each)")
     result = {"benchmark": "throughput", "device": gpu, "torch": torch.__version__, "model": ckpt.name,
               "command": "python benchmarks/throughput.py " + " ".join(argv),
               "config": {k: v for k, v in vars(args).items() if k not in ("quiet",)}, "rows": rows}

@@ -134,18 +134,43 @@ def run_one(spec: dict, dtype: str) -> dict:
         llm.generate(inputs[: spec["max_num_seqs"]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0),
                      use_tqdm=False)
     torch.cuda.synchronize()
-    before = preemptions(llm)
+    before, counted = preemptions(llm), metric_totals(llm)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     after = preemptions(llm)
+    metrics = {k: v - counted.get(k, 0.0) for k, v in metric_totals(llm).items()}
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"mode": f"vllm-{dtype}", "engine": f"vLLM {vllm.__version__}", "kv_cache_dtype": CACHE_DTYPES[dtype][0],
             "compare_with": CACHE_DTYPES[dtype][1], "tokens": generated, "seconds": wall,
             "tokens_per_s": generated / wall, "startup_s": startup, "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "vllm": vllm.__version__,
-            "preemptions": None if before is None or after is None else after - before}
+            "preemptions": None if before is None or after is None else after - before, "metrics": metrics}
+
+
+# vLLM's counters and histograms that say where the steps went: engine steps (iteration_tokens' count), prompt
+# tokens computed (recomputes after preemption included), time per output token.
+METRICS = ("iteration_tokens", "prompt_tokens", "generation_tokens", "time_per_output_token",
+           "inter_token_latency", "num_preemptions", "prefill_time", "decode_time")
+
+
+def metric_totals(llm) -> dict[str, float]:
+    """{name: value} for counters, {name.count / name.sum} for histograms, summed over labels, of the METRICS
+    that this vLLM exposes through LLM.get_metrics (empty where it cannot: the timed rows never depend on it)."""
+    totals: dict[str, float] = {}
+    try:
+        for m in llm.get_metrics():
+            if not any(k in m.name for k in METRICS):
+                continue
+            if hasattr(m, "count") and hasattr(m, "sum"):
+                totals[m.name + ".count"] = totals.get(m.name + ".count", 0.0) + float(m.count)
+                totals[m.name + ".sum"] = totals.get(m.name + ".sum", 0.0) + float(m.sum)
+            elif isinstance(getattr(m, "value", None), (int, float)):
+                totals[m.name] = totals.get(m.name, 0.0) + float(m.value)
+    except Exception as e:  # noqa: BLE001 - a metrics API change loses these columns only
+        print(f"vllm_baseline: metrics not read ({type(e).__name__}: {e})", file=sys.stderr)
+    return totals
 
 
 def preemptions(llm) -> float | None:
@@ -184,6 +209,8 @@ def run_all(args, argv: list[str]) -> int:
                 rows.append(json.loads(out.read_text()))
                 print(f"vllm {dtype}: {rows[-1]['tokens_per_s']:.0f} tok/s ({rows[-1]['tokens']} tokens in "
                       f"{rows[-1]['seconds']:.1f} s; started in {rows[-1]['startup_s']:.0f} s)", flush=True)
+                for k, v in sorted(rows[-1].get("metrics", {}).items()):
+                    print(f"    {k}: {v:.4g}", flush=True)
             else:
                 rows.append({"mode": f"vllm-{dtype}", "compare_with": CACHE_DTYPES[dtype][1], "error": f"exit {rc}",
                              "seconds_until_failure": time.perf_counter() - t0})

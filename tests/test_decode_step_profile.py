@@ -16,7 +16,8 @@ import decode_step_profile as dsp  # noqa: E402
 @pytest.mark.parametrize("kernel,cat", [
     ("void flash::FlashAttnFwdSm90<cutlass::bfloat16_t>(...)", "attention"),  # before gemm: "Sm90", "cutlass"
     ("decode_mma", "attention"),
-    ("_decode_f16_kernel", "attention"),
+    ("decode_f16_kernel", "attention"),
+    ("_decode_reduce_kernel", "attention"),
     ("nvjet_tst_128x64_64x8_2x1_v_bz_coopB_TNT", "gemm"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "gemm"),
     ("_rms_norm_kernel", "norm"),

@@ -206,3 +206,22 @@ def test_parent_and_children_with_a_fake_vllm(tmp_path, monkeypatch, capsys):
     assert seen["calls"][0]["max_tokens"] == 2  # the short warm-up, untimed
     assert seen["calls"][1] == {"n": 6, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
     assert "vllm fp8: FAILED" in capsys.readouterr().out
+
+
+def test_metric_totals_sum_labels_and_read_histograms():
+    from types import SimpleNamespace as NS
+
+    class FakeLLM:
+        def get_metrics(self):
+            return [NS(name="vllm:num_preemptions", value=3), NS(name="vllm:num_preemptions", value=2),
+                    NS(name="vllm:iteration_tokens_total", count=10, sum=270.0, buckets={}),
+                    NS(name="vllm:num_requests_running", value=7)]  # not one of METRICS
+
+    assert vb.metric_totals(FakeLLM()) == {"vllm:num_preemptions": 5.0, "vllm:iteration_tokens_total.count": 10.0,
+                                           "vllm:iteration_tokens_total.sum": 270.0}
+
+    class Broken:
+        def get_metrics(self):
+            raise AttributeError("no metrics")
+
+    assert vb.metric_totals(Broken()) == {}
