@@ -7,7 +7,8 @@ import pytest
 
 from diffkv_serve.engine import CacheConfig, EngineConfig
 from diffkv_serve.engine.llm_engine import LLMEngine
-from diffkv_serve.engine.model_settings import load_model_settings, on_cpu as model_settings_on_cpu, resolve_kv_mode
+from diffkv_serve.engine.devices import on_cpu
+from diffkv_serve.engine.model_settings import load_model_settings, resolve_kv_mode
 from diffkv_serve.service.protocol import ModelCard
 
 SMOLLM = "SmolLM2-135M-Instruct-Q4_1"  # the embedded model; its settings file names a kv_mode
@@ -70,7 +71,7 @@ def test_auto_on_the_cpu_is_fp16(tmp_path):
     _write_settings(tmp_path, "Some-Model", kv_mode="int4")
     for device in ("cpu", "auto"):
         cfg = EngineConfig(device=device)
-        if device == "auto" and not model_settings_on_cpu("auto"):
+        if device == "auto" and not on_cpu("auto"):
             continue  # a visible GPU: 'auto' is not the CPU here
         assert resolve_kv_mode(cfg, "Some-Model", tmp_path).cache.kv_mode == "fp16"
 

@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from diffkv_serve.engine.devices import device_name
+
 E4M3_CAPABILITY = (8, 9)  # cvt between e4m3 and fp16 (the decode kernels' fp8 pages) needs sm_89 or newer
 
 
@@ -13,7 +15,7 @@ def unsupported_reason(kv_mode: str, device: str) -> Optional[str]:
     see (Ray ranks on other nodes) is not checked here: the ranks check their own GPUs."""
     if kv_mode != "fp8":
         return None
-    name = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    name = device_name(device)
     if not name.startswith("cuda") or not torch.cuda.is_available():
         return None
     capability = torch.cuda.get_device_capability(torch.device(name))

@@ -11,6 +11,7 @@ import torch
 from diffkv_serve.engine import key_centering, kv_rotation
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.config import EngineConfig
+from diffkv_serve.engine.devices import device_name
 from diffkv_serve.engine.grammar import TokenMasks
 from diffkv_serve.engine.graph_memory import graph_batch_limit, graph_memory_estimate, kv_pool_bytes
 from diffkv_serve.engine.host_copy import to_device
@@ -33,9 +34,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    dev = torch.device(device_name(name))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but no CUDA device is available")
     return dev

@@ -42,21 +42,17 @@ def default_threads(cores: Optional[int] = None, busy: Optional[float] = None) -
     return max(1, min(MAX_DEFAULT_THREADS, cores - int(busy + 0.5)))
 
 
-def runs_on_cpu(device: str) -> bool:
-    import torch
-
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-
-
 def set_threads(threads: Optional[int], device: str = "auto") -> Optional[int]:
     """Set torch's threads to `threads`, or, for a CPU run where neither it nor OMP_NUM_THREADS is given, to
     default_threads(). Returns the count set, or None when torch keeps its own."""
     import torch
 
+    from diffkv_serve.engine.devices import on_cpu
+
     if threads is not None:
         if threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
-    elif os.environ.get("OMP_NUM_THREADS") or not runs_on_cpu(device):
+    elif os.environ.get("OMP_NUM_THREADS") or not on_cpu(device):
         return None
     else:
         threads = default_threads()

@@ -121,6 +121,12 @@ class PageFormat:
         """Byte offset of the int32 position row (tracked pages only)."""
         return self._tracked_segment(self.pos_segment, "position")
 
+    @property
+    def data_bytes(self) -> int:
+        """Bytes the key, value and scale/zero segments take from the page's start: where the score row starts on
+        a tracked page; on an untracked one, the bytes past it are never written."""
+        return self.v_meta_off + _segment_bytes(self.tokens, self.head_dim, self.value_bits, self.full_itemsize)[1]
+
     def tracked_words(self) -> tuple[int, int]:
         """(score, position) row offsets in 4-byte words for kernels that take them on every launch and read
         them only on tracked pages; (0, 0) on untracked ones."""

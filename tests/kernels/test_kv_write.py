@@ -184,8 +184,7 @@ def test_write_kv_untracked_pages(cache_dtype, kb, vb, float8):
         write_kv(pool, f, cache_dtype, k, v, dst_page, dst_slot, positions, impl=impl)
         pools[name] = pool
     assert torch.equal(pools["triton"], pools["ref"]), "triton differs from the reference"
-    ends = [fmt.k_off, fmt.v_off] + ([fmt.k_meta_off, fmt.v_meta_off] if kb < 16 else [])
-    data_end = max(ends) + (fmt.v_meta_off - fmt.k_meta_off if kb < 16 else fmt.v_off - fmt.k_off)
+    data_end = fmt.data_bytes
     untouched = pools["ref"][:, data_end:].view(torch.float32) if data_end < fmt.page_bytes else None
     assert untouched is None or untouched.isnan().all()
     for which in ("k", "v"):

@@ -20,9 +20,8 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from diffkv_serve.engine.config import KV_MODES, CacheConfig, EngineConfig, parse_precision
+from diffkv_serve.engine.devices import on_cpu
 from diffkv_serve.engine.kv_mode_support import unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -65,11 +64,6 @@ def load_model_settings(model_name: str, directory: Path = SETTINGS_DIR) -> Opti
         raise ValueError(f"{path}: damaged model settings ({e}); rerun `python3 -m evals.cli calibrate` or "
                          f"delete it") from e
     return settings
-
-
-def on_cpu(device: str) -> bool:
-    """Whether an EngineConfig.device runs the engine on the CPU ('auto' without a visible GPU)."""
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def resolve_kv_mode(config: EngineConfig, model_name: str, directory: Path = SETTINGS_DIR) -> EngineConfig:
