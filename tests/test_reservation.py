@@ -111,7 +111,7 @@ def test_prompt_layer_allocation_places_sections_where_the_targets_read_them():
     mm.free([s])
 
 
-def test_decode_growth_counts_heads_with_a_full_section():
+def test_decode_growth_counts_heads_with_a_full_section_or_an_armed_empty_low_one():
     mm = _mm(64)
     s = mm.alloc_slot()
     slots = torch.tensor([s])
@@ -122,10 +122,15 @@ def test_decode_growth_counts_heads_with_a_full_section():
         mm.alloc_prompt_layer(slots, layer, nh.int(), nl.int(), overflow, max_new_pages=4)
     mm.set_prompt_lengths(slots, torch.stack([p[0] for p in plans], 1).int(),
                           torch.stack([p[1] for p in plans], 1).int(), overflow)
-    # Head (1, 1) holds no low page: its empty low section is full too.
+    # Head (1, 1) holds no low page: its empty low section needs one only once a decode plan armed it (the lazy
+    # low rule opens it no earlier than the step after); a freed slot starts unarmed.
     free, growth = mm.step_view([s])
-    assert growth == [3] and free == mm.free_pages()
+    assert growth == [2] and free == mm.free_pages()
+    mm.low_armed[s, 1, 1] = 1
+    mm.note_growth(slots)
+    assert mm.step_view([s])[1] == [3]
     mm.free([s])
+    assert not bool(mm.low_armed[s].any())
 
 
 # ---- end to end: a learned model of compressible prompts, then prompts that keep everything -----------
@@ -195,3 +200,33 @@ def test_adversarial_prompt_mix_never_crashes_or_loses_a_request():
     adm = stats["learned"]["reservation"]
     assert adm["overflows"] > 0 and adm["prompt_samples"] >= 10
     assert stats["worst_case"]["reservation"] == {"mode": "worst_case", "overflows": 0}
+
+
+def test_lazy_low_sections_open_within_the_decode_bound():
+    """Low sections that start empty open during decode (the lazy low rule, after the step that armed them) and
+    every decode step stays within the bound that counts only the armed ones, far below one page per empty low
+    section; the pages stay consistent each step and all come back."""
+    eng = _engine("worst_case", num_pages=400)
+    _check_decode_bound(eng)
+    kv, mm = eng.runner.kv, eng.runner.mm
+    inner, seen = kv.prepare_decode, {"opened": 0, "armed": 0, "bound": 0, "empty": 0}
+
+    def watched(slots, *args, **kw):
+        s = slots.long()
+        empty = (mm.len_low[s] == 0) & (mm.held_low[s] == 0)
+        seen["armed"] += int((empty & (mm.low_armed[s] != 0)).sum())
+        seen["bound"] += int(mm.decode_growth(s).sum())
+        seen["empty"] += int(empty.sum())
+        out = inner(slots, *args, **kw)
+        seen["opened"] += int((empty & (mm.len_low[s] > 0)).sum())
+        return out
+
+    kv.prepare_decode = watched
+    g = torch.Generator().manual_seed(1)
+    greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    lazy = {"alpha_high": 2.0, "alpha_low": 1.0}  # about half pruned, few tokens low: low sections start empty
+    requests = [(f"r{i}", torch.randint(1, 500, (24,), generator=g).tolist(), greedy, lazy) for i in range(4)]
+    assert len(_run(eng, requests)) == 4
+    assert seen["opened"] > 0 and seen["armed"] >= seen["opened"], seen
+    assert seen["bound"] < seen["empty"], seen  # an unarmed empty low section reserves nothing
+    assert_all_pages_free(eng)

@@ -38,10 +38,14 @@ demote the victim or append t_c keeps the token high instead: action 1) until at
 older than the window are below th_h. The engine passes a low page's token count: a low page opened for a few
 tokens costs a whole page, while keeping up to that many tokens high costs at most one high page, so a short
 request never holds more pages than a uniform cache of the high precision would.
+With `low_armed` (int32 [S, L, H], by slot: the previous step's new_low_armed) the count must also have reached
+min_low at the head's previous step: the step before already knows which empty low sections may open a page
+next, so the memory manager's growth bound counts only those (MemoryManager.decode_growth), not every empty one.
 
 Outputs, int32 [B, L, H] (-1 = none): high_hole (high index that empties), to_low_src (high index whose
 token is requantized into low), low_dst (low index it goes to), action, new_len_high, new_len_low (the new
-decode token is not counted). Ties in an argmin go to the smallest index.
+decode token is not counted), new_low_armed (1 where the lazy count reached min_low this step: the head's
+low_armed for its next step). Ties in an argmin go to the smallest index.
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ from diffkv_serve.kernels._common import next_pow2, use_triton
 from diffkv_serve.kernels.page_layout import PageFormat
 from diffkv_serve.kernels.prompt_significance import significance_count
 
-FIELDS = ("high_hole", "to_low_src", "low_dst", "action", "new_len_high", "new_len_low")
+FIELDS = ("high_hole", "to_low_src", "low_dst", "action", "new_len_high", "new_len_low", "new_low_armed")
 NONE, C_HIGH_V_STAYS, C_HIGH_V_DEMOTED, C_HIGH_V_PRUNED, C_LOW_APPENDED, C_LOW_REPLACES, C_LOW_PRUNED, \
     C_PRUNED = range(8)
 BIG = 2**30  # "no index" (above any section length)
@@ -69,15 +73,16 @@ def _mean(score, pos, n0, N, num_queries):
 
 @triton.jit
 def _plan_kernel(
-    pool_f, pool_i, pt_ptr, lh_ptr, ll_ptr, slots_ptr, n0_ptr, seq_ptr, ah_ptr, al_ptr, ls_ptr, plo_ptr, phi_ptr,
-    out_ptr,
+    pool_f, pool_i, pt_ptr, lh_ptr, ll_ptr, armed_ptr, slots_ptr, n0_ptr, seq_ptr, ah_ptr, al_ptr, ls_ptr, plo_ptr,
+    phi_ptr, out_ptr,
     stride_pts, stride_ptl, stride_pth, stride_hs, stride_hl, stride_hh, stride_ls, stride_ll, stride_lh,
+    stride_as, stride_al, stride_ah,
     B, L, H, P, window, num_queries, page_words,
     hi_score, hi_pos, lo_score, lo_pos,  # segment offsets in 4-byte words
     budget,  # budget policy: fraction of tokens a head keeps
     min_low,  # lazy low section: low-class high tokens a head needs before its first low token
     T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr, BUDGET: tl.constexpr, SCALED: tl.constexpr,
-    RANGED: tl.constexpr,
+    RANGED: tl.constexpr, ARMED: tl.constexpr,
 ):
     b, l, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -158,7 +163,10 @@ def _plan_kernel(
     act_high = tl.where(vmin < th_lv, 3, tl.where(vmin < th_h, 2, 1))
     act_low = tl.where(low_prune, tl.where(v_is_c, 6, 5), 4)
     action = tl.where(go_high, act_high, tl.where(go_low, act_low, tl.where(found, 7, 0)))
-    lazy = (ll == 0) & (n_below < min_low)
+    ready = n_below >= min_low
+    if ARMED:  # the previous step's count must have reached min_low too (its growth bound counted this head)
+        ready = ready & (tl.load(armed_ptr + slot * stride_as + l * stride_al + h * stride_ah) != 0)
+    lazy = (ll == 0) & (ready == 0)
     action = tl.where(lazy & ((action == 2) | (action == 4)), 1, action)
     if BUDGET:
         keep = tl.maximum(tl.ceil(budget * N.to(tl.float32)), window + 0.0)
@@ -179,6 +187,7 @@ def _plan_kernel(
     tl.store(o + 3 * plane, action)
     tl.store(o + 4 * plane, new_lh)
     tl.store(o + 5 * plane, new_ll)
+    tl.store(o + 6 * plane, (n_below >= min_low).to(tl.int32))
 
 
 def _section(pool, fmt: PageFormat, cols: torch.Tensor, j: torch.Tensor):
@@ -200,7 +209,7 @@ def _argmin(vals: torch.Tensor):
 
 def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
                          alpha_high, alpha_low, window, num_queries=64, budget=None, layer_scale=None,
-                         prunable=None, min_low=0):
+                         prunable=None, min_low=0, low_armed=None):
     """Vectorized torch: gather both sections -> [B, L, H, maxlen], then the same decision table."""
     sl = slots.long()
     P = page_table.shape[-1] - 1  # last column is the trash cell
@@ -259,7 +268,10 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     v_is_c = mean_c < lmin
     act_low = w(torch.where(v_is_c, mean_c < th_lc, lmin < th_l), w(v_is_c, 6, 5), 4)
     action = w(go_high, act_high, w(go_low, act_low, w(found, 7, 0)))
-    lazy = (ll == 0) & (n_below < min_low)
+    ready = n_below >= min_low
+    if low_armed is not None:  # the previous step's count must have reached min_low too
+        ready &= low_armed[sl] != 0
+    lazy = (ll == 0) & ~ready
     action = w(lazy & ((action == 2) | (action == 4)), 1, action)
     if budget is not None:
         keep = torch.clamp_min(torch.ceil(torch.tensor(budget, dtype=torch.float32) * seq_len.float()), float(window))
@@ -269,13 +281,14 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
     to_low = w(action == 2, jv, w((action == 4) | (action == 5), jc, -1))
     low_dst = w((action == 2) | (action == 4), ll, w(action == 5, jl, -1))
     res = dict(high_hole=high_hole, to_low_src=to_low, low_dst=low_dst, action=action,
-               new_len_high=lh - (high_hole >= 0).long(), new_len_low=ll + (low_dst == ll).long())
+               new_len_high=lh - (high_hole >= 0).long(), new_len_low=ll + (low_dst == ll).long(),
+               new_low_armed=n_below >= min_low)
     return {k: v.to(torch.int32) for k, v in res.items()}
 
 
 def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len, seq_len,
                             alpha_high, alpha_low, window, num_queries=64, block=None, budget=None,
-                            layer_scale=None, prunable=None, min_low=0):
+                            layer_scale=None, prunable=None, min_low=0, low_armed=None):
     assert pool.dtype == torch.uint8 and pool.is_contiguous() and fmt_high.page_bytes == fmt_low.page_bytes
     assert page_table.stride(3) == 1
     B = slots.numel()
@@ -285,16 +298,18 @@ def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_l
         block = block or max(16, min(256, next_pow2(P1 * max(fmt_high.tokens, fmt_low.tokens))))
         _plan_kernel[(B, L, H)](
             pool.view(torch.float32), pool.view(torch.int32), page_table, len_high, len_low,
-            slots, prompt_len, seq_len, alpha_high.float().contiguous(), alpha_low.float().contiguous(),
+            low_armed if low_armed is not None else len_low, slots, prompt_len, seq_len,
+            alpha_high.float().contiguous(), alpha_low.float().contiguous(),
             layer_scale.float().contiguous() if layer_scale is not None else out,
             *((prunable[0].int().contiguous(), prunable[1].int().contiguous()) if prunable is not None
               else (out, out)), out,
             *page_table.stride()[:3], *len_high.stride(), *len_low.stride(),
+            *(low_armed if low_armed is not None else len_low).stride(),
             B, L, H, P1 - 1, window, num_queries, fmt_high.page_bytes // 4,
             fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low.score_off // 4, fmt_low.pos_off // 4,
             float(budget or 0.0), int(min_low),
             T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, BUDGET=budget is not None,
-            SCALED=layer_scale is not None, RANGED=prunable is not None, num_warps=4,
+            SCALED=layer_scale is not None, RANGED=prunable is not None, ARMED=low_armed is not None, num_warps=4,
         )
     return dict(zip(FIELDS, out.unbind(0)))
 
@@ -303,7 +318,7 @@ def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table
                      prompt_len, seq_len, alpha_high, alpha_low, window: int, num_queries: int = 64,
                      impl: str = "auto", budget: float | None = None, layer_scale: torch.Tensor | None = None,
                      prunable: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     min_low: int = 0) -> dict[str, torch.Tensor]:
+                     min_low: int = 0, low_armed: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Algorithm 1 for every (batch entry, layer, KV head); see the module docstring for the outputs.
 
     pool uint8 [num_pages, page_bytes]; page_table int32 [S, L, H, P+1] (high section from column 0 up,
@@ -314,14 +329,19 @@ def compression_plan(pool, fmt_high: PageFormat, fmt_low: PageFormat, page_table
     layer_scale: None, or f32 [L] per-layer multipliers of both alphas (per-layer budgets).
     prunable: None (every position), or (lo, hi) int32 [B]: only positions lo <= p < hi may be pruned.
     min_low: the lazy low section's count (0: Algorithm 1 as written).
+    low_armed: None, or int32 [S, L, H] like len_low: the previous step's new_low_armed (see the module docstring).
     """
     if layer_scale is not None and layer_scale.shape != (page_table.shape[1],):
         raise ValueError(f"layer_scale has shape {tuple(layer_scale.shape)}; expected ({page_table.shape[1]},), "
                          "one multiplier per layer")
+    if low_armed is not None and (low_armed.shape != len_low.shape or low_armed.dtype != torch.int32):
+        raise ValueError(f"low_armed is {low_armed.dtype} {tuple(low_armed.shape)}; expected torch.int32 "
+                         f"{tuple(len_low.shape)}, like len_low")
     if use_triton(impl, pool, page_table, len_high, len_low, slots):
         return compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots,
                                        prompt_len, seq_len, alpha_high, alpha_low, window, num_queries,
-                                       budget=budget, layer_scale=layer_scale, prunable=prunable, min_low=min_low)
+                                       budget=budget, layer_scale=layer_scale, prunable=prunable, min_low=min_low,
+                                       low_armed=low_armed)
     return compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low, slots, prompt_len,
                                 seq_len, alpha_high, alpha_low, window, num_queries, budget=budget,
-                                layer_scale=layer_scale, prunable=prunable, min_low=min_low)
+                                layer_scale=layer_scale, prunable=prunable, min_low=min_low, low_armed=low_armed)

@@ -8,8 +8,8 @@ For every (sequence, layer, KV head) of the batch:
               the sequences before this one from step 1, the heads before this one within it), into the
               bidirectional page table; then the token that moves down is requantized into the low section
               and the hole it leaves in the high section is filled with the section's last token; the section
-              lengths, the new token's write target and the sequence's next worst-case growth
-              (MemoryManager.note_growth) are stored.
+              lengths, each head's low_armed (the plan's new_low_armed), the new token's write target and the
+              sequence's next worst-case growth (MemoryManager.note_growth) are stored.
 
 Step 2 runs one program per (sequence, chunk of its heads, flattened over layers), so its page-table writes and
 the moves that read them are ordered by a barrier, not by a launch. The reference is the same sequence of torch
@@ -63,9 +63,11 @@ def decode_pages_ref(st: PageState, fmt_high: PageFormat, fmt_low: Optional[Page
                         dr.flatten())
         st.len_high[slots] = new_high + active
         st.len_low[slots] = new_low
+        st.low_armed[slots] = plan["new_low_armed"]
         full = st.len_high[slots] >= st.held_high[slots] * T_hi
         if low_grows:  # a policy that never demotes (budget) never needs a low page
-            full |= st.len_low[slots] >= st.held_low[slots] * fmt_low.tokens
+            # an empty low section opens a page next step only where this step's plan armed it (lazy rule)
+            full |= (new_low >= st.held_low[slots] * fmt_low.tokens) & ((new_low > 0) | (st.low_armed[slots] != 0))
         # What the scheduler reads next step; padding rows (the dummy slot) keep theirs.
         grown = full.sum((1, 2), dtype=torch.int64)
         st.next_growth[slots] = torch.where(seq_len > 0, grown, st.next_growth[slots])
@@ -126,8 +128,8 @@ def _need_kernel(lh_ptr, hh_ptr, hl_ptr, nlh_ptr, nll_ptr, slots_ptr, seq_ptr, a
 
 @triton.jit
 def _apply_kernel(
-    pool_c, pool_u8, pool_h, pool_i32, pt_ptr, lh_ptr, ll_ptr, hh_ptr, hl_ptr, free_ptr, counters_ptr, growth_ptr,
-    slots_ptr, seq_ptr, aux_ptr, hole_ptr, src_ptr, dst_ptr, nlh_ptr, nll_ptr, page_out, row_out,
+    pool_c, pool_u8, pool_h, pool_i32, pt_ptr, lh_ptr, ll_ptr, hh_ptr, hl_ptr, armed_ptr, free_ptr, counters_ptr,
+    growth_ptr, slots_ptr, seq_ptr, aux_ptr, hole_ptr, src_ptr, dst_ptr, nlh_ptr, nll_ptr, nla_ptr, page_out, row_out,
     B, LH, NC, H, P, num_pages, stride_pts, page_elems, page_bytes, D,
     hk_off, hk_meta, hv_off, hv_meta, lk_off, lk_meta, lv_off, lv_meta, hi_score, hi_pos, lo_score, lo_pos,
     T_HI: tl.constexpr, T_LO: tl.constexpr, PLAN: tl.constexpr, LOW_GROWS: tl.constexpr,
@@ -194,10 +196,12 @@ def _apply_kernel(
         len_hi = tl.load(nlh_ptr + b * LH + h, mask=m, other=0) + active
         len_lo = tl.load(nll_ptr + b * LH + h, mask=m, other=0)
         tl.store(ll_ptr + cell, len_lo, mask=m)
+        armed = tl.load(nla_ptr + b * LH + h, mask=m, other=0)
+        tl.store(armed_ptr + cell, armed, mask=m)
         held_hi = tl.load(hh_ptr + cell, mask=m, other=0)
         held_lo = tl.load(hl_ptr + cell, mask=m, other=0)
-        if LOW_GROWS:
-            full = (len_hi >= held_hi * T_HI) | (len_lo >= held_lo * T_LO)
+        if LOW_GROWS:  # an empty low section opens a page next step only where this step's plan armed it
+            full = (len_hi >= held_hi * T_HI) | ((len_lo >= held_lo * T_LO) & ((len_lo > 0) | (armed != 0)))
         else:  # a policy that never demotes (budget) never needs a low page
             full = len_hi >= held_hi * T_HI
         if active > 0:  # the sequence's next worst-case growth (its need kernel zeroed it)
@@ -223,7 +227,7 @@ def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[P
     kernels: 319 / 646 us). The moves are latency-bound scattered row accesses: many small programs win."""
     S, L, H, P1 = st.page_table.shape
     B, LH = slots.numel(), L * H
-    for t in (st.page_table, st.held_high, st.held_low, st.len_high, st.len_low):
+    for t in (st.page_table, st.held_high, st.held_low, st.len_high, st.len_low, st.low_armed):
         assert t.is_contiguous() and t.dtype == torch.int32
     dev = st.pool.device
     page_out = torch.empty(L, B, H, dtype=torch.int32, device=dev)
@@ -236,8 +240,8 @@ def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[P
     fmt_low_ = fmt_low if has_plan else fmt_high
     if has_plan:
         _check_move(fmt_high, fmt_low, cache_dtype, True)
-    fields = [plan[f].contiguous() for f in ("high_hole", "to_low_src", "low_dst", "new_len_high", "new_len_low")] \
-        if has_plan else [aux] * 5  # unused without a plan
+    fields = [plan[f].contiguous() for f in ("high_hole", "to_low_src", "low_dst", "new_len_high", "new_len_low",
+                                             "new_low_armed")] if has_plan else [aux] * 6  # unused without a plan
     slots, seq_len = slots.contiguous(), seq_len.contiguous()
     _need_kernel[(B,)](st.len_high, st.held_high, st.held_low, fields[3], fields[4], slots, seq_len, aux,
                        st.counters, st.next_growth, B, LH, NC, T_HI=fmt_high.tokens, T_LO=fmt_low_.tokens,
@@ -248,7 +252,8 @@ def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[P
     row_bytes = max(D * isz if bits == 16 else D * bits // 8 for bits in (fmt_high.key_bits, fmt_high.value_bits))
     _apply_kernel[(B, NC)](
         pc, st.pool, st.pool.view(torch.float16), pi, st.page_table, st.len_high, st.len_low, st.held_high,
-        st.held_low, st.free_list, st.counters, st.next_growth, slots, seq_len, aux, *fields, page_out, row_out,
+        st.held_low, st.low_armed, st.free_list, st.counters, st.next_growth, slots, seq_len, aux, *fields,
+        page_out, row_out,
         B, LH, NC, H, P1 - 1, st.pool.shape[0], st.page_table.stride(0), fmt_high.page_bytes // isz,
         fmt_high.page_bytes, D, *seg_offsets(fmt_high, "k"), *seg_offsets(fmt_high, "v"), *seg_offsets(fmt_low_, "k"),
         *seg_offsets(fmt_low_, "v"), *fmt_high.tracked_words(), *fmt_low_.tracked_words(),  # read with a plan only
@@ -267,8 +272,8 @@ def decode_pages(st: PageState, fmt_high: PageFormat, fmt_low: Optional[PageForm
 
     slots int32 [B]; seq_len int32 [B] (tokens after this step's token; 0 = a padding row); plan: the
     compression_plan of this step (diffkv, fmt_low given) or None (one precision); low_grows: whether the
-    policy can send a token to the low section (not the budget policy), so whether an empty or full low
-    section counts in the next growth bound. Returns the new tokens' write targets (page, row), int32
+    policy can send a token to the low section (not the budget policy), so whether a full low section (or an
+    empty one the plan armed) counts in the next growth bound. Returns the new tokens' write targets (page, row), int32
     [L, B, H]. No host synchronization: a CUDA graph can capture it.
     """
     if (plan is None) != (fmt_low is None):

@@ -167,3 +167,4 @@ class PageState(NamedTuple):
     free_list: torch.Tensor  # int32 [num_pages + 1]
     counters: torch.Tensor  # int64 [2]: (start, end)
     next_growth: torch.Tensor  # int64 [S]
+    low_armed: torch.Tensor  # int32 [S, L, H]: compression_plan's new_low_armed of each head's last step

@@ -68,7 +68,8 @@ def _naive(hi, lo, n0, N, ah, al, window, Q, prunable=(0, 2**30)):
 
     lmean = [f32(sc) / f32(_count(p, n0, N, Q)) if prunable[0] <= p < prunable[1] else f32(float("inf"))
              for p, sc in lo]
-    res = dict(high_hole=-1, to_low_src=-1, low_dst=-1, action=0, new_len_high=len(hi), new_len_low=len(lo))
+    res = dict(high_hole=-1, to_low_src=-1, low_dst=-1, action=0, new_len_high=len(hi), new_len_low=len(lo),
+               new_low_armed=1)  # without a lazy count (min_low 0) every head is armed
     c = N - 1 - window
     jc = next((j for j, (p, _) in enumerate(hi) if p == c), None)
     if c < 0 or c < n0 - window or jc is None:
@@ -102,30 +103,37 @@ def _naive(hi, lo, n0, N, ah, al, window, Q, prunable=(0, 2**30)):
     return res
 
 
-def _naive_lazy(hi, lo, n0, N, ah, al, window, Q, min_low):
+def _naive_lazy(hi, lo, n0, N, ah, al, window, Q, min_low, armed=None):
     """The lazy low section on top of _naive: while the low section is empty and fewer than min_low old high
-    tokens are below th_h, nothing goes to it (a demotion or an append keeps the token high: action 1)."""
+    tokens are below th_h (or, with `armed` given, the previous step's count had not reached min_low: armed 0),
+    nothing goes to it (a demotion or an append keeps the token high: action 1). new_low_armed: this step's count
+    reached min_low (a head with nothing to decide, c < 0 or c < n0 - window, counts none)."""
     res = _naive(hi, lo, n0, N, ah, al, window, Q)
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
     th_h = f32(ah) / f32(N)
-    below = sum(1 for p, sc in hi if p < N - window and f32(sc) / f32(_count(p, n0, N, Q)) < th_h)
-    if not lo and below < min_low and res["action"] in (2, 4):
+    c = N - 1 - window
+    below = sum(1 for p, sc in hi if p < N - window and f32(sc) / f32(_count(p, n0, N, Q)) < th_h) \
+        if c >= 0 and c >= n0 - window else 0
+    ready = below >= min_low and armed in (None, 1)
+    if not lo and not ready and res["action"] in (2, 4):
         res.update(high_hole=-1, to_low_src=-1, low_dst=-1, action=1, new_len_high=len(hi), new_len_low=0)
+    res["new_low_armed"] = int(below >= min_low)
     return res
 
 
 def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None, layer_scale=None,
-              prunable=None, min_low=0):
+              prunable=None, min_low=0, low_armed=None):
     """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu). prunable: ([lo], [hi]) or None."""
     i32, f32 = torch.int32, torch.float32
     args = [t.to(DEVICE) for t in (pool, pt, len_hi, len_lo)] + [
         torch.tensor(x, dtype=dt, device=DEVICE) for x, dt in ((slots, i32), (n0, i32), (N, i32), (ah, f32), (al, f32))]
     ls = None if layer_scale is None else torch.tensor(layer_scale, dtype=f32, device=DEVICE)
     pr = None if prunable is None else tuple(torch.tensor(x, dtype=i32, device=DEVICE) for x in prunable)
+    armed = None if low_armed is None else low_armed.to(DEVICE)
     ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref",
-                           layer_scale=ls, prunable=pr, min_low=min_low)
+                           layer_scale=ls, prunable=pr, min_low=min_low, low_armed=armed)
     tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block,
-                                  layer_scale=ls, prunable=pr, min_low=min_low)
+                                  layer_scale=ls, prunable=pr, min_low=min_low, low_armed=armed)
     for f in FIELDS:
         assert ref[f].dtype == torch.int32 and ref[f].shape == tri[f].shape == (len(slots), *pt.shape[1:3]), f
         torch.testing.assert_close(tri[f].cpu(), ref[f].cpu(), atol=TOL["plan"], rtol=0, msg=f)
@@ -150,7 +158,8 @@ def _plan_one(hi, lo, n0=N0, N=NN, ah=AH, al=AL, Q=64, expect=None):
     got = {f: int(v[0, 0, 0]) for f, v in got.items()}
     assert got == _naive(hi, lo, n0, N, ah, al, WINDOW, Q)
     if expect is not None:
-        full = dict(high_hole=-1, to_low_src=-1, low_dst=-1, new_len_high=len(hi), new_len_low=len(lo))
+        full = dict(high_hole=-1, to_low_src=-1, low_dst=-1, new_len_high=len(hi), new_len_low=len(lo),
+                    new_low_armed=1)
         full.update(expect)
         assert got == full
     return got
@@ -296,15 +305,19 @@ def test_random_matches_naive(seed, block):
     assert {0, 1, 2, 3, 4, 5, 7} <= actions  # every reachable branch exercised
 
 
-@pytest.mark.parametrize("seed,min_low", [(0, 3), (1, 1000)])
-def test_lazy_low_section_matches_naive(seed, min_low):
+@pytest.mark.parametrize("seed,min_low,armed", [(0, 3, False), (1, 1000, False), (2, 3, True), (3, 3, True)])
+def test_lazy_low_section_matches_naive(seed, min_low, armed):
     """With min_low, heads with an empty low section keep low-class tokens high until min_low of their old high
-    tokens are below th_h; heads that already hold low tokens decide as Algorithm 1 does."""
+    tokens are below th_h (and, with low_armed, were at the head's previous step too); heads that already hold
+    low tokens decide as Algorithm 1 does. new_low_armed is each head's count reaching min_low."""
     args, _ = _random_case(seed)
     pool, pt, lh, ll, slots, n0s, Ns, ahs, als = args
-    got = _run_both(*args, min_low=min_low)
+    low_armed = torch.randint(0, 2, lh.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int32) \
+        if armed else None
+    got = _run_both(*args, min_low=min_low, low_armed=low_armed)
     eager = _run_both(*args)
-    kept, T_hi, P = 0, FMT_HI.tokens, pt.shape[-1] - 1
+    unarmed = _run_both(*args, min_low=min_low)
+    kept, held_back, T_hi, P = 0, 0, FMT_HI.tokens, pt.shape[-1] - 1
     for b, s in enumerate(slots):
         for l in range(pt.shape[1]):
             for h in range(pt.shape[2]):
@@ -317,10 +330,15 @@ def test_lazy_low_section_matches_naive(seed, min_low):
                     return out
                 hi = rows(lh[s, l, h], FMT_HI, lambda j: j // T_hi)
                 lo = rows(ll[s, l, h], FMT_LO, lambda j: P - 1 - j // FMT_LO.tokens)
-                want = _naive_lazy(hi, lo, n0s[b], Ns[b], ahs[b], als[b], WINDOW, 64, min_low)
+                want = _naive_lazy(hi, lo, n0s[b], Ns[b], ahs[b], als[b], WINDOW, 64, min_low,
+                                   None if low_armed is None else int(low_armed[s, l, h]))
                 assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
                 kept += int(got["action"][b, l, h] == 1 and eager["action"][b, l, h] in (2, 4))
+                held_back += int(got["action"][b, l, h] == 1 and unarmed["action"][b, l, h] in (2, 4))
     assert kept > 0  # the rule changed some decisions
+    assert (held_back > 0) == armed  # an unarmed head waits a step more than the count alone would have it
+    if min_low < 1000:  # some heads are armed for their next step, some not
+        assert 0 < int(got["new_low_armed"].sum()) < got["new_low_armed"].numel()
 
 
 @pytest.mark.parametrize("seed", [3, 4])
@@ -376,6 +394,14 @@ def test_layer_scale_shape_checked():
     with pytest.raises(ValueError, match="layer_scale"):
         compression_plan(pool, FMT_HI, FMT_LO, pt, lh, ll, *(torch.zeros(1, dtype=torch.int32) for _ in range(3)),
                          torch.ones(1), torch.ones(1), WINDOW, layer_scale=torch.ones(2))
+
+
+def test_low_armed_checked():
+    pool, pt, lh, ll = _build({}, S=2, L=1, H=2, P=4)
+    args = (*(torch.zeros(1, dtype=torch.int32) for _ in range(3)), torch.ones(1), torch.ones(1), WINDOW)
+    for bad in (torch.zeros(2, 1, 3, dtype=torch.int32), torch.zeros(2, 1, 2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="low_armed"):
+            compression_plan(pool, FMT_HI, FMT_LO, pt, lh, ll, *args, min_low=2, low_armed=bad)
 
 
 def test_empty_batch():

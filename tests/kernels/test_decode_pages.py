@@ -95,14 +95,16 @@ def _random_plan(mm, slots, seq_len, seed):
                     new_l[b, layer, h] = n_l + 1
                 elif kind == "replace":
                     f["to_low_src"][b, layer, h], f["low_dst"][b, layer, h] = j, rng.randrange(n_l)
-    f.update(new_len_high=new_h, new_len_low=new_l)
+    armed = torch.tensor([[[rng.randint(0, 1) for _ in range(H)] for _ in range(L)] for _ in range(B)],
+                         dtype=torch.int32)
+    f.update(new_len_high=new_h, new_len_low=new_l, new_low_armed=armed)
     return {k: v.to(DEVICE) for k, v in f.items()}
 
 
 def _snapshot(mm):
     return {name: getattr(mm, name).clone() for name in
             ("pool", "page_table", "held_high", "held_low", "len_high", "len_low", "free_list", "counters",
-             "next_growth")}
+             "next_growth", "low_armed")}
 
 
 def _run(mm, before, slots, seq_len, plan, impl):
@@ -187,7 +189,8 @@ def test_pages_stay_consistent():
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 def test_growth_bound_without_low_growth(impl):
     """A policy that never demotes (budget): the next growth counts only full high sides, so heads with an empty
-    low section stop reserving a page each step; with low growth they count too (empty is full)."""
+    low section stop reserving a page each step; with low growth the empty ones the plan armed count too (the
+    lazy low rule lets only those open a low page next step)."""
     counts = {}
     for low_grows in (True, False):
         mm, slots, seq_len = _state(5)
@@ -196,16 +199,21 @@ def test_growth_bound_without_low_growth(impl):
         plan["to_low_src"].fill_(-1)
         plan["low_dst"].fill_(-1)
         plan["new_len_low"].zero_()
+        n = plan["new_low_armed"].numel()  # every other head armed: both kinds among the empty low sections
+        plan["new_low_armed"] = (torch.arange(n, device=DEVICE) % 2).to(torch.int32).view_as(plan["new_len_low"])
         decode_pages(mm.page_state, mm.fmt_high, mm.fmt_low, mm.cache_dtype, slots, seq_len, plan,
                      low_grows=low_grows, impl=impl)
         real = slots[seq_len > 0].long()
-        high_full = (mm.len_high[real] >= mm.held_high[real] * mm.fmt_high.tokens).sum((1, 2))
-        low_full = (mm.len_low[real] >= mm.held_low[real] * mm.fmt_low.tokens).sum((1, 2))
-        either = ((mm.len_high[real] >= mm.held_high[real] * mm.fmt_high.tokens)
-                  | (mm.len_low[real] >= mm.held_low[real] * mm.fmt_low.tokens)).sum((1, 2))
+        hi_full = mm.len_high[real] >= mm.held_high[real] * mm.fmt_high.tokens
+        armed = mm.low_armed[real] != 0
+        assert torch.equal(armed, plan["new_low_armed"][seq_len > 0] != 0)  # stored for the next step's plan
+        no_room = mm.held_low[real] == 0  # empty and no low page held (an empty held page has room)
         counts[low_grows] = mm.next_growth[real].cpu()
-        assert torch.equal(counts[low_grows], (either if low_grows else high_full).cpu())
-        assert int(low_full.sum()) > 0  # empty low sections are there to be counted
+        want = (hi_full | (armed & no_room)) if low_grows else hi_full
+        assert torch.equal(counts[low_grows], want.sum((1, 2)).cpu())
+        if low_grows:  # the host's bound agrees (this pool was built for a policy that demotes)
+            assert torch.equal(counts[low_grows], mm.decode_growth(real).cpu())
+        assert bool((~hi_full & no_room & armed).any()) and bool((~hi_full & no_room & ~armed).any())
     assert (counts[False] < counts[True]).any()
 
 

@@ -244,7 +244,7 @@ class KVCache:
                                 layer_scale=self.layer_scale, prunable=(lo, hi),
                                 # lazy low section: open a low page only once a page's worth of tokens would go
                                 # there (a short request then holds no more pages than its high precision alone)
-                                min_low=mm.fmt_low.tokens)
+                                min_low=mm.fmt_low.tokens, low_armed=mm.low_armed)
 
     @costed("memory")
     def decode_pages(self, slots: torch.Tensor, seq_len: torch.Tensor, plan: Optional[dict],

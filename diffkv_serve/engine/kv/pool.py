@@ -12,6 +12,8 @@ All state lives on the model's device:
                                               is a trash cell, row max_seqs a dummy slot (padded graph rows)
   held_high/held_low int32 [max_seqs + 1, L, H]  pages each side of each head holds
   len_high/len_low   int32 [max_seqs + 1, L, H]  tokens in each section
+  low_armed          int32 [max_seqs + 1, L, H]  1 where the head's last decode plan let an empty low section open
+                                              a page next step (compression_plan's lazy rule, new_low_armed)
 
 Allocation and recycling for every (sequence, layer, head) of a step are one batched operation: each
 head states its demand, an exclusive prefix sum gives each a disjoint range of the circular list, and
@@ -86,6 +88,7 @@ class MemoryManager(PrefixBlocks):
         self.page_table = torch.full((S + 1, L, H, P + 1), -1, dtype=torch.int32, device=dev)
         zeros = lambda: torch.zeros(S + 1, L, H, dtype=torch.int32, device=dev)  # noqa: E731
         self.held_high, self.held_low, self.len_high, self.len_low = zeros(), zeros(), zeros(), zeros()
+        self.low_armed = zeros()
         self._slots = SequenceSlots(S)
         self._cols = torch.arange(P, device=dev, dtype=torch.int32)
         self._init_prefix_blocks()
@@ -94,7 +97,7 @@ class MemoryManager(PrefixBlocks):
     def page_state(self) -> PageState:
         """The device tensors a decode step updates (diffkv_serve/kernels/decode_pages.py)."""
         return PageState(self.pool, self.page_table, self.held_high, self.held_low, self.len_high, self.len_low,
-                         self.free_list, self.counters, self.next_growth)
+                         self.free_list, self.counters, self.next_growth, self.low_armed)
 
     # Single-precision names used by the fp16 path and the kernels' first arguments.
     @property
@@ -154,10 +157,12 @@ class MemoryManager(PrefixBlocks):
     def decode_growth(self, slots: torch.Tensor) -> torch.Tensor:
         """Most pages each sequence's next decode step can take (int64 [B], on the device): a head needs a
         page only on a side whose section is full, and at most one (the new token goes high; only a token
-        leaving high can go low)."""
+        leaving high can go low). An empty low section is full only where the head's last plan armed it: the
+        lazy low rule (compression_plan) opens it no earlier than the step after the plan that armed it."""
         full = self.len_high[slots] >= self.held_high[slots] * self.fmt_high.tokens
         if self.low_grows:
-            full |= self.len_low[slots] >= self.held_low[slots] * self.fmt_low.tokens
+            low = self.len_low[slots]
+            full |= (low >= self.held_low[slots] * self.fmt_low.tokens) & ((low > 0) | (self.low_armed[slots] != 0))
         return full.sum((1, 2), dtype=torch.int64)
 
     @property
@@ -343,7 +348,7 @@ class MemoryManager(PrefixBlocks):
         for x in slots:
             self.shared_cols[x] = 0
         self.page_table[s] = -1
-        for t in (self.held_high, self.held_low, self.len_high, self.len_low):
+        for t in (self.held_high, self.held_low, self.len_high, self.len_low, self.low_armed):
             t[s] = 0
         self._slots.release(slots)
 
