@@ -117,7 +117,7 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, reservation: str) 
            "settings": {k: getattr(cc, k) for k in MODE_SETTINGS} if mode == "diffkv" else {},
            "overflows": adm["overflows"] - before["reservation"]["overflows"], "prompt_ratio": adm.get("prompt_ratio"),
            **{k: run[k] for k in ("tokens", "seconds", "tokens_per_s", "steps", "mean_batch", "max_batch",
-                                  "compression_ratio", "phases")},
+                                  "compression_ratio", "phases", "stats_seconds")},
            "preemptions": st["num_preemptions"] - before["num_preemptions"], "pages_total": st["pages_total"],
            "page_bytes": st["page_bytes"]}
     if args.trace:
@@ -203,7 +203,8 @@ def parse_args(argv):
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--hf-prompts", type=int, default=32, help="prompts given to transformers (a subset)")
     ap.add_argument("--hf-batch", type=int, default=32)
-    ap.add_argument("--stats-every", type=int, default=8, help="steps between batch/compression samples")
+    ap.add_argument("--stats-every", type=int, default=8, help="steps between batch/compression samples (0: none, "
+                    "nothing reads the device between steps; the mean batch from decode steps)")
     ap.add_argument("--trace", action="store_true",
                     help="record every stats sample (batch, queue, pages, tokens high/low/pruned) per mode")
     ap.add_argument("--warmup", choices=("short", "full"), default="short",
@@ -223,6 +224,8 @@ def parse_args(argv):
             parse_mode(m)
         except ValueError as e:
             ap.error(str(e))
+    if args.stats_every < 0:
+        ap.error(f"--stats-every must be >= 0, got {args.stats_every}")
     if args.smoke:
         args.model = args.model or "random:tiny"
         args.device, args.prompts = "cpu", "synthetic"
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
             pf, dc = ph["prefill"], ph["decode"]
             print(f"{r['mode']}: {pf['steps']} prompt steps ({pf['tokens']} tokens) {pf['seconds']:.2f} s; "
                   f"{dc['steps']} decode steps {dc['seconds']:.2f} s "
-                  f"({1e3 * dc['seconds'] / max(dc['steps'], 1):.3f} ms each)")
+                  f"({1e3 * dc['seconds'] / max(dc['steps'], 1):.3f} ms each); stats reads {r['stats_seconds']:.2f} s")
     result = {"benchmark": "throughput", "device": gpu, "torch": torch.__version__, "model": ckpt.name,
               "command": "python benchmarks/throughput.py " + " ".join(argv),
               "config": {k: v for k, v in vars(args).items() if k not in ("quiet",)}, "rows": rows}

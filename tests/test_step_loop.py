@@ -41,3 +41,15 @@ def test_no_phases_without_a_scheduler_counter():
     eng = FakeEngine()
     eng.scheduler = None
     assert step_until_done(eng, 12, "t", quiet=True, stats_every=100)["phases"] is None
+
+
+def test_stats_every_zero_reads_nothing_and_counts_decode_tokens():
+    eng = FakeEngine()
+    eng.stats = None  # must not be called
+    run = step_until_done(eng, 12, "t", quiet=True, stats_every=0)
+    assert run["mean_batch"] == 2 and run["compression_ratio"] is None and run["stats_seconds"] == 0.0
+
+
+def test_stats_are_sampled_and_timed():
+    run = step_until_done(FakeEngine(), 12, "t", quiet=True, stats_every=2)
+    assert run["mean_batch"] == 2 and run["max_batch"] == 2 and 0.0 <= run["stats_seconds"] <= run["seconds"]

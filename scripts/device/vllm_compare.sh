@@ -9,6 +9,7 @@
 #     bash scripts/device/vllm_compare.sh serving [PART...]      # 1,024 x 512 in x 256 out, 8 GiB pool
 #     bash scripts/device/vllm_compare.sh profile [FLAG...]      # one decode step of each engine, kernel by kernel
 #                                                                # (benchmarks/decode_step_profile.py FLAGs)
+# Our rows read nothing from the device between steps (--stats-every 0), as vLLM's generate() is timed.
 # PARTs (default vllm ours-fp16 ours-fp8, in this order): vllm (bf16 then fp8, each in its own process), ours-fp16,
 # ours-fp8, and on request ours-int4 (our K4V4 cache, which vLLM 0.26 has no counterpart of); each
 # runs under its own time limit inside the command's budget ($BUDGET_S, default 570 s), so one failing or
@@ -127,7 +128,7 @@ for p in "${PARTS[@]}"; do
     ours-fp16|ours-fp8|ours-int4)
       mode=${p#ours-}
       part "$p" $([ "$mode" = fp16 ] && echo 220 || echo 180) "$PYTHON" benchmarks/throughput.py "${common[@]}" \
-        --no-hf --modes "$mode" --warmup full --quiet --out "$(ours_json "$mode")" ;;
+        --no-hf --modes "$mode" --warmup full --quiet --stats-every 0 --out "$(ours_json "$mode")" ;;
   esac
 done
 
