@@ -9,6 +9,7 @@ prefix caching off. Each runs in a process of its own after a warm-up that captu
 - kernels per decode step: the same two calls under torch.profiler (CUDA activity only; kernels replayed from a
   CUDA graph are recorded one by one), each kernel's calls and time in the longer run minus the shorter, over N.
 So prefill work cancels and what remains is N decode steps at batch --batch and about --prompt-len cached tokens.
+The short call alone is the prefill of every prompt (and its one token): its wall time and kernels are kept too.
 
 vLLM's process sees only --vllm-site (it never imports this project) and runs its engine core in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the profiler sees its kernels. Where vLLM cannot run (CPU, CI) its row
@@ -118,7 +119,11 @@ def measure(generate, prompts: list[list[int]], steps: int, synchronize) -> dict
             synchronize()
         totals.append(kernel_totals(prof, cuda))
     kernels = per_step(totals[0], totals[1], steps)
-    return {"wall_ms_per_step": (t_long - t_short) / steps * 1e3,
+    prefill = per_step({}, totals[0], 1)  # the short run: the prompts' prefill and its one token
+    return {"prefill_ms": t_short * 1e3, "prefill_tokens": sum(map(len, prompts)),
+            "prefill_kernel_ms": sum(r["us"] for r in prefill) / 1e3, "prefill_kernels": prefill[:40],
+            "prefill_categories": summarize(prefill),
+            "wall_ms_per_step": (t_long - t_short) / steps * 1e3,
             "kernel_ms_per_step": sum(r["us"] for r in kernels) / 1e3,
             "kernels_per_step": sum(r["calls"] for r in kernels),
             "categories": summarize(kernels), "kernels": kernels}
@@ -191,6 +196,8 @@ def print_tables(rows: dict[str, dict], top: int) -> None:
     print("wall ms               " + "".join(f"{done[n]['wall_ms_per_step']:>16.3f}" for n in names))
     print("kernel ms             " + "".join(f"{done[n]['kernel_ms_per_step']:>16.3f}" for n in names))
     print("kernels               " + "".join(f"{done[n]['kernels_per_step']:>16.0f}" for n in names))
+    print("prefill ms (wall)     " + "".join(f"{done[n]['prefill_ms']:>16.2f}" for n in names))
+    print("prefill ms (kernels)  " + "".join(f"{done[n]['prefill_kernel_ms']:>16.2f}" for n in names))
     cats = sorted({c for r in done.values() for c in r["categories"]})
     for c in cats:
         cells = "".join(f"{done[n]['categories'].get(c, {}).get('us', 0) / 1e3:>9.3f} ms"

@@ -60,3 +60,6 @@ def test_smoke(tmp_path):
     assert ours["wall_ms_per_step"] > 0 and ours["kernels_per_step"] > 0
     assert ours["kernel_ms_per_step"] == pytest.approx(sum(r["us"] for r in ours["kernels"]) / 1e3)
     assert sum(c["us"] for c in ours["categories"].values()) == pytest.approx(ours["kernel_ms_per_step"] * 1e3)
+    # The prefill alone (the short call): its wall time and what its kernels did.
+    assert ours["prefill_ms"] > 0 and ours["prefill_tokens"] == 4 * 32 and ours["prefill_kernels"]
+    assert sum(c["us"] for c in ours["prefill_categories"].values()) == pytest.approx(ours["prefill_kernel_ms"] * 1e3)
