@@ -12,11 +12,13 @@ from diffkv_serve.engine.flags import ENGINE_FLAGS, add_engine_flags, engine_con
 ROOT = Path(__file__).resolve().parents[1]
 # A flag of these names defined anywhere else is a second definition of an engine setting. loadtest/sweep.py's
 # --device only labels a results file and the load tests' --model names the served model (no engine runs there);
-# benchmarks/vllm_baseline.py configures vLLM, not this engine.
+# benchmarks/vllm_baseline.py configures vLLM, not this engine; benchmarks/decode_step_profile.py's --model names
+# the random-weight preset both engines build (its vLLM process never imports this project's flags).
 ENGINE_FLAG_RE = re.compile(r"""add_argument\(\s*["']--(model|device|dtype|kv-mode|max-model-len|alpha-high|"""
                             r"""alpha-low|kv-cache-memory-gb|tensor-parallel-size)["']""")
 LABEL_ONLY = {("loadtest/sweep.py", "device"), ("loadtest/locustfile.py", "model"), ("loadtest/sweep.py", "model"),
-              ("benchmarks/vllm_baseline.py", "model"), ("benchmarks/vllm_baseline.py", "max-model-len")}
+              ("benchmarks/vllm_baseline.py", "model"), ("benchmarks/vllm_baseline.py", "max-model-len"),
+              ("benchmarks/decode_step_profile.py", "model")}
 
 
 def test_engine_flags_are_defined_in_one_module():
