@@ -64,12 +64,8 @@ def decode_pages_ref(st: PageState, fmt_high: PageFormat, fmt_low: Optional[Page
         st.len_high[slots] = new_high + active
         st.len_low[slots] = new_low
         st.low_armed[slots] = plan["new_low_armed"]
-        full = st.len_high[slots] >= st.held_high[slots] * T_hi
-        if low_grows:  # a policy that never demotes (budget) never needs a low page
-            # an empty low section opens a page next step only where this step's plan armed it (lazy rule)
-            full |= (new_low >= st.held_low[slots] * fmt_low.tokens) & ((new_low > 0) | (st.low_armed[slots] != 0))
         # What the scheduler reads next step; padding rows (the dummy slot) keep theirs.
-        grown = full.sum((1, 2), dtype=torch.int64)
+        grown = growth_bound(st, slots, T_hi, fmt_low.tokens, low_grows)
         st.next_growth[slots] = torch.where(seq_len > 0, grown, st.next_growth[slots])
     else:
         new_high = st.len_high[slots] + active
@@ -78,6 +74,19 @@ def decode_pages_ref(st: PageState, fmt_high: PageFormat, fmt_low: Optional[Page
         st.len_high[slots] = new_high
     page, row = high(st.len_high[slots] - 1)
     return page.permute(1, 0, 2).contiguous(), row.permute(1, 0, 2).contiguous()
+
+
+def growth_bound(st: PageState, slots: torch.Tensor, tokens_high: int, tokens_low: int, low_grows: bool
+                 ) -> torch.Tensor:
+    """Most pages each sequence's next decode step can take (int64 [B]), from its heads' sections as they stand: a
+    head needs a page only on a side whose section is full, at most one per side. low_grows: the policy can send a
+    token low (not the budget policy); an empty low section then counts only where the head's last plan armed it
+    (compression_plan's lazy low rule opens it no earlier than the step after). _apply_kernel computes the same."""
+    full = st.len_high[slots] >= st.held_high[slots] * tokens_high
+    if low_grows:
+        low = st.len_low[slots]
+        full |= (low >= st.held_low[slots] * tokens_low) & ((low > 0) | (st.low_armed[slots] != 0))
+    return full.sum((1, 2), dtype=torch.int64)
 
 
 # ---- kernels --------------------------------------------------------------------------------------------------
@@ -273,7 +282,8 @@ def decode_pages(st: PageState, fmt_high: PageFormat, fmt_low: Optional[PageForm
     slots int32 [B]; seq_len int32 [B] (tokens after this step's token; 0 = a padding row); plan: the
     compression_plan of this step (diffkv, fmt_low given) or None (one precision); low_grows: whether the
     policy can send a token to the low section (not the budget policy), so whether a full low section (or an
-    empty one the plan armed) counts in the next growth bound. Returns the new tokens' write targets (page, row), int32
+    empty one the plan armed) counts in the next growth bound (growth_bound). Returns the new tokens' write
+    targets (page, row), int32
     [L, B, H]. No host synchronization: a CUDA graph can capture it.
     """
     if (plan is None) != (fmt_low is None):

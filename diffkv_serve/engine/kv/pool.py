@@ -33,6 +33,7 @@ from diffkv_serve.engine.kv.layout import CacheShape, cdiv
 from diffkv_serve.engine.kv.prefix_blocks import PrefixBlocks
 from diffkv_serve.engine.kv.reservation import worst_case_growth, worst_case_pages
 from diffkv_serve.engine.kv.slots import SequenceSlots
+from diffkv_serve.kernels.decode_pages import growth_bound
 from diffkv_serve.kernels.page_alloc import grow_pages
 from diffkv_serve.kernels.page_layout import PageFormat, PageState, page_bytes_for
 from diffkv_serve.kernels.prompt_page_fit import fit_prompt_pages
@@ -159,11 +160,8 @@ class MemoryManager(PrefixBlocks):
         page only on a side whose section is full, and at most one (the new token goes high; only a token
         leaving high can go low). An empty low section is full only where the head's last plan armed it: the
         lazy low rule (compression_plan) opens it no earlier than the step after the plan that armed it."""
-        full = self.len_high[slots] >= self.held_high[slots] * self.fmt_high.tokens
-        if self.low_grows:
-            low = self.len_low[slots]
-            full |= (low >= self.held_low[slots] * self.fmt_low.tokens) & ((low > 0) | (self.low_armed[slots] != 0))
-        return full.sum((1, 2), dtype=torch.int64)
+        return growth_bound(self.page_state, slots, self.fmt_high.tokens,
+                            self.fmt_low.tokens if self.fmt_low is not None else 0, self.low_grows)
 
     @property
     def two_sided(self) -> bool:
