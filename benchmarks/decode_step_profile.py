@@ -33,7 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import write_result  # noqa: E402  (imports nothing of this project: the vLLM child uses it too)
+# Neither imports anything of this project: the vLLM child uses them too.
+from _results import write_result  # noqa: E402
+from vllm_baseline import CACHE_DTYPES, model_folder, run_child, vllm_llm, vllm_missing  # noqa: E402
 
 # Kernel name -> what it does, first match wins (case-insensitive). Attention before GEMMs: FlashAttention's Hopper
 # kernels carry "Sm90" in their names as cuBLAS's do.
@@ -139,11 +141,11 @@ def run_ours(spec: dict) -> dict:
 
     ckpt = load_checkpoint(spec["model"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    mode = {"bf16": "fp16", "fp8": "fp8"}[spec["cache"]]
+    mode = CACHE_DTYPES[spec["cache"]][1]
     cfg = EngineConfig(model=spec["model"], device=device, max_model_len=spec["max_model_len"],
                        cache={"kv_mode": mode, "kv_cache_memory_gb": spec["kv_memory_gb"],
                               "enable_prefix_caching": False},
-                       scheduler={"max_num_seqs": max(spec["batch"], 8),
+                       scheduler={"max_num_seqs": spec["max_num_seqs"],
                                   "max_num_batched_tokens": spec["max_num_batched_tokens"]})
     engine = LLMEngine(cfg, checkpoint=ckpt)
     counter = iter(range(10**9))
@@ -163,24 +165,19 @@ def run_ours(spec: dict) -> dict:
 
 def run_vllm(spec: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: the profiler sees it
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried; FA3 does attention
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=spec["folder"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[spec["cache"]],
-              kv_cache_memory_bytes=int(spec["kv_memory_gb"] * 2**30), enable_prefix_caching=False,
-              max_num_seqs=max(spec["batch"], 8), max_num_batched_tokens=spec["max_num_batched_tokens"],
-              max_model_len=spec["max_model_len"], seed=0)
+    llm = vllm_llm(spec, spec["cache"])
 
     def generate(prompts, max_tokens):
         llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                      SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0), use_tqdm=False)
 
     res = measure(generate, spec["prompts"], spec["steps"], torch.cuda.synchronize)
-    return {"engine": f"vLLM {vllm.__version__}", "kv_cache_dtype": spec["cache"], "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "vllm": vllm.__version__, **res}
+    return {"engine": f"vLLM {vllm.__version__}", "kv_cache_dtype": spec["cache"],
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__, **res}
 
 
 # ---- driver --------------------------------------------------------------------------------------------------
@@ -213,7 +210,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", nargs="+", default=["ours", "vllm"], choices=["ours", "vllm"])
     ap.add_argument("--model", default="random:qwen2.5-1.5b", help="random:<preset>")
-    ap.add_argument("--cache", default="bf16", choices=["bf16", "fp8"], help="KV cache format of both engines")
+    ap.add_argument("--cache", default="bf16", choices=sorted(CACHE_DTYPES), help="KV cache format of both engines")
     ap.add_argument("--batch", type=int, default=32, help="sequences decoding together")
     ap.add_argument("--prompt-len", type=int, default=1024, help="tokens cached when decoding starts")
     ap.add_argument("--steps", type=int, default=32, help="decode steps measured")
@@ -250,16 +247,15 @@ def main(argv=None) -> int:
     import random
 
     from diffkv_serve.engine.loader.presets import ARCH_PRESETS
-    from vllm_baseline import model_folder, run_child, vllm_missing
 
     vocab = ARCH_PRESETS[args.model.removeprefix("random:")].vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab // 8, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder, _ = model_folder(args.model, Path(tmp))
-        spec = {"prompts": prompts, "folder": str(folder), "model": args.model, "cache": args.cache,
-                "steps": args.steps, "batch": args.batch, "kv_memory_gb": args.kv_memory_gb,
+        folder, dummy = model_folder(args.model, Path(tmp))
+        spec = {"prompts": prompts, "folder": str(folder), "dummy": dummy, "model": args.model, "cache": args.cache,
+                "steps": args.steps, "max_num_seqs": max(args.batch, 8), "seed": 0, "kv_memory_gb": args.kv_memory_gb,
                 "max_model_len": args.prompt_len + args.steps + 8,
                 "max_num_batched_tokens": args.max_num_batched_tokens}
         spec_path = Path(tmp) / "spec.json"

@@ -110,21 +110,31 @@ def vllm_missing(site: str | None) -> str | None:
     return None
 
 
+def vllm_llm(spec: dict, dtype: str, **kw):
+    """vLLM as every comparison here configures it: bf16 weights from spec's folder (dummy ones where
+    spec["dummy"]), the KV cache dtype of CACHE_DTYPES[dtype] in a pool of spec's kv_memory_gb, prefix caching
+    off, spec's batch limits, max_model_len (where given) and seed; kw: further LLM arguments."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried; FA3 does attention
+    from vllm import LLM
+
+    if spec.get("max_model_len"):
+        kw["max_model_len"] = spec["max_model_len"]
+    return LLM(model=spec["folder"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
+               dtype="bfloat16", kv_cache_dtype=CACHE_DTYPES[dtype][0],
+               kv_cache_memory_bytes=int(spec["kv_memory_gb"] * 2**30), enable_prefix_caching=False,
+               max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+               seed=spec["seed"], **kw)
+
+
 def run_one(spec: dict, dtype: str) -> dict:
     """One cache dtype in this process: start vLLM, warm up, time generate(). `spec` holds everything it needs
     (prompts, model folder, limits): this process imports vLLM and torch alone, never this project."""
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried; FA3 does attention
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    kw = {"max_model_len": spec["max_model_len"]} if spec["max_model_len"] else {}
     t0 = time.perf_counter()
-    llm = LLM(model=spec["folder"], load_format="dummy" if spec["dummy"] else "auto", skip_tokenizer_init=True,
-              dtype="bfloat16", kv_cache_dtype=CACHE_DTYPES[dtype][0],
-              kv_cache_memory_bytes=int(spec["kv_memory_gb"] * 2**30), enable_prefix_caching=False,
-              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              seed=spec["seed"], disable_log_stats=False, **kw)  # stats on: get_metrics() counts preemptions
+    llm = vllm_llm(spec, dtype, disable_log_stats=False)  # stats on: get_metrics() counts preemptions
     startup = time.perf_counter() - t0
     inputs = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     sp = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True, temperature=0)
@@ -134,13 +144,14 @@ def run_one(spec: dict, dtype: str) -> dict:
         llm.generate(inputs[: spec["max_num_seqs"]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0),
                      use_tqdm=False)
     torch.cuda.synchronize()
-    before, counted = preemptions(llm), metric_totals(llm)
+    counted = metric_totals(llm)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    after = preemptions(llm)
-    metrics = {k: v - counted.get(k, 0.0) for k, v in metric_totals(llm).items()}
+    totals = metric_totals(llm)
+    before, after = preemptions(counted), preemptions(totals)
+    metrics = {k: v - counted.get(k, 0.0) for k, v in totals.items()}
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"mode": f"vllm-{dtype}", "engine": f"vLLM {vllm.__version__}", "kv_cache_dtype": CACHE_DTYPES[dtype][0],
             "compare_with": CACHE_DTYPES[dtype][1], "tokens": generated, "seconds": wall,
@@ -173,14 +184,10 @@ def metric_totals(llm) -> dict[str, float]:
     return totals
 
 
-def preemptions(llm) -> float | None:
-    """vLLM's preemption counter (its Prometheus metric, read through LLM.get_metrics), or None where this vLLM
-    does not expose it: the timed rows must not depend on it."""
-    try:
-        return sum(m.value for m in llm.get_metrics() if "num_preemptions" in m.name)
-    except Exception as e:  # noqa: BLE001 - a metrics API change loses this column only
-        print(f"vllm_baseline: preemptions not read ({type(e).__name__}: {e})", file=sys.stderr)
-        return None
+def preemptions(totals: dict[str, float]) -> float | None:
+    """vLLM's preemption counter (its Prometheus metric) from metric_totals, or None where this vLLM exposes no
+    metrics: the timed rows must not depend on it."""
+    return sum(v for k, v in totals.items() if "num_preemptions" in k) if totals else None
 
 
 def run_all(args, argv: list[str]) -> int:
