@@ -572,8 +572,8 @@ def render_performance() -> str:
 
 def render_index() -> str:
     """benchmarks/results/README.md: every recorded file, what it measures, where, when."""
-    shown = [ATTENTION, KERNEL_AB, *THROUGHPUT_AT_ACCURACY_RUNS, *VLLM_RUNS, DECODE_STEP_PROFILE, THROUGHPUT_TRACE, THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER,
-             SERVE_SWEEP, TENSOR_PARALLEL]
+    shown = [ATTENTION, KERNEL_AB, *THROUGHPUT_AT_ACCURACY_RUNS, *VLLM_RUNS, DECODE_STEP_PROFILE, THROUGHPUT_TRACE,
+             THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER, SERVE_SWEEP, TENSOR_PARALLEL]
     lines = ["# Recorded results", "",
              "The runs behind [docs/PERFORMANCE.md](../../docs/PERFORMANCE.md), which shows them with their commands "
              "(`python benchmarks/summarize_results.py` writes both pages). A `.json.gz` file is the JSON its command "
