@@ -11,7 +11,8 @@ import torch
 from diffkv_serve.engine import EngineConfig
 from diffkv_serve.engine.config import GRAPH_BATCH_CAP
 from diffkv_serve.engine.graph_memory import (graph_batch_limit, graph_buckets, graph_memory_estimate,
-                                              kv_pool_bytes, step_activation_bytes)
+                                              kv_pool_bytes, prefill_buckets, prefill_graph_bytes,
+                                              step_activation_bytes)
 from diffkv_serve.engine.kv.layout import CacheShape, pages_for_bytes
 from diffkv_serve.engine.loader.presets import ARCH_PRESETS
 from diffkv_serve.engine.model import CausalLM
@@ -74,6 +75,7 @@ def _fake_runner(monkeypatch, enforce_eager: bool, **cfg):
     config = EngineConfig(enforce_eager=enforce_eager, **cfg)
     runner = SimpleNamespace(config=config, device=torch.device("cuda"), arch=QWEN, dtype=torch.bfloat16)
     runner._graph_batch = lambda: ModelRunner._graph_batch(runner)
+    runner._prefill_graph_tokens = lambda diffkv: ModelRunner._prefill_graph_tokens(runner, diffkv)
     shape = CacheShape(QWEN.num_layers, QWEN.num_kv_heads, QWEN.head_dim, config.scheduler.max_num_seqs, 4096, 16)
     _fake_runner.last = runner
     return ModelRunner._num_pages(runner, shape), shape, free, total, config
@@ -88,7 +90,8 @@ def test_pool_is_sized_after_the_graphs_budget(monkeypatch):
     assert _fake_runner.calls == ["empty_cache", "mem_get_info"]
     assert eager == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act, config.cache.tracks_tokens())
     est = graph_memory_estimate(QWEN, 512, 2)
-    assert graphs == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - est,
+    prompt_graphs = prefill_graph_bytes(QWEN, 4096, 2)  # max_prefill_graph_tokens: short prompt steps
+    assert graphs == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - est - prompt_graphs,
                                     config.cache.tracks_tokens())
     assert _fake_runner.last.graph_budget == est  # what DecodeGraphs checks its measured memory against
     assert eager > graphs
@@ -99,6 +102,34 @@ def test_pool_is_sized_after_the_graphs_budget(monkeypatch):
     # fewer scheduled sequences: fewer captured rows, a smaller reservation
     small, *_ = _fake_runner(monkeypatch, False, scheduler={"max_num_seqs": 32, "max_num_batched_tokens": 8192})
     assert graphs < small < eager
+
+
+def test_prompt_step_graphs_sizes_and_budget(monkeypatch):
+    assert prefill_buckets(4096) == [128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert prefill_buckets(100) == [100] and prefill_buckets(3000)[-2:] == [2048, 3000]
+    with pytest.raises(ValueError, match="max_tokens"):
+        prefill_buckets(0)
+    assert prefill_graph_bytes(QWEN, 0, 2) == 0
+    one = prefill_graph_bytes(QWEN, 4096, 2)
+    assert 200 * 2**20 < one < 500 * 2**20  # about one 4,096-token forward's activations
+    assert prefill_graph_bytes(QWEN, 2048, 2) < one
+    sched = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    with_graphs, shape, free, total, config = _fake_runner(monkeypatch, False, scheduler=sched)
+    runner = _fake_runner.last
+    assert ModelRunner._prefill_graph_tokens(runner, False) == 4096
+    assert ModelRunner._prefill_graph_tokens(runner, True) == 0  # diffkv prompt steps stay eager
+    # never past the scheduler's prompt-step size; 0 turns them off
+    small, *_ = _fake_runner(monkeypatch, False, scheduler={**sched, "max_num_batched_tokens": 1024})
+    assert ModelRunner._prefill_graph_tokens(_fake_runner.last, False) == 1024
+    off, *_ = _fake_runner(monkeypatch, False, scheduler=sched, max_prefill_graph_tokens=0)
+    assert ModelRunner._prefill_graph_tokens(_fake_runner.last, False) == 0
+    act = 64 * 8192 * QWEN.hidden_size
+    assert off == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - graph_memory_estimate(
+        QWEN, 256, 2), tracked=False) > with_graphs
+    eager, *_ = _fake_runner(monkeypatch, True, scheduler=sched)
+    assert ModelRunner._prefill_graph_tokens(_fake_runner.last, False) == 0
+    with pytest.raises(pydantic.ValidationError, match="max_prefill_graph_tokens"):
+        EngineConfig(max_prefill_graph_tokens=-1)
 
 
 def test_logits_into_a_static_buffer_equal_the_allocating_path():

@@ -41,6 +41,6 @@ class PagedAttention:
             # prefix blocks' K/V (read from their pages) when it has some.
             cu_k = None if m.cached_prefix is None else m.cached_prefix.cu_seqlens_k
             with cost_range("attention"):
-                return prefill_attention(q, k, v, m.cu_seqlens, m.max_len, self.scale, cu_seqlens_k=cu_k)
+                return prefill_attention(q, k, v, m.cu_seqlens, self.scale, cu_seqlens_k=cu_k)
         return self.kv.decode_attend(layer, q, k, v, m.positions, m.dst_page, m.dst_row, m.slots, self.scale,
                                      m.max_len)

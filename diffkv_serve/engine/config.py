@@ -232,11 +232,17 @@ class EngineConfig(BaseModel):
         "auto", description="weights and unquantized cache values; auto: bfloat16 on CUDA, float32 on CPU")
     max_model_len: Optional[int] = Field(None, ge=1, description="default: the model's context length")
     seed: int = Field(0, description="torch seed of the engine (random weights, requests without a seed)")
-    enforce_eager: bool = Field(False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly instead of replaying CUDA graphs")
     max_graph_batch_size: int = Field(
         256, ge=1, le=GRAPH_BATCH_CAP,
         description="largest decode batch captured in a CUDA graph (also at most scheduler.max_num_seqs); larger "
                     "batches run eagerly. The graphs' memory is taken from the KV pool's budget")
+    max_prefill_graph_tokens: int = Field(
+        4096, ge=0,
+        description="largest prompt step (in tokens, also at most scheduler.max_num_batched_tokens) replayed from a "
+                    "CUDA graph, for single-precision caches on one rank; 0: every prompt step eager. Short prompt "
+                    "steps wait on the host's kernel launches otherwise. The graphs' memory is taken from the KV "
+                    "pool's budget")
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks the model is split over (heads by whole KV groups, MLP columns); at most the "
                              "model's KV head count")

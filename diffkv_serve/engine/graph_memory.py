@@ -1,4 +1,4 @@
-"""What the decode CUDA graphs cost in device memory, counted against the KV pool's budget before the pool is sized.
+"""What the CUDA graphs (decode steps, short prompt steps) cost in device memory, counted against the KV pool's budget before the pool is sized.
 
 Graphs are captured after the pool exists (they replay the paged cache's memory management), so their memory is
 reserved from an estimate, as vLLM reserves room for what it cannot profile before sizing its KV cache:
@@ -54,6 +54,31 @@ def graph_memory_estimate(arch: ModelArch, max_batch: int, dtype_bytes: int, num
     logits = 4 * max_batch * arch.vocab_size
     pool = step_activation_bytes(arch, max_batch, dtype_bytes, num_heads, num_kv_heads)
     return logits + pool + PER_BUCKET_BYTES * len(graph_buckets(max_batch))
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts prompt-step graphs are captured for: 128, 256, 512, then steps of about 1.5x (768, 1024,
+    1536, 2048, 3072, ...) below max_tokens, and max_tokens (a step pads to the next one)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    sizes, b = [128, 256, 512], 512
+    while b < max_tokens:
+        sizes += [b * 3 // 2, b * 2]
+        b *= 2
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+def prefill_graph_bytes(arch: ModelArch, max_tokens: int, dtype_bytes: int, num_heads: int | None = None,
+                        num_kv_heads: int | None = None) -> int:
+    """Bytes the prompt-step graphs up to `max_tokens` tokens take: one largest forward's activations (the pool
+    the buckets share), the static inputs (ids, positions and per-layer write targets) and the per-bucket cost."""
+    if max_tokens <= 0:
+        return 0
+    h = arch.num_heads if num_heads is None else num_heads
+    hk = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    per_token = dtype_bytes * (3 * arch.intermediate_size + 6 * arch.hidden_size + 2 * (h + 2 * hk) * arch.head_dim)
+    per_token += 16 + 8 * arch.num_layers * hk  # ids, positions; page and row of every (layer, KV head)
+    return max_tokens * per_token + PER_BUCKET_BYTES * len(prefill_buckets(max_tokens))
 
 
 def kv_pool_bytes(free: int, total: int, utilization: float, activation_bytes: int, graph_bytes: int,

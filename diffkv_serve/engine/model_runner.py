@@ -13,7 +13,8 @@ from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.config import EngineConfig
 from diffkv_serve.engine.devices import device_name
 from diffkv_serve.engine.grammar import TokenMasks
-from diffkv_serve.engine.graph_memory import graph_batch_limit, graph_memory_estimate, kv_pool_bytes
+from diffkv_serve.engine.graph_memory import (graph_batch_limit, graph_memory_estimate, kv_pool_bytes,
+                                              prefill_graph_bytes)
 from diffkv_serve.engine.host_copy import to_device
 from diffkv_serve.engine.kv.layout import CacheShape, pages_for_bytes
 from diffkv_serve.engine.kv.policy import CachedPrefix, KVCache, PrefillInfo
@@ -128,6 +129,13 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.model, self.attn, self._graph_batch(), max_model_len, self.token_table,
                                        self.graph_budget)
+        self.prefill_graphs = None
+        tokens = self._prefill_graph_tokens(self.kv.diffkv)
+        if tokens > 0:
+            from diffkv_serve.engine.prefill_graph import PrefillGraphs
+
+            self.prefill_graphs = PrefillGraphs(self.model, self.attn, tokens,
+                                                min(config.scheduler.max_num_seqs, tokens))
         log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.resolved_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
@@ -162,16 +170,28 @@ class ModelRunner:
             # Blocks PyTorch caches but no tensor holds (an engine freed before this one) are free for the pool.
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of a full batch of prefill tokens and logits, and for the decode graphs.
+            # Leave room for activations of a full batch of prefill tokens and logits, and for the CUDA graphs
+            # (decode steps; short prompt steps).
             act = 64 * self.config.scheduler.max_num_batched_tokens * self.arch.hidden_size
+            dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+            heads = (self.arch.group_size * shape.num_kv_heads, shape.num_kv_heads)  # this rank's
             graphs = 0 if self.config.enforce_eager else graph_memory_estimate(
-                self.arch, self._graph_batch(), torch.empty((), dtype=self.dtype).element_size(),
-                self.arch.group_size * shape.num_kv_heads, shape.num_kv_heads)  # this rank's heads
+                self.arch, self._graph_batch(), dtype_bytes, *heads)
             self.graph_budget = graphs
+            graphs += prefill_graph_bytes(self.arch, self._prefill_graph_tokens(cc.tracks_tokens()),
+                                          dtype_bytes, *heads)
             nbytes = kv_pool_bytes(free, total, cc.gpu_memory_utilization, act, graphs)
         else:
             nbytes = 0.5 * 2**30
         return pages_for_bytes(shape, self.dtype, nbytes, cc.tracks_tokens())
+
+    def _prefill_graph_tokens(self, diffkv: bool) -> int:
+        """Largest prompt step a CUDA graph replays (0: none). DiffKV prompt steps classify tokens and take pages
+        layer by layer with host-sized launches, and a tensor-parallel forward all-reduces: both stay eager."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager or diffkv or cfg.tensor_parallel_size > 1:
+            return 0
+        return min(cfg.max_prefill_graph_tokens, cfg.scheduler.max_num_batched_tokens)
 
     def _graph_batch(self) -> int:
         return graph_batch_limit(self.config.max_graph_batch_size, self.config.scheduler.max_num_seqs)
@@ -371,7 +391,10 @@ class ModelRunner:
         self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max_q, cu_q_t, info,
                                       cached_prefix=cached_prefix)
         with cost_range("model"):
-            hidden = self.model(input_ids, positions.long(), self.attn)
+            if self._graphed_prefill(info, cached_prefix, len(ids), len(seqs)):
+                hidden = self.prefill_graphs.run(input_ids, positions, cu_q_t, dst_page, dst_row)
+            else:
+                hidden = self.model(input_ids, positions.long(), self.attn)
         self.kv.finish_prefill(info)
         with cost_range("memory"):  # the prompt's new full blocks: their pages now belong to the prefix cache
             for s in seqs:
@@ -380,6 +403,13 @@ class ModelRunner:
             if self._samples:
                 self._prompt_lp = self._prompt_logprobs(seqs, hit, cu_q.tolist(), hidden, input_ids)
             return self.model.logits(hidden[cu_q_t[1:].long() - 1])
+
+    def _graphed_prefill(self, info, cached_prefix, tokens: int, seqs: int) -> bool:
+        """A single-precision prompt step without cached-prefix reads, small enough for the prompt-step graphs;
+        calibration's key observers need eager forwards."""
+        g = self.prefill_graphs
+        return (g is not None and info is None and cached_prefix is None and g.fits(tokens, seqs)
+                and all(layer.key_observer is None for layer in self.model.layers))
 
     def _prompt_logprobs(self, seqs: list[Sequence], hit: list[int], cu_q: list[int], hidden: torch.Tensor,
                          input_ids: torch.Tensor) -> dict[int, PromptLogprobs]:

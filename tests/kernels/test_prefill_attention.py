@@ -56,8 +56,8 @@ def test_prefill_attention(dtype, seqlens, Hq, Hkv, D):
     q, k, v, cu = _inputs(seqlens, Hq, Hkv, D, dtype, seed=len(seqlens) * 100 + Hq)
     scale = 1 / math.sqrt(D)
     out = torch.full_like(q, float("nan"))  # poison: every row must be written
-    prefill_attention(q, k, v, cu, max(seqlens), scale, impl="triton", out=out)
-    ref = prefill_attention(q, k, v, cu, max(seqlens), scale, impl="ref")
+    prefill_attention(q, k, v, cu, scale, impl="triton", out=out)
+    ref = prefill_attention(q, k, v, cu, scale, impl="ref")
     assert out.dtype == q.dtype and not out.isnan().any()
     _check(out, ref, dtype)
     _check(ref, _naive(q, k, v, cu, scale), dtype)
@@ -70,10 +70,10 @@ def test_prefill_small_blocks_and_odd_head_dim(D):
     q, k, v, cu = _inputs([40, 1, 16, 17], 3, 1, D, dtype, seed=D)
     scale = 0.3
     out = torch.full_like(q, float("nan"))
-    prefill_attention_triton(q, k, v, cu, 40, scale, block_m=16, block_n=16, out=out)
+    prefill_attention_triton(q, k, v, cu, scale, block_m=16, block_n=16, out=out)
     assert not out.isnan().any()
     _check(out, _naive(q, k, v, cu, scale), dtype)
-    _check(prefill_attention(q, k, v, cu, 40, scale, impl="ref"), out, dtype)
+    _check(prefill_attention(q, k, v, cu, scale, impl="ref"), out, dtype)
 
 
 @pytest.mark.parametrize("impl", ["triton", "ref"])
@@ -83,14 +83,32 @@ def test_prefill_suffix_queries_over_cached_prefix(impl):
     dtype = DTYPES[-1]
     seqlens, suffix = [40, 17, 5, 33], [3, 17, 1, 20]  # second: no prefix at all
     q, k, v, cu = _inputs(seqlens, 6, 2, 64, dtype, seed=7)
-    full = prefill_attention(q, k, v, cu, max(seqlens), 0.2, impl="ref")
+    full = prefill_attention(q, k, v, cu, 0.2, impl="ref")
     rows = torch.cat([torch.arange(e - n, e) for e, n in zip(cu[1:].tolist(), suffix)]).to(DEVICE)
     cu_q = torch.tensor([0] + suffix).cumsum(0).to(torch.int32).to(DEVICE)
     out = torch.full_like(q[rows], float("nan"))
     if impl == "triton":
-        prefill_attention_triton(q[rows], k, v, cu_q, max(suffix), 0.2, block_m=16, block_n=16, out=out,
+        prefill_attention_triton(q[rows], k, v, cu_q, 0.2, block_m=16, block_n=16, out=out,
                                  cu_seqlens_k=cu)
     else:
-        prefill_attention(q[rows], k, v, cu_q, max(suffix), 0.2, impl="ref", out=out, cu_seqlens_k=cu)
+        prefill_attention(q[rows], k, v, cu_q, 0.2, impl="ref", out=out, cu_seqlens_k=cu)
     assert not out.isnan().any()
     _check(out, full[rows], dtype)
+
+
+def test_prefill_grid_covers_any_lengths_as_a_graph_replays_it():
+    """The prompt-step CUDA graphs' layout: real sequences, one padding sequence up to the bucket's token count,
+    then empty ones (20 sequences: past the 16-entry table the kernel starts with). Every real row equals the
+    reference, whatever the counts the grid was sized by."""
+    dtype = DTYPES[-1]
+    seqlens = [5, 1, 40, 0, 17] + [3] * 12 + [2, 0, 9]
+    n = sum(seqlens)
+    T = 128  # the bucket
+    q, k, v, _ = _inputs(seqlens + [T - n], 6, 2, 64, dtype, seed=11)
+    cu = torch.tensor([0] + seqlens + [T - n] + [0] * 7).cumsum(0).to(torch.int32).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention_triton(q, k, v, cu, 0.25, block_m=16, block_n=16, out=out)
+    assert not out.isnan().any()
+    real = torch.tensor([0] + seqlens).cumsum(0).to(torch.int32).to(DEVICE)
+    ref = prefill_attention(q[:n], k[:n], v[:n], real, 0.25, impl="ref")
+    _check(out[:n], ref, dtype)

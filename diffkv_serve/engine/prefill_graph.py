@@ -1,0 +1,118 @@
+"""CUDA graphs for short prompt steps of single-precision caches (fp16, int8, fp8, int4).
+
+An eager prompt step launches about ten kernels per layer from Python. On an H100 host that took ~17 ms for
+Qwen2.5-1.5B's 28 layers whatever the token count, while the GPU needs ~6 ms for 1,000 tokens: a prompt
+step of a few thousand tokens or fewer (a new request, a sequence recomputed after preemption) waited on
+the host. A graph per token bucket replays the whole forward with one launch.
+
+A step of n tokens from B sequences pads to the next bucket T >= n: its tokens fill rows [0, n), the rest
+form one padding sequence (id 0, position 0, write target page -1: nothing is stored) and the unused
+sequence slots are empty. The prefill attention kernel sizes its grid by the token and sequence counts
+only, so one capture serves any lengths. The logits of the sequences' last tokens are taken outside the
+graph (a gather and the LM head).
+
+Memory: the buckets share one private pool, captured largest first, so it holds about one largest-bucket
+forward's activations (graph_memory.prefill_graph_bytes estimates it for the pool's sizing);
+`memory_bytes` is what capturing took.
+"""
+from __future__ import annotations
+
+import torch
+
+from diffkv_serve.engine.attention import PagedAttention, StepMetadata
+from diffkv_serve.engine.graph_memory import prefill_buckets
+from diffkv_serve.engine.model import CausalLM
+
+
+class PrefillGraphs:
+    def __init__(self, model: CausalLM, attn: PagedAttention, max_tokens: int, max_seqs: int):
+        self.model, self.attn = model, attn
+        self.buckets = prefill_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1]
+        self.max_seqs = max_seqs
+        mm = attn.kv.mm
+        dev = mm.device
+        L, H = mm.shape.num_layers, mm.shape.num_kv_heads
+        T, S = self.max_tokens, max_seqs
+        self.ids = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.cu = torch.zeros(S + 2, dtype=torch.int32, device=dev)  # S sequences, then the padding one
+        self.dst_page = torch.full((L, T, H), -1, dtype=torch.int32, device=dev)
+        self.dst_row = torch.zeros((L, T, H), dtype=torch.int32, device=dev)
+        self.slots = torch.full((S,), mm.dummy_slot, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
+        self.pool = None
+        self.side = torch.cuda.Stream(dev)
+        self.memory_bytes = sum(t.numel() * t.element_size() for t in
+                                (self.ids, self.positions, self.cu, self.dst_page, self.dst_row, self.slots))
+
+    def fits(self, tokens: int, seqs: int) -> bool:
+        return 0 < tokens <= self.max_tokens and seqs <= self.max_seqs
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (benchmarks: capture stays out of timed steps)."""
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self.graphs:
+                self._capture(b)
+
+    def _forward(self, T: int) -> torch.Tensor:
+        pos = self.positions[:T]
+        self.attn.meta = StepMetadata(True, pos.int(), self.dst_page[:, :T], self.dst_row[:, :T], self.slots, T,
+                                      self.cu)
+        return self.model(self.ids[:T], pos, self.attn)
+
+    def _stage(self, T: int, cu: torch.Tensor | None) -> None:
+        """Sequence bounds of a step in bucket T: the real ones (cu ends at its n tokens), the padding sequence
+        [n, T), then empty ones."""
+        B = 0 if cu is None else cu.numel() - 1
+        if cu is not None:
+            self.cu[: B + 1].copy_(cu)
+        self.cu[B + 1:].fill_(T)
+
+    def _capture(self, T: int) -> None:
+        dev = self.ids.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
+        self.ids.zero_()
+        self.positions.zero_()
+        self.dst_page.fill_(-1)
+        self._stage(T, None)
+        side = self.side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up on padding only: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
+                self._forward(T)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            hidden = self._forward(T)
+        self.pool = g.pool()
+        self.graphs[T] = (g, hidden)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the warm-up's blocks, cached for the side stream only, go back
+        self.memory_bytes += max(torch.cuda.memory_reserved(dev) - before, 0)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, dst_page: torch.Tensor,
+            dst_row: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [n, hidden] of a prompt step: device input_ids / positions [n], cu int32
+        [B + 1], write targets int32 [L, n, H] (fits(n, B) must hold). The rows stay valid until the next run."""
+        n = input_ids.numel()
+        T = self.bucket(n)
+        if T not in self.graphs:
+            if not self.graphs and T != self.buckets[-1]:
+                self._capture(self.buckets[-1])  # the largest first: smaller buckets then reuse its pool blocks
+            self._capture(T)
+        self.ids[:n].copy_(input_ids)
+        self.ids[n:T].zero_()
+        self.positions[:n].copy_(positions)
+        self.positions[n:T].zero_()
+        self.dst_page[:, :n].copy_(dst_page)
+        self.dst_page[:, n:T].fill_(-1)
+        self.dst_row[:, :n].copy_(dst_row)
+        self._stage(T, cu)
+        g, hidden = self.graphs[T]
+        g.replay()
+        return hidden[:n]
