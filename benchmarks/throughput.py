@@ -46,6 +46,7 @@ PROBLEMS = ROOT / "evals" / "data" / "problems.jsonl"
 MODES = KV_MODES
 # CacheConfig fields a --modes entry may set after a colon, with their types
 MODE_SETTINGS = {"alpha_high": float, "alpha_low": float, "window": int, "high": str, "low": str}
+PREFIX_CACHING = {"auto": "auto", "on": True, "off": False}  # --prefix-caching -> CacheConfig.enable_prefix_caching
 # engine.stats() fields a --trace sample records, after the step count and the seconds since the start
 TRACE_FIELDS = ("num_running", "num_waiting", "num_preemptions", "pages_used", "cached_tokens", "tokens_high",
                 "tokens_low", "tokens_pruned")
@@ -85,7 +86,8 @@ def run_mode(ckpt, spec: str, prompts: list[list[int]], args, reservation: str) 
     mode, settings = parse_mode(spec)
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                        max_graph_batch_size=args.max_graph_batch,
-                       cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb, **settings},
+                       cache={"kv_mode": mode, "kv_cache_memory_gb": args.kv_memory_gb,
+                              "enable_prefix_caching": PREFIX_CACHING[args.prefix_caching], **settings},
                        scheduler={"max_num_seqs": args.max_num_seqs,
                                   "max_num_batched_tokens": args.max_num_batched_tokens, "reservation": reservation})
     engine = LLMEngine(cfg, checkpoint=ckpt)
@@ -197,6 +199,9 @@ def parse_args(argv):
                     default=[SchedulerConfig().reservation], help="diffkv prompt reservation rule(s), one row each")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0, help="page pool size, the same for every mode")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--prefix-caching", choices=sorted(PREFIX_CACHING), default="auto",
+                    help="the cache's enable_prefix_caching ('auto': the mode's default); the named workloads turn "
+                         "it off, as benchmarks/vllm_baseline.py runs vLLM")
     ap.add_argument("--max-graph-batch", type=int, default=None,
                     help=f"largest decode batch captured in a CUDA graph (default: --max-num-seqs, at most "
                          f"{GRAPH_BATCH_CAP}); larger batches run eagerly")

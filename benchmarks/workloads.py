@@ -1,5 +1,6 @@
 """Named workloads shared by benchmarks/throughput.py and benchmarks/vllm_baseline.py, so both engines run the same
-prompts, lengths and pool (`--workload NAME` sets these defaults; flags given beside it still win).
+prompts, lengths and pool, with prefix caching off as vLLM runs there (`--workload NAME` sets these defaults; flags
+given beside it still win).
 
 long-decode   128 random prompts of 64-256 tokens x 2,048 new tokens in a 0.98 GiB pool: few sequences, long
               decodes, the pool (not the batch limit) bounds the batch.
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 WORKLOADS: dict[str, dict] = {
     "long-decode": {"prompts": "synthetic", "num_prompts": 128, "prompt_len": None, "max_tokens": 2048,
-                    "kv_memory_gb": 0.98},
+                    "kv_memory_gb": 0.98, "prefix_caching": "off"},
     "serving": {"prompts": "synthetic", "num_prompts": 1024, "prompt_len": 512, "max_tokens": 256,
-                "kv_memory_gb": 8.0, "max_num_seqs": 512},
+                "kv_memory_gb": 8.0, "max_num_seqs": 512, "prefix_caching": "off"},
 }
 
 

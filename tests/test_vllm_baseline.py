@@ -200,6 +200,7 @@ def test_parent_and_children_with_a_fake_vllm(tmp_path, monkeypatch, capsys):
     assert seen["prompts"] == throughput.load_prompts(ckpt, 6, "synthetic", 0, None)
     kw = seen["kw"]
     assert kw["kv_cache_memory_bytes"] == int(ours.kv_memory_gb * 2**30) and kw["enable_prefix_caching"] is False
+    assert ours.prefix_caching == "off" and throughput.PREFIX_CACHING[ours.prefix_caching] is False  # ours too
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] and kw["dtype"] == "bfloat16"
     assert (kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (ours.max_num_seqs, ours.max_num_batched_tokens)
     assert json.loads((Path(kw["model"]) / "config.json").read_text())["hidden_size"] == 1536
