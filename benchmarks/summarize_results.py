@@ -32,7 +32,7 @@ THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H200.json",
 THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
 # our engine beside vLLM on one box (scripts/device/vllm_compare.sh)
-VLLM_RUNS = ("vllm_vs_ours_long-decode_qwen2.5-1.5b_H200.json", "vllm_vs_ours_serving_qwen2.5-1.5b_H100.json")
+VLLM_RUNS = ("vllm_vs_ours_long-decode_qwen2.5-1.5b_H100.json", "vllm_vs_ours_serving_qwen2.5-1.5b_H100.json")
 # one decode step of each engine, kernel by kernel (benchmarks/decode_step_profile.py through vllm_compare.sh profile)
 DECODE_STEP_PROFILE = "decode_step_profile_qwen2.5-1.5b_H200.json"
 
@@ -43,25 +43,13 @@ MEASURED_ALTERNATIVES = {
                                           "12.51 ms, policy 4.0% / 7.3% of it",
     "attention_H100.json": "benchmarks/attention.py on an H100 before decode_mma.cu's tile copies were reworked, "
                            "without int4: lowest 0.76 of the floor (K8V4, K4V2, mix at qwen2.5-1.5b B128 S1024)",
-    "throughput_long-decode_fp16_phases_H100.json": "benchmarks/throughput.py long-decode fp16 (short warm-up, "
-                                                    "H100): 154 prompt steps (188,896 tokens) 5.36 s, 9,559 decode "
-                                                    "steps 28.60 s (2.99 ms each), 37.8 s in all",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
     "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop, 128 prompts, six modes "
                                                       "(2026-11-25): int4 17,438, diffkv (then K4V4/K4V2) 14,221",
-    "vllm_baseline_long-decode_qwen2.5-1.5b_H200.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode "
-                                                        "(the comparison table in docs/PERFORMANCE.md)",
-    "vllm_vs_ours_long-decode_qwen2.5-1.5b_H100.json": "the long-decode comparison on an H100 while every page held "
-                                                       "score and position rows: bf16 0.96, fp8 0.83 of vLLM",
-    "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode, "
-                                                        "H100: bf16 7,992, fp8 14,372 tokens/s",
-    "throughput_long-decode_qwen2.5-1.5b_fp16_H200.json": "benchmarks/throughput.py, our fp16 row of the vLLM "
-                                                          "comparison (long-decode, H200)",
-    "throughput_long-decode_qwen2.5-1.5b_fp8_H200.json": "benchmarks/throughput.py, our fp8 row of the vLLM "
-                                                         "comparison (long-decode, H200)",
-    "throughput_long-decode_qwen2.5-1.5b_int4_H200.json": "benchmarks/throughput.py, our int4 beside the vLLM "
-                                                          "comparison (long-decode, H200): 26,033 tokens/s",
+    "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode",
+    "throughput_long-decode_qwen2.5-1.5b_int4_H100.json": "benchmarks/throughput.py, our int4 beside the vLLM "
+                                                          "comparison (long-decode)",
     "graph_decode_check_2500_k4v4_untracked_H200.json": "benchmarks/graph_decode_check.py --variants lazy, 2,500 "
                                                         "problems, int4 on pages without score and position rows "
                                                         "(H200): 0.5108, 61 cut",
