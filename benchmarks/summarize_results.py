@@ -45,8 +45,10 @@ MEASURED_ALTERNATIVES = {
                            "without int4: lowest 0.76 of the floor (K8V4, K4V2, mix at qwen2.5-1.5b B128 S1024)",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
-    "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop, 128 prompts, six modes "
-                                                      "(2026-11-25): int4 17,438, diffkv (then K4V4/K4V2) 14,221",
+    "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop --num-prompts 1024 "
+                                                      "--max-tokens 1024 --modes fp16 int4 diffkv on an 80 GB H100, "
+                                                      "three engines one after another: fp16 5,395, int4 15,577, "
+                                                      "diffkv 9,180 tokens/s",
     "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode",
     "throughput_long-decode_qwen2.5-1.5b_int4_H100.json": "benchmarks/throughput.py, our int4 beside the vLLM "
                                                           "comparison (long-decode)",

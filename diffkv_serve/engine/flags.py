@@ -45,9 +45,12 @@ _FLAGS: dict[str, tuple[Optional[str], dict[str, Any]]] = {
                                                                            "is split over"}),
     "engine_seed": ("seed", {"type": int, "help": "the engine's torch seed (random weights, unseeded sampling)"}),
     "enforce_eager": ("enforce_eager", {"action": "store_const", "const": True,
-                                        "help": "CUDA: run decode steps eagerly instead of replaying CUDA graphs"}),
+                                        "help": "CUDA: run every step eagerly instead of replaying CUDA graphs"}),
     "max_graph_batch_size": ("max_graph_batch_size", {"type": int, "help": "largest decode batch captured in a "
                                                                            "CUDA graph"}),
+    "max_prefill_graph_tokens": ("max_prefill_graph_tokens", {"type": int, "help": "largest prompt step (tokens) "
+                                                                                   "replayed from a CUDA graph; 0: "
+                                                                                   "none"}),
     "threads": (None, {"type": int, "help": THREADS_HELP}),
 }
 ENGINE_FLAGS: tuple[str, ...] = tuple(_FLAGS)

@@ -51,7 +51,8 @@ def test_the_payload_keeps_unset_cache_fields_unset():
 
 # Every EngineConfig field at a value other than its default (a new field fails the first assert below).
 ALL_ENGINE_FIELDS = {"model": "random:tiny", "device": "cpu", "dtype": "float32", "max_model_len": 300, "seed": 11,
-                     "enforce_eager": True, "max_graph_batch_size": 32, "tensor_parallel_size": 1,
+                     "enforce_eager": True, "max_graph_batch_size": 32, "max_prefill_graph_tokens": 512,
+                     "tensor_parallel_size": 1,
                      "distributed_executor": "local", "cache": {"kv_mode": "diffkv", "num_pages": 96, "window": 32},
                      "scheduler": {"max_num_seqs": 8, "reservation": "learned"}}
 
@@ -81,10 +82,11 @@ def test_every_engine_field_and_the_calibration_reach_the_replica():
 
     flags = ["serve", "--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--max-model-len", "300",
              "--engine-seed", "11", "--enforce-eager", "--max-graph-batch-size", "32", "--kv-mode", "diffkv",
+             "--max-prefill-graph-tokens", "512",
              "--tensor-parallel-size", "1", "--max-num-seqs", "8"]
     engine = _serve_config(build_parser().parse_args(flags)).engine
-    assert (engine.seed, engine.enforce_eager, engine.max_graph_batch_size, engine.scheduler.max_num_seqs) == \
-        (11, True, 32, 8)
+    assert (engine.seed, engine.enforce_eager, engine.max_graph_batch_size, engine.max_prefill_graph_tokens,
+            engine.scheduler.max_num_seqs) == (11, True, 32, 512, 8)
     assert engine.cache.model_fields_set == {"kv_mode"}
 
 
