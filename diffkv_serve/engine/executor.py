@@ -8,7 +8,7 @@ The engine (scheduler, sequences, detokenizing, stop checks) talks to one execut
     launch(batch), collect(handle)
                            async scheduling (when async_steps): enqueue a decode step, later read its tokens
     prompt_logits(ids)     next-token logits after a prompt, through the serving path
-    slot_usage(slot)       pages, high and low tokens one sequence holds now, summed over ranks
+    slot_usage(slot, n)    pages, high and low tokens one sequence of n cached tokens holds now, summed over ranks
     token_counts(slots, n) tokens kept high / low / pruned over running sequences, summed over ranks
     rank_stats()           per rank: pages_total, pages_used, last_mm_seconds
     make_generator(seed)   the sampling generator of a seeded request (on the sampling rank's device)
@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from diffkv_serve.engine.config import EngineConfig
+from diffkv_serve.engine.kv.layout import cdiv
 from diffkv_serve.engine.loader import LoadedCheckpoint
 from diffkv_serve.engine.model_runner import Batch, InFlight, ModelRunner
 from diffkv_serve.engine.sequence import Sequence
@@ -41,7 +42,7 @@ class Executor(ABC):
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor: ...
 
     @abstractmethod
-    def slot_usage(self, slot: int) -> tuple[int, int, int]: ...
+    def slot_usage(self, slot: int, num_cached: int) -> tuple[int, int, int]: ...
 
     @abstractmethod
     def token_counts(self, slots: list[int], cached: int) -> dict[str, int]: ...
@@ -102,8 +103,14 @@ class LocalExecutor(Executor):
         finally:
             self.mm.free([seq.slot])
 
-    def slot_usage(self, slot: int) -> tuple[int, int, int]:
+    def slot_usage(self, slot: int, num_cached: int) -> tuple[int, int, int]:
         mm = self.mm
+        if not mm.two_sided and not mm.fmt_high.tracked:
+            # A single-precision cache keeps every token, in order, in ceil(tokens / T) pages per (layer, KV
+            # head): known on the host. A device read would wait for the step in flight (async scheduling
+            # launched it already) at every finishing request.
+            heads = mm.heads_per_seq
+            return (cdiv(num_cached, mm.fmt_high.tokens) - mm.shared_cols[slot]) * heads, num_cached * heads, 0
         pages, hi, lo = torch.stack([(mm.held_high[slot] + mm.held_low[slot]).sum(),
                                      mm.len_high[slot].sum(), mm.len_low[slot].sum()]).tolist()
         return pages - mm.shared_cols[slot] * mm.heads_per_seq, hi, lo  # own pages: not cached blocks it reads

@@ -344,7 +344,7 @@ class LLMEngine:
         owns; pages_shared: prefix-cache pages it reads without owning them (not in pages_used). bytes_fp16:
         its tokens in a 16-bit cache; bytes_uncompressed: in an uncompressed cache of cache_dtype (what fp16
         mode really takes: twice bytes_fp16 on CPU, where the cache is float32)."""
-        pages, hi, lo = self.executor.slot_usage(seq.slot)  # summed over ranks
+        pages, hi, lo = self.executor.slot_usage(seq.slot, seq.num_cached)  # summed over ranks
         heads = self._heads_per_seq()
         shared = len(seq.prefix_refs) * heads  # a block: one page per head
         return {"pages_used": pages, "bytes_used": pages * self.mm.page_bytes, "pages_shared": shared,

@@ -213,8 +213,8 @@ class RayExecutor(Executor):
         self.mm.release_unsent(slot)  # every rank freed it already
         return out[0]
 
-    def slot_usage(self, slot: int) -> tuple[int, int, int]:
-        return self.mm.slot_usage(slot)
+    def slot_usage(self, slot: int, num_cached: int) -> tuple[int, int, int]:
+        return self.mm.slot_usage(slot)  # the ranks' last reports, on the host
 
     def token_counts(self, slots: list[int], cached: int) -> dict[str, int]:
         return self.mm.token_counts(slots, cached)
