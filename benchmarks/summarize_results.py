@@ -47,8 +47,8 @@ MEASURED_ALTERNATIVES = {
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
     "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop --num-prompts 1024 "
                                                       "--max-tokens 1024 --modes fp16 int4 diffkv on an 80 GB H100, "
-                                                      "three engines one after another: fp16 5,395, int4 15,577, "
-                                                      "diffkv 9,180 tokens/s",
+                                                      "three engines one after another: fp16 6,568, int4 16,076, "
+                                                      "diffkv 10,066 tokens/s",
     "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode",
     "throughput_long-decode_qwen2.5-1.5b_int4_H100.json": "benchmarks/throughput.py, our int4 beside the vLLM "
                                                           "comparison (long-decode)",
