@@ -1,7 +1,9 @@
 """Prompt steps replayed from CUDA graphs (diffkv_serve/engine/prefill_graph.py) compute what eager prompt steps
-compute: same first tokens, log-probabilities within bf16 rounding, same pages held. CUDA only (on CPU every
-prompt step is eager; the kernel's graph layout and the graphs' budget are checked in
-tests/kernels/test_prefill_attention.py and tests/test_graph_memory.py)."""
+compute: same first tokens, log-probabilities within bf16 rounding, same pages held (CUDA). On CPU the graphs'
+staging runs eagerly (capture=False): padding to the bucket, the padding sequence, and prompts whose cached
+prefix blocks are computed again with their writes dropped, against an engine without the prefix cache. The
+kernel's graph layout and the graphs' budget are checked in tests/kernels/test_prefill_attention.py and
+tests/test_graph_memory.py."""
 from __future__ import annotations
 
 import pytest
@@ -12,25 +14,33 @@ from diffkv_serve.engine import EngineConfig, SamplingParams
 from diffkv_serve.engine.llm_engine import LLMEngine
 from diffkv_serve.engine.loader import load_checkpoint
 
-pytestmark = pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU")
+from diffkv_serve.engine.prefill_graph import PrefillGraphs
+
+cuda_only = pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU")
 
 
-def _engine(mode: str, graph_tokens: int) -> LLMEngine:
+def _engine(mode: str, graph_tokens: int, prefix_caching: bool = False) -> LLMEngine:
     cfg = EngineConfig(device=TEST_DEVICE, max_model_len=1024, max_prefill_graph_tokens=graph_tokens,
-                       cache={"kv_mode": mode, "num_pages": 4096, "enable_prefix_caching": "off"},
+                       cache={"kv_mode": mode, "num_pages": 4096, "enable_prefix_caching": prefix_caching},
                        scheduler={"max_num_seqs": 16, "max_num_batched_tokens": 1024})
     return LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int4"])
-def test_graphed_prompt_steps_equal_eager_ones(mode):
+@cuda_only
+@pytest.mark.parametrize("mode,prefix_caching", [("fp16", False), ("int4", False), ("int4", True)])
+def test_graphed_prompt_steps_equal_eager_ones(mode, prefix_caching):
+    """With the prefix cache, the graphed engine's later prompts hit the first one's blocks and compute them
+    again; the eager engine runs without the cache."""
     g = torch.Generator().manual_seed(1)
     lens = [3, 17, 130, 700, 64, 1, 250, 900]  # buckets 128 .. 1024, several prompts per step
-    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
+    head = torch.randint(0, 500, (260,), generator=g).tolist()
+    prompts = [(head if prefix_caching and n > 260 else []) + torch.randint(0, 500, (n,), generator=g).tolist()
+               for n in lens]
+    prompts = [p[:1000] for p in prompts]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     outs = {}
     for tokens in (0, 1024):
-        eng = _engine(mode, tokens)
+        eng = _engine(mode, tokens, prefix_caching and tokens > 0)
         res = run_all(eng, prompts, sp)
         graphs = eng.runner.prefill_graphs
         assert (graphs is None) == (tokens == 0)
@@ -44,3 +54,54 @@ def test_graphed_prompt_steps_equal_eager_ones(mode):
         a = torch.tensor([lp for lp in eager.logprobs[:1]])
         b = torch.tensor([lp for lp in graphed.logprobs[:1]])
         torch.testing.assert_close(b, a, atol=0.05, rtol=0.02)
+
+
+def _staged_engine(mode: str, prefix_caching: bool, staged: bool) -> LLMEngine:
+    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=512,
+                       cache={"kv_mode": mode, "num_pages": 4096, "enable_prefix_caching": prefix_caching},
+                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 1024, "async_scheduling": "off"})
+    eng = LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
+    if staged:
+        r = eng.runner
+        r.prefill_graphs = PrefillGraphs(r.model, r.attn, 1024, 8, capture=False)
+    return eng
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int4"])
+def test_staged_prompt_steps_recompute_cached_blocks_as_without_the_cache(mode, monkeypatch):
+    """A shared 150-token prefix: the first request caches its blocks, the next ones hit them. With the graphs'
+    staging their prompt steps compute the cached tokens again and leave the cache's pages alone: every
+    generated token and log-probability equals the engine without a prefix cache."""
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, 500, (150,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 500, (n,), generator=g).tolist() for n in (1, 30, 7, 61)] + [[4, 5, 6]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = {}
+    import diffkv_serve.engine.kv.policy as policy
+
+    written = []  # rows the prompt steps store, per step: the cached ones must not be among them
+    real_write = policy.write_kv
+
+    def counting_write(pool, fmt, dtype, k, v, dst_page, *rest, **kw):
+        if eng.runner.attn.meta.is_prefill:
+            written.append(int((dst_page >= 0).sum()))
+        return real_write(pool, fmt, dtype, k, v, dst_page, *rest, **kw)
+
+    monkeypatch.setattr(policy, "write_kv", counting_write)
+    for name, caching, staged in (("plain", False, False), ("staged", True, True)):
+        eng = _staged_engine(mode, caching, staged)
+        first = run_all(eng, prompts[:1], sp)
+        written.clear()
+        rest = run_all(eng, prompts[1:], sp)
+        outs[name] = first + rest
+        if staged:  # the later prompts did read the first one's blocks, recomputed in the staged steps
+            assert eng.stats()["prefix_cache_hits"] >= 3 * eng.mm.prefix_block_tokens  # one block or more each
+            assert eng.runner.num_prefill_tokens == sum(len(p) for p in prompts)
+            heads = eng.mm.shape.num_kv_heads  # per layer: every later prompt token but the cached ones
+            hit = eng.stats()["prefix_cache_hits"]
+            assert sum(written) == eng.mm.shape.num_layers * heads * (sum(map(len, prompts[1:])) - hit)
+        assert_all_pages_free(eng)
+        eng.shutdown()
+    for a, b in zip(outs["plain"], outs["staged"]):
+        assert b.token_ids == a.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=1e-4)

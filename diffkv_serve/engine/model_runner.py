@@ -335,10 +335,14 @@ class ModelRunner:
         mm = self.mm
         # Each prompt's first `hit` tokens come from prefix-cache blocks: only the rest is computed (queries),
         # while keys (attention, diffkv's classification and writes) span the whole prompt.
-        hit = [len(s.prefix_hits) * mm.prefix_block_tokens for s in seqs]
+        cached = [len(s.prefix_hits) * mm.prefix_block_tokens for s in seqs]
         # Per-token rows built with numpy: a prompt step carries up to max_num_batched_tokens tokens, and
         # Python lists of that many ints (then torch.tensor of them) cost milliseconds per step.
         lens = [s.num_tokens for s in seqs]
+        # A step the prompt-step graphs replay computes its cached tokens again (prefill_graph.py): `hit` is
+        # then 0 everywhere, and the cached rows' writes are dropped below.
+        graphed = self._graphed_prefill(sum(lens), len(seqs))
+        hit = [0] * len(seqs) if graphed else cached
         n_q = [n - h for n, h in zip(lens, hit)]
         lens_np, q_np = np.array(lens, dtype=np.int64), np.array(n_q, dtype=np.int64)
         slots_np = np.array([s.slot for s in seqs], dtype=np.int64)
@@ -356,6 +360,8 @@ class ModelRunner:
         self.num_prefill_tokens += len(ids)
         with_prefix = any(hit)
         prefix_lists = _cached_prefix_lists(seqs, hit, cu.tolist(), mm.prefix_block_tokens) if with_prefix else []
+        if graphed and any(cached):  # positions below a token's cached count: computed, not written
+            prefix_lists = [np.repeat(np.array(cached, dtype=np.int64), q_np)]
         (input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t, q_slots_t, cu_q_t,
          *prefix_t) = self._to_device([ids, pos, slots_np, lens, token_slots, cu, seq_of_token,
                                        len_of_token, q_slots, cu_q, *prefix_lists])
@@ -387,11 +393,13 @@ class ModelRunner:
             with cost_range("memory"):
                 mm.set_lengths(slots, lens_t)
                 dst_page, dst_row = mm.write_targets(q_slots_t, positions)
+                if graphed and any(cached):  # the cached blocks' pages belong to the prefix cache
+                    dst_page = dst_page.masked_fill((positions < prefix_t[0]).view(1, -1, 1), -1)
         max_q = max(n - h for n, h in zip(lens, hit))
         self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max_q, cu_q_t, info,
                                       cached_prefix=cached_prefix)
         with cost_range("model"):
-            if self._graphed_prefill(info, cached_prefix, len(ids), len(seqs)):
+            if graphed:
                 hidden = self.prefill_graphs.run(input_ids, positions, cu_q_t, dst_page, dst_row)
             else:
                 hidden = self.model(input_ids, positions.long(), self.attn)
@@ -404,11 +412,11 @@ class ModelRunner:
                 self._prompt_lp = self._prompt_logprobs(seqs, hit, cu_q.tolist(), hidden, input_ids)
             return self.model.logits(hidden[cu_q_t[1:].long() - 1])
 
-    def _graphed_prefill(self, info, cached_prefix, tokens: int, seqs: int) -> bool:
-        """A single-precision prompt step without cached-prefix reads, small enough for the prompt-step graphs;
-        calibration's key observers need eager forwards."""
+    def _graphed_prefill(self, tokens: int, seqs: int) -> bool:
+        """A prompt step the prompt-step graphs replay: they exist (single-precision cache, CUDA, one rank) and
+        hold its tokens, cached ones included; calibration's key observers need eager forwards."""
         g = self.prefill_graphs
-        return (g is not None and info is None and cached_prefix is None and g.fits(tokens, seqs)
+        return (g is not None and g.fits(tokens, seqs)
                 and all(layer.key_observer is None for layer in self.model.layers))
 
     def _prompt_logprobs(self, seqs: list[Sequence], hit: list[int], cu_q: list[int], hidden: torch.Tensor,

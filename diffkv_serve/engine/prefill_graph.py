@@ -25,8 +25,11 @@ from diffkv_serve.engine.model import CausalLM
 
 
 class PrefillGraphs:
-    def __init__(self, model: CausalLM, attn: PagedAttention, max_tokens: int, max_seqs: int):
-        self.model, self.attn = model, attn
+    """capture=False runs each step's padded forward eagerly from the same static buffers instead of replaying
+    a graph: the CPU tests check the padding and staging with it."""
+
+    def __init__(self, model: CausalLM, attn: PagedAttention, max_tokens: int, max_seqs: int, capture: bool = True):
+        self.model, self.attn, self.capture = model, attn, capture
         self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
         self.max_seqs = max_seqs
@@ -42,7 +45,7 @@ class PrefillGraphs:
         self.slots = torch.full((S,), mm.dummy_slot, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
         self.pool = None
-        self.side = torch.cuda.Stream(dev)
+        self.side = torch.cuda.Stream(dev) if capture else None
         self.memory_bytes = sum(t.numel() * t.element_size() for t in
                                 (self.ids, self.positions, self.cu, self.dst_page, self.dst_row, self.slots))
 
@@ -101,7 +104,7 @@ class PrefillGraphs:
         [B + 1], write targets int32 [L, n, H] (fits(n, B) must hold). The rows stay valid until the next run."""
         n = input_ids.numel()
         T = self.bucket(n)
-        if T not in self.graphs:
+        if self.capture and T not in self.graphs:
             if not self.graphs and T != self.buckets[-1]:
                 self._capture(self.buckets[-1])  # the largest first: smaller buckets then reuse its pool blocks
             self._capture(T)
@@ -113,6 +116,8 @@ class PrefillGraphs:
         self.dst_page[:, n:T].fill_(-1)
         self.dst_row[:, :n].copy_(dst_row)
         self._stage(T, cu)
+        if not self.capture:
+            return self._forward(T)[:n]
         g, hidden = self.graphs[T]
         g.replay()
         return hidden[:n]
