@@ -27,7 +27,7 @@ MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
 THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H200.json",
-                               "throughput_natural_stop_1024_qwen2.5-1.5b_H200.json")
+                               "throughput_natural_stop_qwen2.5-1.5b_H100.json")
 # The run whose trace shows where each mode's pool goes (benchmarks/throughput_trace_plot.py draws its plot).
 THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
@@ -45,10 +45,6 @@ MEASURED_ALTERNATIVES = {
                            "without int4: lowest 0.76 of the floor (K8V4, K4V2, mix at qwen2.5-1.5b B128 S1024)",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
-    "throughput_natural_stop_qwen2.5-1.5b_H100.json": "throughput_qwen.py --natural-stop --num-prompts 1024 "
-                                                      "--max-tokens 1024 --modes fp16 int4 diffkv on an 80 GB H100, "
-                                                      "three engines one after another: fp16 6,568, int4 16,076, "
-                                                      "diffkv 10,066 tokens/s",
     "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode",
     "throughput_long-decode_qwen2.5-1.5b_int4_H100.json": "benchmarks/throughput.py, our int4 beside the vLLM "
                                                           "comparison (long-decode)",
@@ -274,6 +270,12 @@ def throughput_accuracy_section(name: str) -> list[str]:
     skipped = ", ".join(f"{s['repeat']}:{s['mode']}" for s in d.get("skipped_runs", []))
     if skipped:
         out.append(f"\nRuns not started for --time-limit: {skipped}.")
+    split = [(r["mode"], r["runs"][0]["phases"]) for r in d["rows"] if r["runs"] and r["runs"][0].get("phases")]
+    if split:  # steps that computed prompt tokens (new requests, recomputes after preemption) against the rest
+        out.append("\nWhere each mode's first run went: " + "; ".join(
+            f"{m} {p['prefill']['steps']:,} prompt steps {p['prefill']['seconds']:.1f} s "
+            f"({p['prefill']['tokens']:,} tokens), {p['decode']['steps']:,} decode steps {p['decode']['seconds']:.1f} s "
+            f"({1e3 * p['decode']['seconds'] / max(p['decode']['steps'], 1):.2f} ms each)" for m, p in split) + ".")
     return out + [""]
 
 
