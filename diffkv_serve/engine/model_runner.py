@@ -105,7 +105,8 @@ class ModelRunner:
         self.learned = self.kv.diffkv and config.scheduler.reservation == "learned"
         self.attn = PagedAttention(self.kv, arch.head_dim ** -0.5)
         self.max_model_len = max_model_len
-        self.num_prefill_tokens = 0  # prompt tokens prefills computed (prefix-cache hits are read, not computed)
+        # prompt tokens prefills computed: prefix-cache hits are read, not computed, except in graphed prompt steps
+        self.num_prefill_tokens = 0
         # Async scheduling (LLMEngine): a decode step is launched before the previous step's tokens reach the host,
         # so its input ids come from the device: every sampled token is also written to its slot's row here.
         mode = config.scheduler.async_scheduling
