@@ -9,7 +9,9 @@ A step of n tokens from B sequences pads to the next bucket T >= n: its tokens f
 form one padding sequence (id 0, position 0, write target page -1: nothing is stored) and the unused
 sequence slots are empty. The prefill attention kernel sizes its grid by the token and sequence counts
 only, so one capture serves any lengths. The logits of the sequences' last tokens are taken outside the
-graph (a gather and the LM head).
+graph (a gather and the LM head). A prompt whose first blocks are in the prefix cache computes them again
+here with their writes dropped (ModelRunner._prefill masks their targets; the cache's pages stay as they
+are): the step then reads no cached K/V, whose sizes depend on the hits, and equals a step without the cache.
 
 Memory: the buckets share one private pool, captured largest first, so it holds about one largest-bucket
 forward's activations (graph_memory.prefill_graph_bytes estimates it for the pool's sizing);
