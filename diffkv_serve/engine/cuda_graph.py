@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 ROWS = 4  # a step's inputs: ids, positions, slots, new lengths
 
 
+def reserved_by(dev: torch.device, capture) -> int:
+    """Run `capture` (warm-ups on a side stream, then graph captures) and return the device memory it left
+    reserved: the side stream's cached warm-up blocks go back first, the graphs' pool stays."""
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_reserved(dev)
+    capture()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    return max(torch.cuda.memory_reserved(dev) - before, 0)
+
+
 class DecodeGraphs:
     def __init__(self, model: CausalLM, attn: PagedAttention, max_batch: int, max_model_len: int,
                  token_table: torch.Tensor | None = None, budget: int | None = None):
@@ -97,13 +108,7 @@ class DecodeGraphs:
         return self.model.logits(self.model(ids, pos, self.attn), out=self.logits[:b])
 
     def _capture(self, b: int) -> None:
-        dev = self.ints.device
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_reserved(dev)
-        self._capture_graphs(b)
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()  # the warm-up's blocks, cached for the side stream only, go back
-        self.memory_bytes += max(torch.cuda.memory_reserved(dev) - before, 0)
+        self.memory_bytes += reserved_by(self.ints.device, lambda: self._capture_graphs(b))
         if self.budget is not None and self.memory_bytes > self.budget and not self._warned:
             self._warned = True
             log.warning("CUDA graphs up to batch %d took %.0f MiB, past the %.0f MiB the KV pool's sizing set "

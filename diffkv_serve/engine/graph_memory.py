@@ -1,4 +1,5 @@
-"""What the CUDA graphs (decode steps, short prompt steps) cost in device memory, counted against the KV pool's budget before the pool is sized.
+"""What the CUDA graphs (decode steps, short prompt steps) cost in device memory, counted against the KV pool's
+budget before the pool is sized.
 
 Graphs are captured after the pool exists (they replay the paged cache's memory management), so their memory is
 reserved from an estimate, as vLLM reserves room for what it cannot profile before sizing its KV cache:
@@ -37,13 +38,17 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def _layer_row_bytes(arch: ModelArch, dtype_bytes: int, h: int, hk: int) -> int:
+    """One token's intermediates in a layer (MLP, residual and norms, q/k/v and attention output)."""
+    return dtype_bytes * (3 * arch.intermediate_size + 6 * arch.hidden_size + 2 * (h + 2 * hk) * arch.head_dim)
+
+
 def step_activation_bytes(arch: ModelArch, rows: int, dtype_bytes: int, num_heads: int | None = None,
                           num_kv_heads: int | None = None) -> int:
     """Peak activations of one decode step of `rows` sequences (one layer's intermediates are live at a time)."""
     h = arch.num_heads if num_heads is None else num_heads
     hk = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    per_row = dtype_bytes * (arch.vocab_size + 3 * arch.intermediate_size + 6 * arch.hidden_size
-                             + 2 * (h + 2 * hk) * arch.head_dim)
+    per_row = dtype_bytes * arch.vocab_size + _layer_row_bytes(arch, dtype_bytes, h, hk)
     per_row += 4 * h * ATTENTION_SPLITS * (arch.head_dim + 2)  # fp32 partial outputs, max and sum
     return rows * per_row
 
@@ -76,7 +81,7 @@ def prefill_graph_bytes(arch: ModelArch, max_tokens: int, dtype_bytes: int, num_
         return 0
     h = arch.num_heads if num_heads is None else num_heads
     hk = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    per_token = dtype_bytes * (3 * arch.intermediate_size + 6 * arch.hidden_size + 2 * (h + 2 * hk) * arch.head_dim)
+    per_token = _layer_row_bytes(arch, dtype_bytes, h, hk)
     per_token += 16 + 8 * arch.num_layers * hk  # ids, positions; page and row of every (layer, KV head)
     return max_tokens * per_token + PER_BUCKET_BYTES * len(prefill_buckets(max_tokens))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
+from diffkv_serve.engine.cuda_graph import reserved_by
 from diffkv_serve.engine.graph_memory import prefill_buckets
 from diffkv_serve.engine.model import CausalLM
 
@@ -78,9 +79,9 @@ class PrefillGraphs:
         self.cu[B + 1:].fill_(T)
 
     def _capture(self, T: int) -> None:
-        dev = self.ids.device
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_reserved(dev)
+        self.memory_bytes += reserved_by(self.ids.device, lambda: self._capture_graph(T))
+
+    def _capture_graph(self, T: int) -> None:
         self.ids.zero_()
         self.positions.zero_()
         self.dst_page.fill_(-1)
@@ -96,9 +97,6 @@ class PrefillGraphs:
             hidden = self._forward(T)
         self.pool = g.pool()
         self.graphs[T] = (g, hidden)
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()  # the warm-up's blocks, cached for the side stream only, go back
-        self.memory_bytes += max(torch.cuda.memory_reserved(dev) - before, 0)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, dst_page: torch.Tensor,
             dst_row: torch.Tensor) -> torch.Tensor:
