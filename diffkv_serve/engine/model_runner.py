@@ -361,11 +361,13 @@ class ModelRunner:
         self.num_prefill_tokens += len(ids)
         with_prefix = any(hit)
         prefix_lists = _cached_prefix_lists(seqs, hit, cu.tolist(), mm.prefix_block_tokens) if with_prefix else []
-        if graphed and any(cached):  # positions below a token's cached count: computed, not written
-            prefix_lists = [np.repeat(np.array(cached, dtype=np.int64), q_np)]
+        # A graphed step's cached tokens: positions below their sequence's cached count, computed but not written.
+        recomputed = graphed and any(cached)
+        cached_of_token = [np.repeat(np.array(cached, dtype=np.int64), q_np)] if recomputed else []
         (input_ids, positions, slots, lens_t, token_slots_t, cu_t, seq_t, len_t, q_slots_t, cu_q_t,
-         *prefix_t) = self._to_device([ids, pos, slots_np, lens, token_slots, cu, seq_of_token,
-                                       len_of_token, q_slots, cu_q, *prefix_lists])
+         *rest) = self._to_device([ids, pos, slots_np, lens, token_slots, cu, seq_of_token,
+                                   len_of_token, q_slots, cu_q, *prefix_lists, *cached_of_token])
+        prefix_t = rest[:len(prefix_lists)]
         positions, slots, lens_t, cu_t, cu_q_t = positions.int(), slots.int(), lens_t.int(), cu_t.int(), cu_q_t.int()
         cached_prefix = None
         if with_prefix:
@@ -394,8 +396,8 @@ class ModelRunner:
             with cost_range("memory"):
                 mm.set_lengths(slots, lens_t)
                 dst_page, dst_row = mm.write_targets(q_slots_t, positions)
-                if graphed and any(cached):  # the cached blocks' pages belong to the prefix cache
-                    dst_page = dst_page.masked_fill((positions < prefix_t[0]).view(1, -1, 1), -1)
+                if recomputed:  # the cached blocks' pages belong to the prefix cache
+                    dst_page = dst_page.masked_fill((positions < rest[-1]).view(1, -1, 1), -1)
         max_q = max(n - h for n, h in zip(lens, hit))
         self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max_q, cu_q_t, info,
                                       cached_prefix=cached_prefix)
