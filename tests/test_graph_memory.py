@@ -75,7 +75,7 @@ def _fake_runner(monkeypatch, enforce_eager: bool, **cfg):
     config = EngineConfig(enforce_eager=enforce_eager, **cfg)
     runner = SimpleNamespace(config=config, device=torch.device("cuda"), arch=QWEN, dtype=torch.bfloat16)
     runner._graph_batch = lambda: ModelRunner._graph_batch(runner)
-    runner._prefill_graph_tokens = lambda diffkv: ModelRunner._prefill_graph_tokens(runner, diffkv)
+    runner._prefill_graph_tokens = lambda: ModelRunner._prefill_graph_tokens(runner)
     shape = CacheShape(QWEN.num_layers, QWEN.num_kv_heads, QWEN.head_dim, config.scheduler.max_num_seqs, 4096, 16)
     _fake_runner.last = runner
     return ModelRunner._num_pages(runner, shape), shape, free, total, config
@@ -116,18 +116,23 @@ def test_prompt_step_graphs_sizes_and_budget(monkeypatch):
     sched = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
     with_graphs, shape, free, total, config = _fake_runner(monkeypatch, False, scheduler=sched)
     runner = _fake_runner.last
-    assert ModelRunner._prefill_graph_tokens(runner, False) == 4096
-    assert ModelRunner._prefill_graph_tokens(runner, True) == 0  # diffkv prompt steps stay eager
+    assert ModelRunner._prefill_graph_tokens(runner) == 4096
+    # diffkv prompt steps replay graphs too, unless pages are taken as they fit (learned reservation), prompt
+    # blocks are pinned (prefix caching) or the budget policy ranks tokens
+    for cache, sched_extra, want in (({}, {}, 4096), ({}, {"reservation": "learned"}, 0),
+                                     ({"enable_prefix_caching": True}, {}, 0), ({"policy": "budget"}, {}, 0)):
+        _fake_runner(monkeypatch, False, scheduler={**sched, **sched_extra}, cache={"kv_mode": "diffkv", **cache})
+        assert ModelRunner._prefill_graph_tokens(_fake_runner.last) == want, (cache, sched_extra)
     # never past the scheduler's prompt-step size; 0 turns them off
     small, *_ = _fake_runner(monkeypatch, False, scheduler={**sched, "max_num_batched_tokens": 1024})
-    assert ModelRunner._prefill_graph_tokens(_fake_runner.last, False) == 1024
+    assert ModelRunner._prefill_graph_tokens(_fake_runner.last) == 1024
     off, *_ = _fake_runner(monkeypatch, False, scheduler=sched, max_prefill_graph_tokens=0)
-    assert ModelRunner._prefill_graph_tokens(_fake_runner.last, False) == 0
+    assert ModelRunner._prefill_graph_tokens(_fake_runner.last) == 0
     act = 64 * 8192 * QWEN.hidden_size
     assert off == pages_for_bytes(shape, torch.bfloat16, free - 0.15 * total - act - graph_memory_estimate(
         QWEN, 256, 2), tracked=False) > with_graphs
     eager, *_ = _fake_runner(monkeypatch, True, scheduler=sched)
-    assert ModelRunner._prefill_graph_tokens(_fake_runner.last, False) == 0
+    assert ModelRunner._prefill_graph_tokens(_fake_runner.last) == 0
     with pytest.raises(pydantic.ValidationError, match="max_prefill_graph_tokens"):
         EngineConfig(max_prefill_graph_tokens=-1)
 

@@ -1,7 +1,8 @@
 """Prompt steps replayed from CUDA graphs (diffkv_serve/engine/prefill_graph.py) compute what eager prompt steps
-compute: same first tokens, log-probabilities within bf16 rounding, same pages held (CUDA). On CPU the graphs'
-staging runs eagerly (capture=False): padding to the bucket, the padding sequence, and prompts whose cached
-prefix blocks are computed again with their writes dropped, against an engine without the prefix cache. The
+compute: same first tokens, log-probabilities within bf16 rounding, every page freed (CUDA). On CPU the graphs'
+staging runs eagerly (capture=False): padding to the bucket, the padding sequence, prompts whose cached prefix
+blocks are computed again with their writes dropped (against an engine without the prefix cache), and diffkv
+prompt steps (classification, page fitting and section writes equal to an eager step's). The
 kernel's graph layout and the graphs' budget are checked in tests/kernels/test_prefill_attention.py and
 tests/test_graph_memory.py."""
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _engine(mode: str, graph_tokens: int, prefix_caching: bool = False) -> LLMEn
 
 
 @cuda_only
-@pytest.mark.parametrize("mode,prefix_caching", [("fp16", False), ("int4", False), ("int4", True)])
+@pytest.mark.parametrize("mode,prefix_caching", [("fp16", False), ("int4", False), ("int4", True), ("diffkv", False)])
 def test_graphed_prompt_steps_equal_eager_ones(mode, prefix_caching):
     """With the prefix cache, the graphed engine's later prompts hit the first one's blocks and compute them
     again; the eager engine runs without the cache."""
@@ -105,3 +106,56 @@ def test_staged_prompt_steps_recompute_cached_blocks_as_without_the_cache(mode, 
     for a, b in zip(outs["plain"], outs["staged"]):
         assert b.token_ids == a.token_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def _diffkv_engine(staged: bool) -> LLMEngine:
+    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=512,
+                       cache={"kv_mode": "diffkv", "num_pages": 4096, "record_pruning": True},
+                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 1024, "async_scheduling": "off"})
+    eng = LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
+    if staged:
+        r = eng.runner
+        r.prefill_graphs = PrefillGraphs(r.model, r.attn, 1024, 8, capture=False)
+    return eng
+
+
+def test_staged_diffkv_prompt_steps_equal_eager_ones():
+    """DiffKV prompt steps through the graphs' staging (padding to the bucket, a padding sequence, empty ones)
+    classify, fit and write exactly what an eager step does: the same section sizes and pages right after the
+    step, the same tokens, log-probabilities and kept classes at the end, and the dummy slot (the decode graphs'
+    padding rows) still holds nothing."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (3, 70, 130, 201)]  # 404 -> bucket 512
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    outs, after_prompt = {}, {}
+    for staged in (False, True):
+        eng = _diffkv_engine(staged)
+        mm = eng.mm
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, sp)
+        eng.step()  # the one prompt step
+        slots = sorted(s.slot for s in eng.scheduler.running)
+        assert len(slots) == len(prompts)
+        after_prompt[staged] = ([t[slots].clone() for t in (mm.len_high, mm.len_low, mm.held_high, mm.held_low)],
+                                mm.free_pages())
+        assert int(mm.held_high[mm.dummy_slot].sum()) == int(mm.held_low[mm.dummy_slot].sum()) == 0
+        if staged:  # the step went through the staging: its section sizes are in the static buffers
+            assert int(eng.runner.prefill_graphs.n_sections.sum()) > 0
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+        outs[staged] = [done[str(i)] for i in range(len(prompts))]
+        assert_all_pages_free(eng)
+        eng.shutdown()
+    (plain_t, plain_free), (staged_t, staged_free) = after_prompt[False], after_prompt[True]
+    assert staged_free == plain_free
+    for a, b in zip(plain_t, staged_t):
+        assert torch.equal(a, b)
+    assert int(plain_t[1].sum()) > 0, "no token went low: the case does not exercise both sections"
+    for a, b in zip(outs[False], outs[True]):
+        assert b.token_ids == a.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=1e-4)
+        assert torch.equal(torch.as_tensor(b.kv_usage["token_classes"]), torch.as_tensor(a.kv_usage["token_classes"]))
+        assert b.kv_usage["pages_used"] == a.kv_usage["pages_used"]

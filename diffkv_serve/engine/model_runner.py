@@ -131,7 +131,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.attn, self._graph_batch(), max_model_len, self.token_table,
                                        self.graph_budget)
         self.prefill_graphs = None
-        tokens = self._prefill_graph_tokens(self.kv.diffkv)
+        tokens = self._prefill_graph_tokens()
         if tokens > 0:
             from diffkv_serve.engine.prefill_graph import PrefillGraphs
 
@@ -179,18 +179,20 @@ class ModelRunner:
             graphs = 0 if self.config.enforce_eager else graph_memory_estimate(
                 self.arch, self._graph_batch(), dtype_bytes, *heads)
             self.graph_budget = graphs
-            graphs += prefill_graph_bytes(self.arch, self._prefill_graph_tokens(cc.tracks_tokens()),
-                                          dtype_bytes, *heads)
+            graphs += prefill_graph_bytes(self.arch, self._prefill_graph_tokens(), dtype_bytes, *heads)
             nbytes = kv_pool_bytes(free, total, cc.gpu_memory_utilization, act, graphs)
         else:
             nbytes = 0.5 * 2**30
         return pages_for_bytes(shape, self.dtype, nbytes, cc.tracks_tokens())
 
-    def _prefill_graph_tokens(self, diffkv: bool) -> int:
-        """Largest prompt step a CUDA graph replays (0: none). DiffKV prompt steps classify tokens and take pages
-        layer by layer with host-sized launches, and a tensor-parallel forward all-reduces: both stay eager."""
-        cfg = self.config
-        if self.device.type != "cuda" or cfg.enforce_eager or diffkv or cfg.tensor_parallel_size > 1:
+    def _prefill_graph_tokens(self) -> int:
+        """Largest prompt step a CUDA graph replays (0: none). Eager: a tensor-parallel forward (it all-reduces),
+        and diffkv prompt steps whose pages are taken layer by layer as they fit (learned reservation), that
+        pin prompt blocks (prefix caching: cached rows read in data-dependent shapes) or that keep a budget."""
+        cfg, cc = self.config, self.config.cache
+        diffkv_eager = cc.tracks_tokens() and (cc.policy != "thresholds" or cc.pins_prompt_blocks()
+                                              or cfg.scheduler.reservation == "learned")
+        if self.device.type != "cuda" or cfg.enforce_eager or diffkv_eager or cfg.tensor_parallel_size > 1:
             return 0
         return min(cfg.max_prefill_graph_tokens, cfg.scheduler.max_num_batched_tokens)
 
@@ -402,8 +404,8 @@ class ModelRunner:
         self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max_q, cu_q_t, info,
                                       cached_prefix=cached_prefix)
         with cost_range("model"):
-            if graphed:
-                hidden = self.prefill_graphs.run(input_ids, positions, cu_q_t, dst_page, dst_row)
+            if graphed:  # a diffkv step's section sizes come back in info (views of the graphs' buffers)
+                hidden = self.prefill_graphs.run(input_ids, positions, cu_q_t, dst_page, dst_row, info)
             else:
                 hidden = self.model(input_ids, positions.long(), self.attn)
         self.kv.finish_prefill(info)
@@ -416,10 +418,11 @@ class ModelRunner:
             return self.model.logits(hidden[cu_q_t[1:].long() - 1])
 
     def _graphed_prefill(self, tokens: int, seqs: int) -> bool:
-        """A prompt step the prompt-step graphs replay: they exist (single-precision cache, CUDA, one rank) and
-        hold its tokens, cached ones included; calibration's key observers need eager forwards."""
+        """A prompt step the prompt-step graphs replay: they exist (_prefill_graph_tokens) and hold its tokens,
+        cached ones included; calibration's key observers and the evals' significance probe need eager
+        forwards."""
         g = self.prefill_graphs
-        return (g is not None and g.fits(tokens, seqs)
+        return (g is not None and g.fits(tokens, seqs) and self.kv.significance_probe is None
                 and all(layer.key_observer is None for layer in self.model.layers))
 
     def _prompt_logprobs(self, seqs: list[Sequence], hit: list[int], cu_q: list[int], hidden: torch.Tensor,

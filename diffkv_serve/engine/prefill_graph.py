@@ -1,4 +1,4 @@
-"""CUDA graphs for short prompt steps of single-precision caches (fp16, int8, fp8, int4).
+"""CUDA graphs for short prompt steps (single-precision caches: fp16, int8, fp8, int4; and diffkv).
 
 An eager prompt step launches about ten kernels per layer from Python. On an H100 host that took ~17 ms for
 Qwen2.5-1.5B's 28 layers whatever the token count, while the GPU needs ~6 ms for 1,000 tokens: a prompt
@@ -13,6 +13,12 @@ graph (a gather and the LM head). A prompt whose first blocks are in the prefix 
 here with their writes dropped (ModelRunner._prefill masks their targets; the cache's pages stay as they
 are): the step then reads no cached K/V, whose sizes depend on the hits, and equals a step without the cache.
 
+DiffKV caches (thresholds policy, all-high reservation, no pinned prompt blocks) replay their prompt steps
+too: classification, page fitting and section writes run per layer on the device with grids sized by the
+bucket. The step's PrefillInfo is staged into static buffers; the padding sequence and the empty ones are
+marked `padding` (they plan no pages and write nothing, their slot is the dummy one, which stays empty for the
+decode graphs), and the section sizes of the real sequences are read from the static buffers after the replay.
+
 Memory: the buckets share one private pool, captured largest first, so it holds about one largest-bucket
 forward's activations (graph_memory.prefill_graph_bytes estimates it for the pool's sizing);
 `memory_bytes` is what capturing took.
@@ -24,6 +30,7 @@ import torch
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.cuda_graph import reserved_by
 from diffkv_serve.engine.graph_memory import prefill_buckets
+from diffkv_serve.engine.kv.policy import PrefillInfo
 from diffkv_serve.engine.model import CausalLM
 
 
@@ -46,11 +53,23 @@ class PrefillGraphs:
         self.dst_page = torch.full((L, T, H), -1, dtype=torch.int32, device=dev)
         self.dst_row = torch.zeros((L, T, H), dtype=torch.int32, device=dev)
         self.slots = torch.full((S,), mm.dummy_slot, dtype=torch.int32, device=dev)
+        static = [self.ids, self.positions, self.cu, self.dst_page, self.dst_row, self.slots]
+        self.diffkv = attn.kv.diffkv
+        if self.diffkv:  # the step's PrefillInfo, over S + 1 sequences (the padding one last)
+            self.dummy_slot = mm.dummy_slot
+            self.seq_slots = torch.full((S + 1,), mm.dummy_slot, dtype=torch.int32, device=dev)
+            self.padding = torch.ones(S + 1, dtype=torch.bool, device=dev)
+            self.token_slots = torch.full((T,), mm.dummy_slot, dtype=torch.int64, device=dev)
+            self.seq_of_token = torch.zeros(T, dtype=torch.int64, device=dev)
+            self.len_of_token = torch.full((T,), T, dtype=torch.int32, device=dev)
+            self.alphas = torch.zeros(2, T, dtype=torch.float32, device=dev)  # high, prompt's low
+            self.n_sections = torch.zeros(2, S + 1, L, H, dtype=torch.int32, device=dev)  # n_high, n_low
+            static += [self.seq_slots, self.padding, self.token_slots, self.seq_of_token, self.len_of_token,
+                       self.alphas, self.n_sections]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
         self.pool = None
         self.side = torch.cuda.Stream(dev) if capture else None
-        self.memory_bytes = sum(t.numel() * t.element_size() for t in
-                                (self.ids, self.positions, self.cu, self.dst_page, self.dst_row, self.slots))
+        self.memory_bytes = sum(t.numel() * t.element_size() for t in static)
 
     def fits(self, tokens: int, seqs: int) -> bool:
         return 0 < tokens <= self.max_tokens and seqs <= self.max_seqs
@@ -66,8 +85,13 @@ class PrefillGraphs:
 
     def _forward(self, T: int) -> torch.Tensor:
         pos = self.positions[:T]
+        info = None
+        if self.diffkv:
+            info = PrefillInfo(self.seq_slots, self.token_slots[:T], self.seq_of_token[:T], self.len_of_token[:T],
+                               self.cu, self.alphas[0, :T], self.alphas[1, :T], self.n_sections[0],
+                               self.n_sections[1], padding=self.padding)
         self.attn.meta = StepMetadata(True, pos.int(), self.dst_page[:, :T], self.dst_row[:, :T], self.slots, T,
-                                      self.cu)
+                                      self.cu, info)
         return self.model(self.ids[:T], pos, self.attn)
 
     def _stage(self, T: int, cu: torch.Tensor | None) -> None:
@@ -81,11 +105,33 @@ class PrefillGraphs:
     def _capture(self, T: int) -> None:
         self.memory_bytes += reserved_by(self.ids.device, lambda: self._capture_graph(T))
 
+    def _stage_info(self, T: int, info: PrefillInfo | None) -> None:
+        """A diffkv step's PrefillInfo into the static buffers: its n tokens and B sequences, then the padding
+        sequence [n, T) (the dummy slot, thresholds 0) and the empty ones, all marked padding."""
+        B = 0 if info is None else info.slots.numel()
+        n = 0 if info is None else info.token_slots.numel()
+        if info is not None:
+            self.seq_slots[:B].copy_(info.slots)
+            self.token_slots[:n].copy_(info.token_slots)
+            self.seq_of_token[:n].copy_(info.seq_of_token)
+            self.len_of_token[:n].copy_(info.seq_len_of_token)
+            self.alphas[0, :n].copy_(info.alpha_high)
+            self.alphas[1, :n].copy_(info.alpha_low)
+        self.seq_slots[B:].fill_(self.dummy_slot)
+        self.padding[:B].fill_(False)
+        self.padding[B:].fill_(True)
+        self.token_slots[n:T].fill_(self.dummy_slot)
+        self.seq_of_token[n:T].fill_(B)
+        self.len_of_token[n:T].fill_(T - n)
+        self.alphas[:, n:T].zero_()
+
     def _capture_graph(self, T: int) -> None:
         self.ids.zero_()
         self.positions.zero_()
         self.dst_page.fill_(-1)
         self._stage(T, None)
+        if self.diffkv:
+            self._stage_info(T, None)
         side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up on padding only: Triton compiles, cuBLAS picks its kernels
@@ -98,10 +144,13 @@ class PrefillGraphs:
         self.pool = g.pool()
         self.graphs[T] = (g, hidden)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, dst_page: torch.Tensor,
-            dst_row: torch.Tensor) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor,
+            dst_page: torch.Tensor | None, dst_row: torch.Tensor | None,
+            info: PrefillInfo | None = None) -> torch.Tensor:
         """The final hidden states [n, hidden] of a prompt step: device input_ids / positions [n], cu int32
-        [B + 1], write targets int32 [L, n, H] (fits(n, B) must hold). The rows stay valid until the next run."""
+        [B + 1], write targets int32 [L, n, H] (single precision) or the step's PrefillInfo (diffkv: its
+        n_high / n_low become views of the section sizes the replay wrote); fits(n, B) must hold. The rows
+        stay valid until the next run."""
         n = input_ids.numel()
         T = self.bucket(n)
         if self.capture and T not in self.graphs:
@@ -112,12 +161,19 @@ class PrefillGraphs:
         self.ids[n:T].zero_()
         self.positions[:n].copy_(positions)
         self.positions[n:T].zero_()
-        self.dst_page[:, :n].copy_(dst_page)
-        self.dst_page[:, n:T].fill_(-1)
-        self.dst_row[:, :n].copy_(dst_row)
+        if self.diffkv:
+            self._stage_info(T, info)
+        else:
+            self.dst_page[:, :n].copy_(dst_page)
+            self.dst_page[:, n:T].fill_(-1)
+            self.dst_row[:, :n].copy_(dst_row)
         self._stage(T, cu)
         if not self.capture:
-            return self._forward(T)[:n]
-        g, hidden = self.graphs[T]
-        g.replay()
+            hidden = self._forward(T)
+        else:
+            g, hidden = self.graphs[T]
+            g.replay()
+        if self.diffkv:
+            B = info.slots.numel()
+            info.n_high, info.n_low = self.n_sections[0, :B], self.n_sections[1, :B]
         return hidden[:n]

@@ -73,3 +73,18 @@ def test_classify_matches_naive_and_kernel_matches_reference(per_token_alpha, la
                               max_seqlen=max_seqlen, impl="triton")
         for g, exp in zip(got, want):
             assert torch.equal(g.cpu(), exp)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_trailing_empty_sequences_get_empty_sections(impl):
+    """A graphed prompt step's layout (engine/prefill_graph.py): the real sequences, then empty ones, with a
+    max_seqlen bound (the bucket) above the longest. The real sequences classify as without them."""
+    sig, pos, cu, seq, n, ah, al = _inputs(3)
+    want = classify_prompt(sig, pos, cu, seq, n, ah, al, WINDOW, Q, impl="ref")
+    cu_pad = torch.cat([cu, cu[-1:].repeat(4)])
+    got = classify_prompt(*[x.to(DEVICE) for x in (sig, pos, cu_pad, seq, n, ah, al)], WINDOW, Q,
+                          max_seqlen=1024, impl=impl)
+    for g, exp in zip(got[:2], want[:2]):
+        assert torch.equal(g.cpu(), exp)
+    for g, exp in zip(got[2:], want[2:]):
+        assert torch.equal(g.cpu()[: len(SEQLENS)], exp) and not g.cpu()[len(SEQLENS):].any()

@@ -139,3 +139,13 @@ def test_suffix_shorter_than_the_counted_queries_scores_its_own_tokens_in_full(i
     rows, got = _suffix_significance(q, k, cu, seqlens, suffix, Q, impl)
     _check(got[rows], whole[rows], dtype)
     assert bool((got != whole).any())  # the prefix tokens lost the queries inside the prefix
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_trailing_empty_sequences_and_a_larger_length_bound(impl):
+    """A graphed prompt step's layout: empty sequences after the real ones and max_seqlen the bucket's size."""
+    seqlens = [5, 70, 3]
+    q, k, cu, = _inputs(seqlens, 4, 2, 64, torch.float32, seed=11)
+    cu_pad = torch.cat([cu, cu[-1:].repeat(3)])
+    got = prompt_significance(q, k, cu_pad, num_queries=64, impl=impl, max_seqlen=256)
+    _check(got, _naive(q, k, cu, 1 / 8, 64), torch.float32)

@@ -66,6 +66,9 @@ class PrefillInfo:
     # CacheConfig.pin_prompt_blocks: each prompt's first floor(n / pin_block) * pin_block tokens (its full
     # prefix-cache blocks) are pinned high; 0: nothing pinned.
     pin_block: int = 0
+    # A prompt step replayed from a CUDA graph (engine/prefill_graph.py) pads to its bucket with one padding
+    # sequence and empty ones: bool [B], True for those. They plan no pages and write nothing.
+    padding: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -169,6 +172,11 @@ class KVCache:
                     info.alpha_low, cfg.window, cfg.significance_queries, layer, self.layer_scale, max_len)
             if hit_rows is not None:  # pinned high, in pages the cache owns: counted, never written again
                 idx_high = idx_high.index_fill(0, hit_rows, -1)
+            # A graphed step's padding sequence plans no page; its tokens (in the dummy slot, whose page-table
+            # row stays empty) then find no page to be written to.
+            if info.padding is not None:
+                n_high = n_high.masked_fill(info.padding.unsqueeze(1), 0)
+                n_low = n_low.masked_fill(info.padding.unsqueeze(1), 0)
         with cost_range("memory"):
             if info.overflow is not None:  # an overflowed sequence's writes go nowhere
                 mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
