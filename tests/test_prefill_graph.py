@@ -109,8 +109,8 @@ def test_staged_prompt_steps_recompute_cached_blocks_as_without_the_cache(mode, 
 
 
 def _diffkv_engine(staged: bool) -> LLMEngine:
-    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=512,
-                       cache={"kv_mode": "diffkv", "num_pages": 4096, "record_pruning": True},
+    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=64,
+                       cache={"kv_mode": "diffkv", "num_pages": 4096, "record_pruning": True, "window": 8},
                        scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 1024, "async_scheduling": "off"})
     eng = LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
     if staged:
@@ -123,9 +123,11 @@ def test_staged_diffkv_prompt_steps_equal_eager_ones():
     """DiffKV prompt steps through the graphs' staging (padding to the bucket, a padding sequence, empty ones)
     classify, fit and write exactly what an eager step does: the same section sizes and pages right after the
     step, the same tokens, log-probabilities and kept classes at the end, and the dummy slot (the decode graphs'
-    padding rows) still holds nothing."""
+    padding rows) still holds nothing. The padding sequence (212 tokens) is longer than any sequence may be
+    (64): its tokens' section indices lie past every page-table row."""
     g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (3, 70, 130, 201)]  # 404 -> bucket 512
+    # 300 tokens -> bucket 512
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (3, 50, 54, 54, 54, 54, 31)]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     outs, after_prompt = {}, {}
     for staged in (False, True):

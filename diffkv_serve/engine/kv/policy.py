@@ -172,9 +172,7 @@ class KVCache:
                     info.alpha_low, cfg.window, cfg.significance_queries, layer, self.layer_scale, max_len)
             if hit_rows is not None:  # pinned high, in pages the cache owns: counted, never written again
                 idx_high = idx_high.index_fill(0, hit_rows, -1)
-            # A graphed step's padding sequence plans no page; its tokens (in the dummy slot, whose page-table
-            # row stays empty) then find no page to be written to.
-            if info.padding is not None:
+            if info.padding is not None:  # a graphed step's padding sequence plans no page
                 n_high = n_high.masked_fill(info.padding.unsqueeze(1), 0)
                 n_low = n_low.masked_fill(info.padding.unsqueeze(1), 0)
         with cost_range("memory"):
@@ -184,6 +182,9 @@ class KVCache:
             else:  # low pages sit at the right end of the all-high reservation
                 mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
                 where = dict(right_of=mm.held_high)
+                if info.padding is not None:  # and writes nothing: its section indices (up to the bucket's
+                    # size) may lie past any sequence's page-table row, so they are not even looked up
+                    where.update(drop=info.padding, seq_of_token=info.seq_of_token)
         # Both sections' rows looked up and written in one launch (diffkv_serve/kernels/kv_write_sections.py).
         write_sections(mm.pool, mm.fmt_high, mm.fmt_low, mm.cache_dtype, k, v, positions, sig, mm.page_table, layer,
                        info.token_slots, idx_high, idx_low, **where)
