@@ -45,6 +45,11 @@ MEASURED_ALTERNATIVES = {
                            "without int4: lowest 0.76 of the floor (K8V4, K4V2, mix at qwen2.5-1.5b B128 S1024)",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
+    "throughput_serving_int4_diffkv_qwen2.5-1.5b_H100.json": "benchmarks/throughput.py --workload serving, int4 "
+                                                             "against the default DiffKV (prompt steps of 16,384 "
+                                                             "tokens, eager): 41,276 vs 34,769 tokens/s; prompt "
+                                                             "steps 2.75 vs 2.91 s, decode steps at batch 509 "
+                                                             "7.01 vs 9.01 ms",
     "vllm_baseline_long-decode_qwen2.5-1.5b_H100.json": "benchmarks/vllm_baseline.py: vLLM 0.26 alone, long-decode",
     "throughput_long-decode_qwen2.5-1.5b_int4_H100.json": "benchmarks/throughput.py, our int4 beside the vLLM "
                                                           "comparison (long-decode)",

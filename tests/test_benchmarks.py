@@ -453,13 +453,7 @@ def test_study_accuracy_lookup():
     assert sa.fastest_within(rows, 1.0)["mode"] == "int8" and sa.fastest_within(rows, 2.0)["mode"] == "int4"
 
 
-# The committed Qwen study (fresh engines, 2,500 problems) has not run these yet: their throughput rows say
-# "not measured". Strict: passes, and must lose its mark, once the study has them.
-STUDY_GAP = pytest.mark.xfail(strict=True, reason="not yet in the 2,500-problem Qwen study")
-
-
-@pytest.mark.parametrize("mode", ["fp16", pytest.param("fp8", marks=STUDY_GAP), "int8",
-                                  pytest.param("k8v4", marks=STUDY_GAP), "int4", "diffkv"])
+@pytest.mark.parametrize("mode", ["fp16", "fp8", "int8", "k8v4", "int4", "diffkv"])
 def test_committed_qwen_study_covers_the_throughput_modes(mode):
     """Every mode of the Qwen throughput benchmark has its accuracy in the committed study."""
     from diffkv_serve.engine import EngineConfig

@@ -2,6 +2,7 @@
 best for that model, or to fp16; everything after that sees the resolved mode."""
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,6 @@ def test_shipped_settings_name_a_mode_with_its_evidence():
         evidence = settings["kv_mode_evidence"]
         assert settings["kv_mode"] in ("fp16", "int8", "int4", "fp8", "diffkv")
         assert {"rule", "gpu", "date", "files"} <= set(evidence)
+        root = Path(__file__).resolve().parents[1]
+        missing = [f for f in evidence["files"] if not (root / f).is_file()]
+        assert not missing, f"{name}: evidence files not in the repository: {missing}"
