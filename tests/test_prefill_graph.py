@@ -57,9 +57,11 @@ def test_graphed_prompt_steps_equal_eager_ones(mode, prefix_caching):
         torch.testing.assert_close(b, a, atol=0.05, rtol=0.02)
 
 
-def _staged_engine(mode: str, prefix_caching: bool, staged: bool) -> LLMEngine:
-    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=512,
-                       cache={"kv_mode": mode, "num_pages": 4096, "enable_prefix_caching": prefix_caching},
+def _staged_engine(mode: str, prefix_caching: bool, staged: bool, max_model_len: int = 512,
+                   **cache) -> LLMEngine:
+    """An engine whose prompt steps (staged) go through the graphs' staging run eagerly (capture=False)."""
+    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=max_model_len,
+                       cache={"kv_mode": mode, "num_pages": 4096, "enable_prefix_caching": prefix_caching, **cache},
                        scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 1024, "async_scheduling": "off"})
     eng = LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
     if staged:
@@ -110,17 +112,6 @@ def test_staged_prompt_steps_recompute_cached_blocks_as_without_the_cache(mode, 
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=1e-4)
 
 
-def _diffkv_engine(staged: bool) -> LLMEngine:
-    cfg = EngineConfig(device=TEST_DEVICE, max_model_len=64,
-                       cache={"kv_mode": "diffkv", "num_pages": 4096, "record_pruning": True, "window": 8},
-                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 1024, "async_scheduling": "off"})
-    eng = LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
-    if staged:
-        r = eng.runner
-        r.prefill_graphs = PrefillGraphs(r.model, r.attn, 1024, 8, capture=False)
-    return eng
-
-
 def test_staged_diffkv_prompt_steps_equal_eager_ones():
     """DiffKV prompt steps through the graphs' staging (padding to the bucket, a padding sequence, empty ones)
     classify, fit and write exactly what an eager step does: the same section sizes and pages right after the
@@ -133,7 +124,7 @@ def test_staged_diffkv_prompt_steps_equal_eager_ones():
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     outs, after_prompt = {}, {}
     for staged in (False, True):
-        eng = _diffkv_engine(staged)
+        eng = _staged_engine("diffkv", False, staged, max_model_len=64, record_pruning=True, window=8)
         mm = eng.mm
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, sp)
