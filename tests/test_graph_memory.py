@@ -117,9 +117,9 @@ def test_prompt_step_graphs_sizes_and_budget(monkeypatch):
     with_graphs, shape, free, total, config = _fake_runner(monkeypatch, False, scheduler=sched)
     runner = _fake_runner.last
     assert ModelRunner._prefill_graph_tokens(runner) == 4096
-    # diffkv prompt steps replay graphs too, unless pages are taken as they fit (learned reservation), prompt
-    # blocks are pinned (prefix caching) or the budget policy ranks tokens
-    for cache, sched_extra, want in (({}, {}, 4096), ({}, {"reservation": "learned"}, 0),
+    # diffkv prompt steps replay graphs too (either reservation), unless prompt blocks are pinned (prefix
+    # caching) or the budget policy ranks tokens
+    for cache, sched_extra, want in (({}, {}, 4096), ({}, {"reservation": "learned"}, 4096),
                                      ({"enable_prefix_caching": True}, {}, 0), ({"policy": "budget"}, {}, 0)):
         _fake_runner(monkeypatch, False, scheduler={**sched, **sched_extra}, cache={"kv_mode": "diffkv", **cache})
         assert ModelRunner._prefill_graph_tokens(_fake_runner.last) == want, (cache, sched_extra)

@@ -58,15 +58,16 @@ def test_graphed_prompt_steps_equal_eager_ones(mode, prefix_caching):
 
 
 def _staged_engine(mode: str, prefix_caching: bool, staged: bool, max_model_len: int = 512,
-                   **cache) -> LLMEngine:
+                   scheduler: dict | None = None, **cache) -> LLMEngine:
     """An engine whose prompt steps (staged) go through the graphs' staging run eagerly (capture=False)."""
     cfg = EngineConfig(device=TEST_DEVICE, max_model_len=max_model_len,
                        cache={"kv_mode": mode, "num_pages": 4096, "enable_prefix_caching": prefix_caching, **cache},
-                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 1024, "async_scheduling": "off"})
+                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 1024, "async_scheduling": "off",
+                                  **(scheduler or {})})
     eng = LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
     if staged:
         r = eng.runner
-        r.prefill_graphs = PrefillGraphs(r.model, r.attn, 1024, 8, capture=False)
+        r.prefill_graphs = PrefillGraphs(r.model, r.attn, 1024, 8, capture=False, learned=r.learned)
     return eng
 
 
@@ -112,7 +113,8 @@ def test_staged_prompt_steps_recompute_cached_blocks_as_without_the_cache(mode, 
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=1e-4)
 
 
-def test_staged_diffkv_prompt_steps_equal_eager_ones():
+@pytest.mark.parametrize("reservation", ["worst_case", "learned"])
+def test_staged_diffkv_prompt_steps_equal_eager_ones(reservation):
     """DiffKV prompt steps through the graphs' staging (padding to the bucket, a padding sequence, empty ones)
     classify, fit and write exactly what an eager step does: the same section sizes and pages right after the
     step, the same tokens, log-probabilities and kept classes at the end, and the dummy slot (the decode graphs'
@@ -124,7 +126,8 @@ def test_staged_diffkv_prompt_steps_equal_eager_ones():
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     outs, after_prompt = {}, {}
     for staged in (False, True):
-        eng = _staged_engine("diffkv", False, staged, max_model_len=64, record_pruning=True, window=8)
+        eng = _staged_engine("diffkv", False, staged, max_model_len=64, scheduler={"reservation": reservation},
+                             record_pruning=True, window=8)
         mm = eng.mm
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, sp)

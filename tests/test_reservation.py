@@ -10,6 +10,7 @@ from diffkv_serve.engine.kv.footprint import FootprintEstimator, length_bucket, 
 from diffkv_serve.engine.kv.layout import CacheShape
 from diffkv_serve.engine.kv.pool import MemoryManager
 from diffkv_serve.engine.llm_engine import LLMEngine
+from diffkv_serve.engine.prefill_graph import PrefillGraphs
 from diffkv_serve.engine.loader import load_checkpoint
 
 from engine_helpers import TEST_DEVICE, assert_all_pages_free
@@ -137,7 +138,8 @@ def test_decode_growth_counts_heads_with_a_full_section_or_an_armed_empty_low_on
 TINY = None
 
 
-def _engine(reservation, num_pages):
+def _engine(reservation, num_pages, staged=False):
+    """staged: prompt steps go through the prompt-step graphs' staging, run eagerly (prefill_graph.py)."""
     global TINY
     if TINY is None:
         TINY = load_checkpoint("random:tiny")
@@ -146,7 +148,11 @@ def _engine(reservation, num_pages):
                                   "footprint_min_samples": 2},
                        cache={"kv_mode": "diffkv", "num_pages": num_pages, "block_size": 4, "window": 4,
                               "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
-    return LLMEngine(cfg, checkpoint=TINY)
+    eng = LLMEngine(cfg, checkpoint=TINY)
+    if staged:
+        r = eng.runner
+        r.prefill_graphs = PrefillGraphs(r.model, r.attn, 512, 8, capture=False, learned=r.learned)
+    return eng
 
 
 def _check_decode_bound(engine):
@@ -179,7 +185,10 @@ def _run(engine, requests):
     return done
 
 
-def test_adversarial_prompt_mix_never_crashes_or_loses_a_request():
+@pytest.mark.parametrize("staged", [False, True])
+def test_adversarial_prompt_mix_never_crashes_or_loses_a_request(staged):
+    """staged: the same through the prompt-step graphs' staging (a padding sequence and empty ones, which take
+    no page, beside the prompts that overflow)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 500, (int(torch.randint(40, 64, (1,), generator=g)),), generator=g).tolist()
                for _ in range(10)]
@@ -191,7 +200,7 @@ def test_adversarial_prompt_mix_never_crashes_or_loses_a_request():
     adversary = [(f"k{i}", prompts[i], seeded if i == 7 else greedy, keep_all) for i in range(4, 10)]
     outs, stats = {}, {}
     for reservation in ("worst_case", "learned"):
-        eng = _engine(reservation, num_pages=60)  # a 40-63 token prompt: 20 pages all-high
+        eng = _engine(reservation, num_pages=60, staged=staged)  # a 40-63 token prompt: 20 pages all-high
         _check_decode_bound(eng)
         outs[reservation] = {**_run(eng, learn), **_run(eng, adversary)}
         stats[reservation] = eng.stats()

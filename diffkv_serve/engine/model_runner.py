@@ -136,7 +136,7 @@ class ModelRunner:
             from diffkv_serve.engine.prefill_graph import PrefillGraphs
 
             self.prefill_graphs = PrefillGraphs(self.model, self.attn, tokens,
-                                                min(config.scheduler.max_num_seqs, tokens))
+                                                min(config.scheduler.max_num_seqs, tokens), learned=self.learned)
         log.info("KV cache (%s): %d pages of %d bytes (%d high tokens each) on %s", config.cache.resolved_mode,
                  self.mm.num_pages, self.mm.page_bytes, self.mm.fmt_high.tokens, self.device)
 
@@ -187,11 +187,10 @@ class ModelRunner:
 
     def _prefill_graph_tokens(self) -> int:
         """Largest prompt step a CUDA graph replays (0: none). Eager: a tensor-parallel forward (it all-reduces),
-        and diffkv prompt steps whose pages are taken layer by layer as they fit (learned reservation), that
-        pin prompt blocks (prefix caching: cached rows read in data-dependent shapes) or that keep a budget."""
+        and diffkv prompt steps that pin prompt blocks (prefix caching: cached rows read in data-dependent
+        shapes) or that keep a budget."""
         cfg, cc = self.config, self.config.cache
-        diffkv_eager = cc.tracks_tokens() and (cc.policy != "thresholds" or cc.pins_prompt_blocks()
-                                              or cfg.scheduler.reservation == "learned")
+        diffkv_eager = cc.tracks_tokens() and (cc.policy != "thresholds" or cc.pins_prompt_blocks())
         if self.device.type != "cuda" or cfg.enforce_eager or diffkv_eager or cfg.tensor_parallel_size > 1:
             return 0
         return min(cfg.max_prefill_graph_tokens, cfg.scheduler.max_num_batched_tokens)

@@ -13,11 +13,12 @@ graph (a gather and the LM head). A prompt whose first blocks are in the prefix 
 here with their writes dropped (ModelRunner._prefill masks their targets; the cache's pages stay as they
 are): the step then reads no cached K/V, whose sizes depend on the hits, and equals a step without the cache.
 
-DiffKV caches (thresholds policy, all-high reservation, no pinned prompt blocks) replay their prompt steps
-too: classification, page fitting and section writes run per layer on the device with grids sized by the
-bucket. The step's PrefillInfo is staged into static buffers; the padding sequence and the empty ones are
-marked `padding` (they plan no pages and write nothing, their slot is the dummy one, which stays empty for the
-decode graphs), and the section sizes of the real sequences are read from the static buffers after the replay.
+DiffKV caches (thresholds policy, no pinned prompt blocks) replay their prompt steps too: classification, page
+fitting (or, under learned reservation, page allocation as the pages last) and section writes run per layer on
+the device with grids sized by the bucket. The step's PrefillInfo is staged into static buffers; the padding
+sequence and the empty ones are marked `padding` (they plan no pages and write nothing, their slot is the dummy
+one, which stays empty for the decode graphs), and the section sizes (and, under learned reservation, the
+overflow flags) of the real sequences are read from the static buffers after the replay.
 
 Memory: the buckets share one private pool, captured largest first, so it holds about one largest-bucket
 forward's activations (graph_memory.prefill_graph_bytes estimates it for the pool's sizing);
@@ -38,8 +39,9 @@ class PrefillGraphs:
     """capture=False runs each step's padded forward eagerly from the same static buffers instead of replaying
     a graph: the CPU tests check the padding and staging with it."""
 
-    def __init__(self, model: CausalLM, attn: PagedAttention, max_tokens: int, max_seqs: int, capture: bool = True):
-        self.model, self.attn, self.capture = model, attn, capture
+    def __init__(self, model: CausalLM, attn: PagedAttention, max_tokens: int, max_seqs: int, capture: bool = True,
+                 learned: bool = False):
+        self.model, self.attn, self.capture, self.learned = model, attn, capture, learned
         self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
         self.max_seqs = max_seqs
@@ -64,8 +66,10 @@ class PrefillGraphs:
             self.len_of_token = torch.full((T,), T, dtype=torch.int32, device=dev)
             self.alphas = torch.zeros(2, T, dtype=torch.float32, device=dev)  # high, prompt's low
             self.n_sections = torch.zeros(2, S + 1, L, H, dtype=torch.int32, device=dev)  # n_high, n_low
+            self.overflow = torch.zeros(S + 1, dtype=torch.bool, device=dev)  # learned reservation only
+            self.tokens_high = mm.fmt_high.tokens
             static += [self.seq_slots, self.padding, self.token_slots, self.seq_of_token, self.len_of_token,
-                       self.alphas, self.n_sections]
+                       self.alphas, self.n_sections, self.overflow]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
         self.pool = None
         self.side = torch.cuda.Stream(dev) if capture else None
@@ -90,6 +94,8 @@ class PrefillGraphs:
             info = PrefillInfo(self.seq_slots, self.token_slots[:T], self.seq_of_token[:T], self.len_of_token[:T],
                                self.cu, self.alphas[0, :T], self.alphas[1, :T], self.n_sections[0],
                                self.n_sections[1], padding=self.padding)
+            if self.learned:  # one head of any sequence of the bucket takes at most this many pages per layer
+                info.overflow, info.max_new_pages = self.overflow, -(-T // self.tokens_high) + 1
         self.attn.meta = StepMetadata(True, pos.int(), self.dst_page[:, :T], self.dst_row[:, :T], self.slots, T,
                                       self.cu, info)
         return self.model(self.ids[:T], pos, self.attn)
@@ -120,6 +126,8 @@ class PrefillGraphs:
         self.seq_slots[B:].fill_(self.dummy_slot)
         self.padding[:B].fill_(False)
         self.padding[B:].fill_(True)
+        if self.learned:
+            self.overflow.zero_()
         self.token_slots[n:T].fill_(self.dummy_slot)
         self.seq_of_token[n:T].fill_(B)
         self.len_of_token[n:T].fill_(T - n)
@@ -153,6 +161,7 @@ class PrefillGraphs:
         stay valid until the next run."""
         n = input_ids.numel()
         T = self.bucket(n)
+        meta = self.attn.meta  # the step's own (capturing or staging sets the graphs' static one)
         if self.capture and T not in self.graphs:
             if not self.graphs and T != self.buckets[-1]:
                 self._capture(self.buckets[-1])  # the largest first: smaller buckets then reuse its pool blocks
@@ -173,7 +182,10 @@ class PrefillGraphs:
         else:
             g, hidden = self.graphs[T]
             g.replay()
+        self.attn.meta = meta
         if self.diffkv:
             B = info.slots.numel()
             info.n_high, info.n_low = self.n_sections[0, :B], self.n_sections[1, :B]
+            if self.learned:
+                info.overflow = self.overflow[:B]
         return hidden[:n]

@@ -176,15 +176,17 @@ class KVCache:
                 n_high = n_high.masked_fill(info.padding.unsqueeze(1), 0)
                 n_low = n_low.masked_fill(info.padding.unsqueeze(1), 0)
         with cost_range("memory"):
-            if info.overflow is not None:  # an overflowed sequence's writes go nowhere
+            if info.overflow is not None:  # learned reservation: pages taken while they last
                 mm.alloc_prompt_layer(info.slots, layer, n_high, n_low, info.overflow, info.max_new_pages)
-                where = dict(drop=info.overflow, seq_of_token=info.seq_of_token)
+                where = {}
             else:  # low pages sit at the right end of the all-high reservation
                 mm.fit_prompt_plan(info.slots, layer, n_high, n_low)
                 where = dict(right_of=mm.held_high)
-                if info.padding is not None:  # and writes nothing: its section indices (up to the bucket's
-                    # size) may lie past any sequence's page-table row, so they are not even looked up
-                    where.update(drop=info.padding, seq_of_token=info.seq_of_token)
+            # Writes go nowhere for an overflowed sequence, and for a graphed step's padding: its section indices
+            # (up to the bucket's size) may lie past any sequence's page-table row, so they are not looked up.
+            drops = [d for d in (info.overflow, info.padding) if d is not None]
+            if drops:
+                where.update(drop=drops[0] if len(drops) == 1 else drops[0] | drops[1], seq_of_token=info.seq_of_token)
         # Both sections' rows looked up and written in one launch (diffkv_serve/kernels/kv_write_sections.py).
         write_sections(mm.pool, mm.fmt_high, mm.fmt_low, mm.cache_dtype, k, v, positions, sig, mm.page_table, layer,
                        info.token_slots, idx_high, idx_low, **where)
