@@ -20,16 +20,19 @@ from diffkv_serve.engine.prefill_graph import PrefillGraphs
 cuda_only = pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU")
 
 
-def _engine(mode: str, graph_tokens: int, prefix_caching: bool = False) -> LLMEngine:
+def _engine(mode: str, graph_tokens: int, prefix_caching: bool = False,
+            reservation: str = "worst_case") -> LLMEngine:
     cfg = EngineConfig(device=TEST_DEVICE, max_model_len=1024, max_prefill_graph_tokens=graph_tokens,
                        cache={"kv_mode": mode, "num_pages": 4096, "enable_prefix_caching": prefix_caching},
-                       scheduler={"max_num_seqs": 16, "max_num_batched_tokens": 1024})
+                       scheduler={"max_num_seqs": 16, "max_num_batched_tokens": 1024, "reservation": reservation})
     return LLMEngine(cfg, checkpoint=load_checkpoint("random:tiny-qwen2"))
 
 
 @cuda_only
-@pytest.mark.parametrize("mode,prefix_caching", [("fp16", False), ("int4", False), ("int4", True), ("diffkv", False)])
-def test_graphed_prompt_steps_equal_eager_ones(mode, prefix_caching):
+@pytest.mark.parametrize("mode,prefix_caching,reservation", [
+    ("fp16", False, "worst_case"), ("int4", False, "worst_case"), ("int4", True, "worst_case"),
+    ("diffkv", False, "worst_case"), ("diffkv", False, "learned")])
+def test_graphed_prompt_steps_equal_eager_ones(mode, prefix_caching, reservation):
     """With the prefix cache, the graphed engine's later prompts hit the first one's blocks and compute them
     again; the eager engine runs without the cache."""
     g = torch.Generator().manual_seed(1)
@@ -41,7 +44,7 @@ def test_graphed_prompt_steps_equal_eager_ones(mode, prefix_caching):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     outs = {}
     for tokens in (0, 1024):
-        eng = _engine(mode, tokens, prefix_caching and tokens > 0)
+        eng = _engine(mode, tokens, prefix_caching and tokens > 0, reservation)
         res = run_all(eng, prompts, sp)
         graphs = eng.runner.prefill_graphs
         assert (graphs is None) == (tokens == 0)
