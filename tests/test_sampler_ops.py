@@ -163,6 +163,10 @@ def test_top_k_minus_one_and_zero_are_off():
     a = sample(logits, [SamplingParams(top_k=-1)] * 2, g()).tokens
     b = sample(logits, [SamplingParams(top_k=0)] * 2, g()).tokens
     assert torch.equal(a, b)
+    # any larger top_k keeps the whole vocabulary, even past what an int64 holds (an HTTP request may ask it)
+    for k in (logits.shape[-1], 2**62, 2**70):
+        assert torch.equal(sample(logits, [SamplingParams(top_k=k, top_p=0.9)] * 2, g()).tokens,
+                           sample(logits, [SamplingParams(top_p=0.9)] * 2, g()).tokens)
 
 
 def test_logprobs_chosen_and_top_k_of_the_raw_distribution():
@@ -190,6 +194,7 @@ def test_logprobs_chosen_and_top_k_of_the_raw_distribution():
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
     ({"stop_token_ids": [-2]}, "stop_token_ids"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"prompt_logprobs": 50}, "prompt_logprobs"),
+    ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"seed": 2**64 - 2, "n": 3}, "seed"),
 ])
 def test_bad_values_name_their_field(kw, field):
     with pytest.raises(InvalidRequestError) as e:

@@ -61,7 +61,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         if any(p.min_p > 0 and not p.greedy for p in params):
             scaled = apply_min_p(scaled, to_device([p.min_p for p in params], torch.float32, dev))
         if any((p.top_k > 0 or p.top_p < 1) and not p.greedy for p in params):
-            top_k = to_device([p.top_k for p in params], torch.int64, dev)
+            # top_k at or above the vocabulary keeps every token (any size is valid, as in vLLM)
+            top_k = to_device([min(p.top_k, logits.shape[-1]) for p in params], torch.int64, dev)
             top_p = to_device([p.top_p for p in params], torch.float32, dev)
             scaled = _mask_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(-1)

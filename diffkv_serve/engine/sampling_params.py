@@ -13,6 +13,7 @@ from diffkv_serve.engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 MAX_N = 128  # sequences per request (OpenAI's limit)
+MAX_SEED = 2**64 - 1  # the largest seed a torch generator takes
 
 
 def _is_int(v) -> bool:
@@ -97,8 +98,10 @@ class SamplingParams:
             if any(not _is_int(t) or t < 0 for t in self.teacher_tokens):
                 raise InvalidRequestError("teacher_tokens must be non-negative integers", "teacher_tokens")
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise InvalidRequestError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
+        # A torch generator takes seeds below 2^64; sequence i of an n-sequence request is seeded seed + i.
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED + 1 - self.n):
+            raise InvalidRequestError(f"seed must be an integer in [0, {MAX_SEED + 1 - self.n}] (n={self.n}), got "
+                                      f"{self.seed!r}", "seed")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The settings of sequence `index` of an n-sequence request: n=1, its own seed (seed + index), and
