@@ -78,14 +78,10 @@ def segment_index(mask: torch.Tensor, cu_seqlens: torch.Tensor,
     x = mask.t().contiguous().to(torch.int32)  # [H, N]
     incl = torch.cumsum(x.view(-1), 0, dtype=torch.int32).view_as(x).t()  # [N, H]
     excl = incl - x.t()
-    N = mask.shape[0]
     # Empty sequences (a graphed step's unused ones, at the end) read row 0 or N - 1 and get size 0.
     empty = (cu_seqlens[1:] == cu_seqlens[:-1]).unsqueeze(1)
-    starts = cu_seqlens[:-1].long().clamp(max=max(N - 1, 0))
+    starts = cu_seqlens[:-1].long().clamp(max=mask.shape[0] - 1)
     ends = (cu_seqlens[1:].long() - 1).clamp(min=0)
-    if N == 0:
-        return mask.to(torch.int32), torch.zeros(cu_seqlens.numel() - 1, mask.shape[1], dtype=torch.int32,
-                                                 device=mask.device)
     base = excl[starts]  # [B, H]
     idx = excl - base[seq_of_token]
     sizes = (incl[ends] - base).masked_fill(empty, 0)
