@@ -31,6 +31,7 @@ import torch
 from diffkv_serve.engine.attention import PagedAttention, StepMetadata
 from diffkv_serve.engine.cuda_graph import reserved_by
 from diffkv_serve.engine.graph_memory import prefill_buckets
+from diffkv_serve.engine.kv.layout import cdiv
 from diffkv_serve.engine.kv.policy import PrefillInfo
 from diffkv_serve.engine.model import CausalLM
 
@@ -52,12 +53,15 @@ class PrefillGraphs:
         self.ids = torch.zeros(T, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
         self.cu = torch.zeros(S + 2, dtype=torch.int32, device=dev)  # S sequences, then the padding one
-        self.dst_page = torch.full((L, T, H), -1, dtype=torch.int32, device=dev)
-        self.dst_row = torch.zeros((L, T, H), dtype=torch.int32, device=dev)
         self.slots = torch.full((S,), mm.dummy_slot, dtype=torch.int32, device=dev)
-        static = [self.ids, self.positions, self.cu, self.dst_page, self.dst_row, self.slots]
+        static = [self.ids, self.positions, self.cu, self.slots]
         self.diffkv = attn.kv.diffkv
-        if self.diffkv:  # the step's PrefillInfo, over S + 1 sequences (the padding one last)
+        self.dst_page = self.dst_row = None  # diffkv: each layer's policy decides where its tokens go
+        if not self.diffkv:  # every (layer, token, KV head)'s page and row
+            self.dst_page = torch.full((L, T, H), -1, dtype=torch.int32, device=dev)
+            self.dst_row = torch.zeros((L, T, H), dtype=torch.int32, device=dev)
+            static += [self.dst_page, self.dst_row]
+        else:  # the step's PrefillInfo, over S + 1 sequences (the padding one last)
             self.dummy_slot = mm.dummy_slot
             self.seq_slots = torch.full((S + 1,), mm.dummy_slot, dtype=torch.int32, device=dev)
             self.padding = torch.ones(S + 1, dtype=torch.bool, device=dev)
@@ -95,9 +99,9 @@ class PrefillGraphs:
                                self.cu, self.alphas[0, :T], self.alphas[1, :T], self.n_sections[0],
                                self.n_sections[1], padding=self.padding)
             if self.learned:  # one head of any sequence of the bucket takes at most this many pages per layer
-                info.overflow, info.max_new_pages = self.overflow, -(-T // self.tokens_high) + 1
-        self.attn.meta = StepMetadata(True, pos.int(), self.dst_page[:, :T], self.dst_row[:, :T], self.slots, T,
-                                      self.cu, info)
+                info.overflow, info.max_new_pages = self.overflow, cdiv(T, self.tokens_high) + 1
+        dst_page, dst_row = (None, None) if self.diffkv else (self.dst_page[:, :T], self.dst_row[:, :T])
+        self.attn.meta = StepMetadata(True, pos.int(), dst_page, dst_row, self.slots, T, self.cu, info)
         return self.model(self.ids[:T], pos, self.attn)
 
     def _stage(self, T: int, cu: torch.Tensor | None) -> None:
@@ -136,10 +140,11 @@ class PrefillGraphs:
     def _capture_graph(self, T: int) -> None:
         self.ids.zero_()
         self.positions.zero_()
-        self.dst_page.fill_(-1)
         self._stage(T, None)
         if self.diffkv:
             self._stage_info(T, None)
+        else:
+            self.dst_page.fill_(-1)
         side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up on padding only: Triton compiles, cuBLAS picks its kernels
