@@ -369,6 +369,7 @@ class ModelRunner:
          *rest) = self._to_device([ids, pos, slots_np, lens, token_slots, cu, seq_of_token,
                                    len_of_token, q_slots, cu_q, *prefix_lists, *cached_of_token])
         prefix_t = rest[:len(prefix_lists)]
+        cached_t = rest[-1] if recomputed else None
         positions, slots, lens_t, cu_t, cu_q_t = positions.int(), slots.int(), lens_t.int(), cu_t.int(), cu_q_t.int()
         cached_prefix = None
         if with_prefix:
@@ -398,7 +399,7 @@ class ModelRunner:
                 mm.set_lengths(slots, lens_t)
                 dst_page, dst_row = mm.write_targets(q_slots_t, positions)
                 if recomputed:  # the cached blocks' pages belong to the prefix cache
-                    dst_page = dst_page.masked_fill((positions < rest[-1]).view(1, -1, 1), -1)
+                    dst_page = dst_page.masked_fill((positions < cached_t).view(1, -1, 1), -1)
         max_q = max(n - h for n, h in zip(lens, hit))
         self.attn.meta = StepMetadata(True, positions, dst_page, dst_row, slots, max_q, cu_q_t, info,
                                       cached_prefix=cached_prefix)
