@@ -42,7 +42,7 @@ from diffkv_serve.engine import EngineConfig, SamplingParams  # noqa: E402
 from diffkv_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.profiling import CATEGORIES as RANGE_CATEGORIES, PREFIX as RANGE_PREFIX  # noqa: E402
-from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags, engine_settings  # noqa: E402
 
 # Kernel name -> category, checked before the launching range: the memory-management graph replays the
 # policy's Algorithm 1 and the forward graph the attention and score-update kernels. Triton kernels by their
@@ -313,16 +313,19 @@ def measure(engine: LLMEngine, mode: str, batch: int, seq: int, args, cuda: bool
     preempted = engine.scheduler.num_preemptions - preempted
     abort_all(engine)
     prompt = {**base, "phase": "prompt", "seqs_per_step": per_step, "tokens_per_step": per_step * seq,
-              **summarize(p_rows, p_walls), "unnamed": top_unnamed(p_unnamed, len(p_rows)),
-              "named": top_unnamed(p_named, len(p_rows))}
+              **summarize(p_rows, p_walls), "unnamed": top_unnamed(p_unnamed, len(p_rows), args.top),
+              "named": top_unnamed(p_named, len(p_rows), args.top)}
     decode = {**base, "phase": "decode", "seqs_per_step": running, **summarize(d_rows, d_walls),
               "mm_timer_ms": sum(mm_ms) / len(mm_ms) if mm_ms else None, "preemptions": preempted,
-              "unnamed": top_unnamed(d_unnamed, len(d_rows)), "named": top_unnamed(d_named, len(d_rows))}
+              "unnamed": top_unnamed(d_unnamed, len(d_rows), args.top),
+              "named": top_unnamed(d_named, len(d_rows), args.top)}
     return [prompt, decode]
 
 
 def build_engine(mode: str, args, max_len: int, async_scheduling: str = "auto") -> LLMEngine:
-    cache = {"kv_mode": mode, "enable_prefix_caching": args.prefix_caching}
+    # diffkv's thresholds and precisions where given (--alpha-high ...; the other modes ignore them)
+    knobs = engine_settings(args).get("cache", {}) if mode == "diffkv" else {}
+    cache = {"kv_mode": mode, "enable_prefix_caching": args.prefix_caching, **knobs}
     if args.num_pages:
         cache["num_pages"] = args.num_pages
     elif args.kv_cache_gb:
@@ -402,8 +405,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pool in pages (overrides --kv-cache-gb)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for generation steps")
-    add_engine_flags(ap, only=("device", "dtype"), defaults={"device": "auto", "dtype": "auto"})
-    ap.add_argument("--verbose", action="store_true", help="list work not classified by kernel name")
+    add_engine_flags(ap, only=("device", "dtype", "alpha_high", "alpha_low", "high", "low"),
+                     defaults={"device": "auto", "dtype": "auto"})
+    ap.add_argument("--verbose", action="store_true", help="list each step's kernels, by name, with their times")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per step and kind (named, unnamed)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/step_breakdown_<gpu>.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU; a small pool skips one combination")
     args = ap.parse_args(argv)
@@ -432,7 +437,7 @@ def main(argv=None) -> int:
               "command": " ".join(["python", "benchmarks/step_breakdown.py", *(argv or sys.argv[1:])]),
               "config": {"steps": args.steps, "prompt_steps": args.prompt_steps, "warmup_steps": args.warmup_steps,
                          "max_batched_tokens": args.max_batched_tokens, "prefix_caching": args.prefix_caching,
-                         "dtype": args.dtype, "pools": pools},
+                         "dtype": args.dtype, "diffkv": engine_settings(args).get("cache", {}), "pools": pools},
               "kernel_categories": [list(kc) for kc in KERNEL_CATEGORIES], "rows": rows, "targets": t}
     write_result(result, "step_breakdown", gpu, args.out, args.smoke)
     return 0
