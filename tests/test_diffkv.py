@@ -95,6 +95,35 @@ def test_per_request_thresholds_change_what_is_kept(make_engine):
     assert squeeze.kv_usage["tokens_pruned"] > 0
 
 
+def test_alpha_low_zero_skips_low_scores_and_changes_nothing(make_engine, monkeypatch):
+    """At alpha_low 0 no low token is ever pruned, so the score update leaves low sections alone and the plan does
+    not scan them: the same tokens and kept classes as an engine updating every low score. Requests at alpha_low
+    0 and above share the batch (the skip is per slot)."""
+    import diffkv_serve.engine.kv.policy as policy
+
+    cache = {"kv_mode": "diffkv", "high": "K8V4", "low": "K4V4", "alpha_high": 2.0, "alpha_low": 0.0, "window": 4}
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    per_request = [None, {"alpha_high": 2.0, "alpha_low": 0.3}, None]
+
+    def run(engine):
+        for i, (p, kvc) in enumerate(zip(PROMPTS, per_request)):
+            engine.add_request(str(i), p, sp, kv_compression=kvc)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = (o.token_ids, o.kv_usage)
+        return [done[str(i)] for i in range(len(PROMPTS))]
+
+    skipping = run(make_engine(cache=cache))
+    real = policy.accumulate_scores
+    monkeypatch.setattr(policy, "accumulate_scores", lambda *a, alpha_low_by_slot=None, **k: real(*a, **k))
+    every = run(make_engine(cache=cache))
+    assert skipping == every
+    assert all(u["tokens_low"] > 0 for _, u in skipping)  # low sections existed (and went unscored at 0)
+    assert skipping[1][1]["tokens_pruned"] > 0 and skipping[0][1]["tokens_pruned"] == 0
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
 def test_uniform_quantized_modes_generate(make_engine, mode):
     engine = make_engine(cache={"kv_mode": mode})

@@ -142,8 +142,9 @@ def _plan_kernel(
     vpos = tl.load(pool_i + vbase + hi_pos, mask=jv < _BIG, other=-1)
     th_lv = tl.where((vpos >= p_lo) & (vpos < p_hi), th_l, 0.0)
 
-    # Low section: only scanned when t_c joins it.
-    lo_end = tl.where(go_low, ll, 0)
+    # Low section: only scanned when t_c joins it and a low victim could be pruned (th_l > 0; at th_l = 0 none
+    # is below it, so t_c is appended whatever the scan finds, and score_update leaves such low scores as they are).
+    lo_end = tl.where(go_low & (th_l > 0), ll, 0)
     jl = tl.full([], _BIG, tl.int32)
     lmin = tl.full([], float("inf"), tl.float32)
     for j0 in range(0, lo_end, BLOCK):

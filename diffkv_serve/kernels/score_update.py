@@ -3,7 +3,10 @@
 For every cached token of every (batch entry b, KV head h) the score segment (f32) of its page row gets
     max over the query heads g of h's GQA group of exp(logits[b, g, idx] - lse[b, g])
 where idx = j for high token j and len_high + j for low token j, and logits / lse come from
-paged_decode_attention(..., logits_out=, lse_out=) of the same step. A pinned prompt token's score is +inf
+paged_decode_attention(..., logits_out=, lse_out=) of the same step. With `alpha_low_by_slot` (the decode
+alpha_low of every slot) a slot whose alpha_low is 0 keeps its low section's scores as they are: such a sequence
+never prunes a low token (diffkv_serve/kernels/compression_plan.py compares a low victim against alpha_low / N = 0),
+so nothing reads them, and most of a long sequence's tokens are low. A pinned prompt token's score is +inf
 (diffkv_serve/kernels/prompt_classify.py pin_significance) and stays +inf, so the rows of a prefix-cache page
 that several sequences read keep the same value whoever updates them.
 """
@@ -55,11 +58,11 @@ def _score_section(
 
 @triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
 def _score_kernel(
-    pool_f32, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, logits_ptr, lse_ptr,
+    pool_f32, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, logits_ptr, lse_ptr, alow_ptr,
     stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, stride_lls, stride_lll, stride_llh,
     stride_gb, stride_gh, stride_eb, stride_eh,
     layer, low_col0, page_words, score_off, lscore_off, num_splits,  # runtime: one variant for every length
-    GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr,
+    GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr, GATED: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per (batch entry, KV head, split); each split takes its share of both sections.
@@ -78,6 +81,8 @@ def _score_kernel(
                    page_words, score_off, T, False, BLOCK_N)
     if HAS_LOW:
         length_lo = tl.load(lenlo_ptr + slot * stride_lls + layer * stride_lll + h * stride_llh)
+        if GATED:  # alpha_low 0: no low score is ever read
+            length_lo = tl.where(tl.load(alow_ptr + slot) > 0, length_lo, 0)
         lo, hi = split_range(length_lo, split, num_splits, BLOCK_N)
         _score_section(pool_f32, pt_row, low_col0, lo, hi, logit_rows,
                        length, lse, gmask, page_words, lscore_off, T_LO, True, BLOCK_N)
@@ -93,7 +98,7 @@ def _sections(fmt, fmt_low, lengths, len_low):
 
 
 def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
-                          fmt_low=None, len_low=None):
+                          fmt_low=None, len_low=None, alpha_low_by_slot=None):
     has_low = _sections(fmt, fmt_low, lengths, len_low)
     pf = pool.view(torch.float32)
     B, Hq, NMAX = logits.shape
@@ -105,7 +110,10 @@ def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, lay
     ls = lse.float().view(B, Hkv, group, 1)
     sections = [(fmt, lens, torch.zeros_like(lens), False)]
     if has_low:
-        sections.append((fmt_low, len_low[sl, layer].long(), lens, True))
+        n_low = len_low[sl, layer].long()
+        if alpha_low_by_slot is not None:
+            n_low = torch.where(alpha_low_by_slot[sl, None] > 0, n_low, 0)
+        sections.append((fmt_low, n_low, lens, True))
     for f, n_tok, base, low in sections:
         T = f.tokens
         n = int(n_tok.max()) if n_tok.numel() else 0
@@ -123,8 +131,8 @@ def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, lay
 
 
 def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
-                             fmt_low=None, len_low=None, num_splits=None, block_n=BLOCK_N, num_warps=4,
-                             num_stages=None):
+                             fmt_low=None, len_low=None, alpha_low_by_slot=None, num_splits=None, block_n=BLOCK_N,
+                             num_warps=4, num_stages=None):
     has_low = _sections(fmt, fmt_low, lengths, len_low)
     B, Hq, NMAX = logits.shape
     Hkv = page_table.shape[2]
@@ -136,26 +144,31 @@ def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, 
     if num_splits is None:
         num_splits = choose_score_splits(B, Hkv, NMAX, logits.device, block_n)
     group = Hq // Hkv
+    gated = has_low and alpha_low_by_slot is not None
     _score_kernel[(B, Hkv, num_splits)](
         pool.view(torch.float32), page_table, lengths, lenlo, slots, logits, lse,
+        alpha_low_by_slot if gated else lse,
         page_table.stride(0), page_table.stride(1), page_table.stride(2),
         lengths.stride(0), lengths.stride(1), lengths.stride(2), lenlo.stride(0), lenlo.stride(1), lenlo.stride(2),
         logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1),
         layer, page_table.shape[3] - 2, fmt.page_bytes // 4, fmt.score_off // 4, low.score_off // 4,
-        num_splits, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low,
+        num_splits, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low, GATED=gated,
         BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)),
     )
 
 
 def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: int, logits, lse,
-                      fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None, impl: str = "auto"):
+                      fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None,
+                      alpha_low_by_slot: torch.Tensor | None = None, impl: str = "auto"):
     """In place: score[token] += max_g exp(logits[b, g, idx] - lse[b, g]) for every cached token of every
     (batch entry b, KV head h); g over h's query heads. Sections and idx as in paged_decode_attention
     (high token j: idx j, page_table[.., j // T]; low token j: idx lengths + j, page_table[.., P - 1 - j // T_lo]).
 
     logits f32 [B, Hq, NMAX] (NMAX >= len_high + len_low of every head), lse f32 [B, Hq]; the batch entries'
-    slots must be distinct.
+    slots must be distinct. alpha_low_by_slot: optional f32 [S], the decode alpha_low of every slot; a slot's
+    low tokens are skipped where it is 0 (their scores are never read).
     """
     fn = accumulate_scores_triton if use_triton(impl, pool, logits, page_table) else accumulate_scores_ref
-    fn(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low, len_low=len_low)
+    fn(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low, len_low=len_low,
+       alpha_low_by_slot=alpha_low_by_slot)

@@ -238,3 +238,48 @@ def test_a_query_view_off_16_byte_rows_gives_the_same_output():
         assert q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_alpha_low_zero_slots_get_no_low_logits(num_splits):
+    """alpha_low_by_slot: a slot at alpha_low 0 gets no logits for its low tokens (nothing reads their scores);
+    every other logit, the outputs and the lse are the ones of the call without it."""
+    fmt, low = formats("K8V4+K4V2", 128, 2)
+    Hq, Hkv = 6, 2
+    pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, torch.float16, Hkv, [[130, 70], [65, 200], [40, 3]],
+                                              [[65, 3], [90, 0], [120, 250]], DEVICE, 5)
+    B = 3
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    alpha_low = torch.tensor([0.3, 0.0, 0.0], device=DEVICE)  # slots 1 and 2 decode at alpha_low 0
+    q = torch.randn(B, Hq, 128, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.float16)
+    nmax = int((len_hi + len_lo).max()) + NMAX_PAD
+    results = []
+    for gate in (None, alpha_low):
+        out = torch.full_like(q, float("nan"))
+        logits = torch.full((B, Hq, nmax), float("nan"), device=DEVICE)
+        lse = torch.full((B, Hq), float("nan"), device=DEVICE)
+        if CUDA:
+            paged_decode_attention_triton(q, pool, fmt, torch.float16, pt, len_hi, slots, 0, 128 ** -0.5,
+                                          num_splits=num_splits, out=out, fmt_low=low, len_low=len_lo,
+                                          logits_out=logits, lse_out=lse, kernel="mma_cuda", alpha_low_by_slot=gate)
+        else:
+            mid_acc = torch.empty(B, Hq, num_splits, 128) if num_splits > 1 else out
+            mid_ml = torch.empty(B, Hq, num_splits, 2) if num_splits > 1 else out
+            mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, slots, out, mid_acc, mid_ml, logits, lse, 0,
+                                128 ** -0.5 * LOG2E, num_splits, compiled=_cuda_emu.compiled, alpha_low_by_slot=gate)
+            if num_splits > 1:
+                merge_splits(mid_acc, mid_ml, out, lse, num_splits, True)
+        results.append((out.cpu(), logits.cpu(), lse.cpu()))
+    (out0, lg0, lse0), (out1, lg1, lse1) = results
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+    skipped = torch.zeros_like(lg0, dtype=torch.bool)
+    for b in range(B):
+        s = int(slots[b])
+        if alpha_low[s] > 0:
+            continue
+        for h in range(Hkv):
+            n_hi, n_lo = int(len_hi[s, 0, h]), int(len_lo[s, 0, h])
+            skipped[b, h * (Hq // Hkv):(h + 1) * (Hq // Hkv), n_hi:n_hi + n_lo] = True
+    assert skipped.any() and lg1[skipped].isnan().all() and not lg0[skipped].isnan().any()
+    torch.testing.assert_close(lg1[~skipped], lg0[~skipped], rtol=0, atol=0, equal_nan=True)

@@ -15,8 +15,8 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}  # keyed 
 DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.startswith("cuda") else [])
 
 
-def _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots, layer, logits, lse):
-    """float64 loop: expected score segment of every page after the update."""
+def _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots, layer, logits, lse, skip_low=()):
+    """float64 loop: expected score segment of every page after the update (slots in skip_low: high only)."""
     pool, page_table, logits, lse = pool.cpu(), page_table.cpu(), logits.double().cpu(), lse.double().cpu()
     scores = pool.view(torch.float32).double().clone()
     B, Hq, _ = logits.shape
@@ -29,7 +29,7 @@ def _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots, layer, logit
             n_hi = int(len_hi[s, layer, h])
             rows = [(fmt_hi, int(page_table[s, layer, h, j // fmt_hi.tokens]), j % fmt_hi.tokens, j)
                     for j in range(n_hi)]
-            if fmt_lo is not None:
+            if fmt_lo is not None and s not in skip_low:
                 T = fmt_lo.tokens
                 rows += [(fmt_lo, int(page_table[s, layer, h, P - 1 - j // T]), j % T, n_hi + j)
                          for j in range(int(len_lo[s, layer, h]))]
@@ -39,9 +39,11 @@ def _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots, layer, logit
     return scores
 
 
-@pytest.mark.parametrize("spec", ["K16V16", "K8V4", "K4V2", "K8V4+K4V2"])
+@pytest.mark.parametrize("spec,gated", [("K16V16", False), ("K8V4", False), ("K4V2", False), ("K8V4+K4V2", False),
+                                        ("K8V4+K4V2", True)])
 @pytest.mark.parametrize("Hq,Hkv,num_splits", [(2, 2, None), (6, 2, 1), (8, 2, 3)])
-def test_accumulate_scores(spec, Hq, Hkv, num_splits):
+def test_accumulate_scores(spec, gated, Hq, Hkv, num_splits):
+    """gated: slots 2 and 3 decode at alpha_low 0, so their low sections' scores stay as they are."""
     for dtype in DTYPES:
         isz = torch.empty((), dtype=dtype).element_size()
         fmt_hi, fmt_lo = formats(spec, 64, isz)
@@ -61,17 +63,23 @@ def test_accumulate_scores(spec, Hq, Hkv, num_splits):
         lse = torch.full((B, Hq), float("nan"), device=DEVICE)
         paged_decode_attention(q, pool, fmt_hi, dtype, page_table, len_hi, slots, layer, fmt_low=fmt_lo,
                                len_low=len_lo, logits_out=logits, lse_out=lse)
-        expect = _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots.cpu(), layer, logits, lse)
+        alpha_low = torch.tensor([0.02, 0.5, 0.0, 0.0, 1.0], device=DEVICE) if gated else None
+        skip = (2, 3) if gated else ()
+        expect = _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots.cpu(), layer, logits, lse, skip)
         for impl in ("triton", "ref"):
             got = pool.clone()
             if impl == "triton":
                 accumulate_scores_triton(got, fmt_hi, page_table, len_hi, slots, layer, logits, lse, fmt_low=fmt_lo,
-                                         len_low=len_lo, num_splits=num_splits, block_n=32)
+                                         len_low=len_lo, alpha_low_by_slot=alpha_low, num_splits=num_splits,
+                                         block_n=32)
             else:
                 accumulate_scores(got, fmt_hi, page_table, len_hi, slots, layer, logits, lse, fmt_low=fmt_lo,
-                                  len_low=len_lo, impl=impl)
+                                  len_low=len_lo, alpha_low_by_slot=alpha_low, impl=impl)
             g = got.view(torch.float32).double().cpu()
             # Everything but the score words of cached tokens keeps its bytes (NaN poison included).
             changed = (g != pool.view(torch.float32).double().cpu()) & ~g.isnan()
             torch.testing.assert_close(g, expect, atol=TOL[dtype], rtol=TOL[dtype], equal_nan=True)
-            assert changed.sum() == int(total[slots.long().cpu(), layer].sum())
+            counted = total.clone()
+            for sl in skip:
+                counted[sl] -= len_lo[sl]
+            assert changed.sum() == int(counted[slots.long().cpu(), layer].sum())

@@ -285,10 +285,10 @@ class KVCache:
         lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
         out = paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high, slots,
                                      layer, scale, max_len=max_len, fmt_low=mm.fmt_low, len_low=mm.len_low,
-                                     logits_out=logits, lse_out=lse)
+                                     logits_out=logits, lse_out=lse, alpha_low_by_slot=self.slot_alphas[1])
         with cost_range("policy"):
             accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
-                              fmt_low=mm.fmt_low, len_low=mm.len_low)
+                              fmt_low=mm.fmt_low, len_low=mm.len_low, alpha_low_by_slot=self.slot_alphas[1])
         return out
 
     # ---- memory-management timing (no host sync on the hot path) -------------------------------------

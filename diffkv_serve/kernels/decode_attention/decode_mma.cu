@@ -585,7 +585,8 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
     const unsigned short* __restrict__ q, const unsigned char* __restrict__ pool, const int* __restrict__ page_table,
     const int* __restrict__ len_hi, const int* __restrict__ len_lo, const int* __restrict__ slots,
     unsigned short* __restrict__ out, float* __restrict__ mid_acc, float* __restrict__ mid_ml,
-    float* __restrict__ logits, float* __restrict__ lse, int write_lse, int stride_qb, int stride_qh, int stride_ob,
+    float* __restrict__ logits, float* __restrict__ lse, int write_lse, const float* __restrict__ low_alpha,
+    int gate_low, int stride_qb, int stride_qh, int stride_ob,
     int stride_oh, int stride_pts, int stride_ptl, int stride_pth, int P, int stride_ls, int stride_ll,
     int stride_lh, int stride_ms, int stride_ml, int stride_mh, int stride_gb, int stride_gh, int stride_eb,
     int stride_eh, int layer, double qk_scale_d, int Hq, int group, int num_splits, int page_bytes, int T_hi,
@@ -629,8 +630,11 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   if (tb > tiles_hi) {
     const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
     const int la = ta > tiles_hi ? ta - tiles_hi : 0;
+    // gate_low: a slot decoding at alpha_low 0 never reads its low tokens' scores (score_update skips them), so
+    // their logits are not written.
+    const bool low_logits = !gate_low || low_alpha[slot] > 0.f;
     attend<KB_LO, VB_LO, false>(st, qrow, real, qk_scale, pool, sec, la * TILE, min((tb - tiles_hi) * TILE, n_lo),
-                         page_bytes, smem, lg0, lg1, n_hi, lane);
+                         page_bytes, smem, low_logits ? lg0 : nullptr, low_logits ? lg1 : nullptr, n_hi, lane);
   }
 #endif
 

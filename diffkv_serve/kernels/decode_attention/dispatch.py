@@ -29,7 +29,8 @@ from diffkv_serve.kernels.page_layout import PageFormat
 def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer,
                                   scale, num_splits=None, max_len=None, block_n=None, out=None,
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
-                                  num_warps=None, num_stages=None, kernel=None, config=None):
+                                  num_warps=None, num_stages=None, kernel=None, config=None,
+                                  alpha_low_by_slot=None):
     """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: decode_kernel's pick, or
     "mma_cuda" where that is "quartered" and mma_cuda.usable allows it ("quartered" forces the Triton kernel
     there); "mma_cuda" may be forced wherever mma_cuda.usable allows it (K8V8 pages too).
@@ -69,7 +70,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
     if kernel == "mma_cuda":
         return _launch_mma(q, pool, fmt, fmt_low if has_low else None, page_table, lengths, len_low, slots, layer,
-                           scale, num_splits, max_len, out, logits_out, lse_out)
+                           scale, num_splits, max_len, out, logits_out, lse_out, alpha_low_by_slot)
     cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if num_splits is None:
@@ -117,14 +118,14 @@ def pick_kernel(fmt: PageFormat, fmt_low: PageFormat | None, q, group: int) -> s
 
 
 def _launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, layer, scale, num_splits, max_len, out,
-                logits_out, lse_out):
+                logits_out, lse_out, alpha_low_by_slot=None):
     """The CUDA kernel's call: one-warp programs, so the split count targets warps as the quartered kernel's do."""
     B, _, D = q.shape
     if num_splits is None:
         num_splits = choose_num_splits(B, page_table.shape[2], max_len, q.device, mma_cuda.TILE, 1, D)
     mid_acc, mid_ml = _split_partials(out, num_splits)
     mma_cuda.launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, out, mid_acc, mid_ml, logits_out,
-                        lse_out, layer, scale * LOG2E, num_splits)
+                        lse_out, layer, scale * LOG2E, num_splits, alpha_low_by_slot=alpha_low_by_slot)
     if num_splits > 1:
         merge_splits(mid_acc, mid_ml, out, lse_out if lse_out is not None else out, num_splits, lse_out is not None)
     return out
@@ -134,7 +135,8 @@ def paged_decode_attention(q, pool, fmt: PageFormat, cache_dtype, page_table, le
                            scale: float | None = None, num_splits: int | None = None, impl: str = "auto",
                            max_len: int | None = None, out: torch.Tensor | None = None,
                            fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None,
-                           logits_out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None):
+                           logits_out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                           alpha_low_by_slot: torch.Tensor | None = None):
     """Attention of one new token per sequence over its paged KV cache; returns [B, Hq, D] in q's dtype.
 
     q [B, Hq, D]; page_table int32 [S, L, Hkv, P + 1] (column P: trash, never read); slots int32 [B] picks rows
@@ -148,14 +150,17 @@ def paged_decode_attention(q, pool, fmt: PageFormat, cache_dtype, page_table, le
     give zeros. out: optional preallocated [B, Hq, D] result.
     logits_out: optional f32 [B, Hq, NMAX] receiving each token's scaled logit q.k * scale at index j (high
     token j) or lengths + j (low token j); other entries untouched. lse_out: optional f32 [B, Hq] receiving
-    the log-sum-exp of those logits (-inf for a head without tokens).
+    the log-sum-exp of those logits (-inf for a head without tokens). alpha_low_by_slot: optional f32 [S], the
+    decode alpha_low of every slot; where it is 0 the CUDA kernel leaves the slot's low-token logits unwritten
+    (score_update never reads them; the other kernels write them anyway).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     kw = dict(fmt_low=fmt_low, len_low=len_low, logits_out=logits_out, lse_out=lse_out)
     if use_triton(impl, q, pool, page_table, lengths, slots):
         return paged_decode_attention_triton(q, pool, fmt, cache_dtype, page_table, lengths, slots, layer,
-                                             scale, num_splits=num_splits, max_len=max_len, out=out, **kw)
+                                             scale, num_splits=num_splits, max_len=max_len, out=out,
+                                             alpha_low_by_slot=alpha_low_by_slot, **kw)
     res = paged_decode_attention_ref(q, pool, fmt, cache_dtype, page_table, lengths, slots, layer, scale,
                                      max_len=max_len, **kw)
     return res if out is None else out.copy_(res)

@@ -135,12 +135,13 @@ def _compiled(device: torch.device, var: Variant):
 
 def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table, len_hi, len_lo, slots, out,
                mid_acc, mid_ml, logits, lse, layer: int, qk_scale: float, num_splits: int,
-               compiled=None) -> None:
+               compiled=None, alpha_low_by_slot=None) -> None:
     """One warp per (batch entry, KV head, split) over the split's tiles of the high then the low section. With
     num_splits > 1 it writes mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] (log2-domain max,
     sum) for merge.merge_splits, else the normalized output into out (and lse, when given). qk_scale is in the
     log2 domain. logits (optional, f32 [B, Hq, >= max_len]) receives each token's natural-domain logit (high
-    token j at j, low token j at len_hi + j). compiled: a stand-in for _compiled (the CPU emulation in tests)."""
+    token j at j, low token j at len_hi + j); with alpha_low_by_slot (f32 [S]) a slot's low tokens get none where
+    it is 0 (nothing reads their scores). compiled: a stand-in for _compiled (the CPU emulation in tests)."""
     B, Hq, _ = q.shape
     Hkv = page_table.shape[2]
     group = Hq // Hkv
@@ -156,6 +157,7 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
     lse_t = lse if lse is not None else mid_ml
     kernel(grid=(B, Hkv, num_splits), block=(32, 1, 1), shared_mem=var.shared_bytes, args=[
         q, pool, page_table, len_hi, len_lo, slots, out, mid_acc, mid_ml, logits_t, lse_t, int(lse is not None),
+        alpha_low_by_slot if alpha_low_by_slot is not None else lse_t, int(alpha_low_by_slot is not None),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), page_table.stride(1), page_table.stride(2), page_table.shape[3] - 1,
         len_hi.stride(0), len_hi.stride(1), len_hi.stride(2), len_lo.stride(0), len_lo.stride(1), len_lo.stride(2),
