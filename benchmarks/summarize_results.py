@@ -22,7 +22,9 @@ DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 THROUGHPUT = "throughput_smollm2_H100.json.gz"
 THROUGHPUT_REPEAT = "throughput_smollm2_reversed_H100.json.gz"  # the same command, modes in reverse order
 FIDELITY = ROOT / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
-STEP_BREAKDOWN_RUNS = ("step_breakdown_qwen2.5_1.5b_H100.json",)
+# int4 beside diffkv at the Qwen settings (alpha_low 0: low scores unread), then diffkv reading them (alpha_low 1e-4)
+STEP_BREAKDOWN_RUNS = ("step_breakdown_int4_diffkv_qwen2.5-1.5b_H200.json",
+                       "step_breakdown_diffkv_low_scores_read_qwen2.5-1.5b_H200.json")
 MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
@@ -363,15 +365,26 @@ def step_breakdown_section() -> list[str]:
     out += [f"Random-weight `{d0['preset']}`, asynchronous scheduling. Each GPU kernel counts once, by its name or "
             "the engine range that launched it: `policy` is Algorithm 1 (significance, classification, planning), "
             "`memory` the memory manager (allocation, compaction, page table), `host` the step time the GPU waits "
-            "for the host. Cells: % of the step.", "",
-            "| mode | batch | tokens | phase | step ms | " + " | ".join(cats) + " |",
-            "|---|---:|---:|---|---:|" + "---:|" * len(cats)]
+            "for the host. Cells: % of the step; device ms: the step's kernel time. Decode steps (the prompt steps "
+            "are in the JSON).", "",
+            "| mode | batch | tokens | phase | step ms | device ms | " + " | ".join(cats) + " |",
+            "|---|---:|---:|---|---:|---:|" + "---:|" * len(cats)]
     for _, d in runs:
-        out += [f"| {r['mode']} | {r['batch']} | {r['seq']} | {r['phase']} | {r['wall_ms']:.2f} | "
-                + " | ".join(f"{r['pct'][k]:.1f}" for k in cats) + " |" for r in d["rows"] if "skipped" not in r]
+        out += [f"| {_breakdown_mode(d, r['mode'])} | {r['batch']} | {r['seq']} | {r['phase']} | {r['wall_ms']:.2f} | "
+                f"{r['busy_ms']:.2f} | " + " | ".join(f"{r['pct'][k]:.1f}" for k in cats) + " |"
+                for r in d["rows"] if "skipped" not in r and r["phase"] == "decode"]
         out += [f"- skipped: {r['mode']} batch {r['batch']} tokens {r['seq']}: {r['skipped']}"
                 for r in d["rows"] if "skipped" in r]
     return out + [""]
+
+
+def _breakdown_mode(d: dict, mode: str) -> str:
+    """The mode, with the diffkv thresholds and precisions the run gave on its command line."""
+    knobs = d.get("config", {}).get("diffkv") or {}
+    if mode != "diffkv" or not knobs:
+        return mode
+    names = (("high", "{}"), ("low", "/{}"), ("alpha_high", " a_h {:g}"), ("alpha_low", " a_l {:g}"))
+    return mode + " " + "".join(f.format(knobs[k]) for k, f in names if k in knobs).strip()
 
 
 def memory_manager_section() -> list[str]:
