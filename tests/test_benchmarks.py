@@ -319,12 +319,16 @@ def test_step_breakdown_renders_into_recorded_docs(step_breakdown_json, tmp_path
     index, performance = mod.render()
     decode = next(r for r in d["rows"] if r["mode"] == "diffkv" and r.get("phase") == "decode" and r["batch"] == 3
                   and r["seq"] == 16)
-    row = (f"| diffkv | 3 | 16 | decode | {decode['wall_ms']:.2f} | {decode['pct']['model']:.1f} | "
-           f"{decode['pct']['attention']:.1f} |")
+    row = (f"| diffkv | 3 | 16 | decode | {decode['wall_ms']:.2f} | {decode['busy_ms']:.2f} | "
+           f"{decode['pct']['model']:.1f} | {decode['pct']['attention']:.1f} |")
     assert "## Where a step's time goes" in performance and row in performance
     assert "NVIDIA H200, 2030-01-02: `python benchmarks/step_breakdown.py --smoke" in performance
     assert "- skipped: fp16 batch 3 tokens 64: needs 60 KV pages" in performance
     assert f"`{mod.STEP_BREAKDOWN_RUNS[0]}` | NVIDIA H200 | 2030-01-02 |" in index
+    # a run given diffkv's thresholds and precisions names them in its rows
+    d["config"]["diffkv"] = {"alpha_high": 64.0, "alpha_low": 0.0, "high": "K8V4", "low": "K4V4"}
+    (tmp_path / mod.STEP_BREAKDOWN_RUNS[0]).write_text(json.dumps(d))
+    assert "| diffkv K8V4/K4V4 a_h 64 a_l 0 | 3 | 16 | decode |" in mod.render()[1]
 
 
 def _serve_run(label, ttft_p90_ms, per_token_ms, skipped=()):
