@@ -239,3 +239,35 @@ def test_lazy_low_sections_open_within_the_decode_bound():
     assert seen["opened"] > 0 and seen["armed"] >= seen["opened"], seen
     assert seen["bound"] < seen["empty"], seen  # an unarmed empty low section reserves nothing
     assert_all_pages_free(eng)
+
+
+@pytest.mark.parametrize("mode,num_pages", [("int4", 48), ("fp16", 160)])
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_learned_reservation_leaves_single_precision_scheduling_alone(mode, num_pages, async_scheduling):
+    """A single-precision prompt keeps exactly its worst case, so learned reservation has nothing to learn there:
+    the same steps, batches, preemptions and tokens as worst case on a pool that preempts."""
+    global TINY
+    if TINY is None:
+        TINY = load_checkpoint("random:tiny")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 500, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(12)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for reservation in ("worst_case", "learned"):
+        cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=True,
+                           scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256, "reservation": reservation,
+                                      "footprint_min_samples": 2, "async_scheduling": async_scheduling},
+                           cache={"kv_mode": mode, "num_pages": num_pages, "block_size": 4})
+        eng = LLMEngine(cfg, checkpoint=TINY)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, sp)
+        batches, done = [], {}
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            batches.append(len(eng.scheduler.running))
+            done.update({o.request_id: o.token_ids for o in outs if o.finished})
+        runs[reservation] = (batches, eng.scheduler.num_preemptions, done)
+        assert_all_pages_free(eng)
+    assert runs["worst_case"][1] > 0  # the pool is small enough to preempt
+    assert runs["learned"] == runs["worst_case"]

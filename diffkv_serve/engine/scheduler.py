@@ -68,10 +68,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_overflows = 0  # learned reservation: prefills redone because their pages did not fit
-        self.footprint = FootprintEstimator(config) if config.reservation == "learned" else None
-        # Exact decode growth (step_view: a head needs a page only on a full side) for learned reservation and for
-        # two-sided (diffkv) pools, whose host worst case (a page per head and step) kept ~5% of the pool idle.
-        self.exact_growth = self.footprint is not None or bool(getattr(mm, "two_sided", False))
+        two_sided = bool(getattr(mm, "two_sided", False))
+        # Learned reservation estimates what a DiffKV prompt keeps. A single-precision prompt keeps exactly its
+        # worst case, so such a pool schedules as under worst case (learning there only changed its decode plan).
+        self.footprint = FootprintEstimator(config) if config.reservation == "learned" and two_sided else None
+        # Exact decode growth (step_view: a head needs a page only on a full side) for two-sided (diffkv) pools,
+        # whose host worst case (a page per head and step) kept ~5% of the pool idle.
+        self.exact_growth = two_sided
         self._growth_by_slot: Optional[dict[int, int]] = None  # exact: slot -> pages its next decode step may take
 
     def add(self, seq: Sequence) -> None:
