@@ -51,7 +51,7 @@ def _restore_torch_threads():
     torch.set_num_threads(before)
 
 
-# The fast subset (`pytest -m "not slow"`, under 5 minutes on 2 cores) leaves out what needs a Ray cluster or a
+# The fast subset (`pytest -m "not slow"`, about 5 minutes on 2 cores) leaves out what needs a Ray cluster or a
 # server process, and these files, each of which runs minutes of real engines or processes:
 SLOW_FILES = {
     "multinode/test_service_multinode.py",  # a multi-node Ray cluster of its own
