@@ -6,7 +6,7 @@ prefix blocks they read) × page bytes are divided by the fp16 bytes of the toke
 mean over steps, the per-entry bytes of each mode's formats for comparison, and the pages each sequence holds
 per (layer, KV head) and section.
 
-    python benchmarks/short_requests.py [--num-requests 24] [--max-tokens 128] [--num-pages 3600]
+    python benchmarks/short_requests.py [--num-requests 24] [--max-tokens 128] [--num-pages 3600] [--block-size 16]
         [--configs uniform:K8V4 diffkv:alpha_high=1,alpha_low=0.02,high=K8V4,low=K4V2 ...]
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def prompts(engine: LLMEngine, n: int) -> list[list[int]]:
 
 def run(name: str, cache: dict, args) -> dict:
     eng = LLMEngine(EngineConfig(model=args.model, device=args.device,
-                                 cache={**cache, "num_pages": args.num_pages},
+                                 cache={**cache, "num_pages": args.num_pages, "block_size": args.block_size},
                                  scheduler={"max_num_seqs": args.num_requests}))
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     ids = prompts(eng, args.num_requests)
@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-pages", type=int, default=3600)
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens a page holds at 16 bits (its bytes); smaller pages leave less partly empty")
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="evals.configs names")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/short_requests_bytes_<device>.json")
     ap.add_argument("--quiet", action="store_true")
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
         print(f"{r['config']:58s} {r['bytes_ratio']:10.3f} {r['bytes_ratio_last']:8.3f} {r['pages_per_token_head']:15.5f}",
               flush=True)
     write_result({"benchmark": "short_requests", "num_requests": args.num_requests, "max_tokens": args.max_tokens,
-                  "num_pages": args.num_pages, "rows": rows}, "short_requests_bytes", args.device, args.out, False)
+                  "num_pages": args.num_pages, "block_size": args.block_size, "rows": rows}, "short_requests_bytes", args.device, args.out, False)
     return 0
 
 
