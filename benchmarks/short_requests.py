@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         print(f"{r['config']:58s} {r['bytes_ratio']:10.3f} {r['bytes_ratio_last']:8.3f} {r['pages_per_token_head']:15.5f}",
               flush=True)
     write_result({"benchmark": "short_requests", "num_requests": args.num_requests, "max_tokens": args.max_tokens,
-                  "num_pages": args.num_pages, "block_size": args.block_size, "rows": rows}, "short_requests_bytes", args.device, args.out, False)
+                  "num_pages": args.num_pages, "block_size": args.block_size, "rows": rows},
+                 "short_requests_bytes", args.device, args.out, False)
     return 0
 
 

@@ -138,17 +138,21 @@ def test_decode_growth_counts_heads_with_a_full_section_or_an_armed_empty_low_on
 TINY = None
 
 
-def _engine(reservation, num_pages, staged=False):
-    """staged: prompt steps go through the prompt-step graphs' staging, run eagerly (prefill_graph.py)."""
+def _tiny():
     global TINY
     if TINY is None:
         TINY = load_checkpoint("random:tiny")
+    return TINY
+
+
+def _engine(reservation, num_pages, staged=False):
+    """staged: prompt steps go through the prompt-step graphs' staging, run eagerly (prefill_graph.py)."""
     cfg = EngineConfig(device=TEST_DEVICE, max_model_len=256, enforce_eager=True,
                        scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 512, "reservation": reservation,
                                   "footprint_min_samples": 2},
                        cache={"kv_mode": "diffkv", "num_pages": num_pages, "block_size": 4, "window": 4,
                               "alpha_high": 2.0, "alpha_low": 0.5, "significance_queries": 8})
-    eng = LLMEngine(cfg, checkpoint=TINY)
+    eng = LLMEngine(cfg, checkpoint=_tiny())
     if staged:
         r = eng.runner
         r.prefill_graphs = PrefillGraphs(r.model, r.attn, 512, 8, capture=False, learned=r.learned)
@@ -246,9 +250,6 @@ def test_lazy_low_sections_open_within_the_decode_bound():
 def test_learned_reservation_leaves_single_precision_scheduling_alone(mode, num_pages, async_scheduling):
     """A single-precision prompt keeps exactly its worst case, so learned reservation has nothing to learn there:
     the same steps, batches, preemptions and tokens as worst case on a pool that preempts."""
-    global TINY
-    if TINY is None:
-        TINY = load_checkpoint("random:tiny")
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 500, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist()
                for _ in range(12)]
@@ -259,7 +260,7 @@ def test_learned_reservation_leaves_single_precision_scheduling_alone(mode, num_
                            scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256, "reservation": reservation,
                                       "footprint_min_samples": 2, "async_scheduling": async_scheduling},
                            cache={"kv_mode": mode, "num_pages": num_pages, "block_size": 4})
-        eng = LLMEngine(cfg, checkpoint=TINY)
+        eng = LLMEngine(cfg, checkpoint=_tiny())
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, sp)
         batches, done = [], {}
