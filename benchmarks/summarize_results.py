@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DOCS = ROOT / "docs"
 
-ATTENTION = "attention_H200.json"
+ATTENTION = "attention_H100.json"  # the GPU the floor targets were set on
 KERNEL_AB = "decode_mma_vs_triton_H100.json"  # the CUDA decode kernel against the Triton kernel it replaces
 DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 THROUGHPUT = "throughput_smollm2_H100.json.gz"
@@ -43,8 +43,8 @@ MEASURED_ALTERNATIVES = {
     "step_breakdown_llama3_8b_H100.json": "benchmarks/step_breakdown.py at the Llama-3-8B shape, batches 64 and 256 "
                                           "(2026-11-25): diffkv's decode step 8.68 / 15.16 ms against int4's 7.82 / "
                                           "12.51 ms, policy 4.0% / 7.3% of it",
-    "attention_H100.json": "benchmarks/attention.py on an H100 before decode_mma.cu's tile copies were reworked, "
-                           "without int4: lowest 0.76 of the floor (K8V4, K4V2, mix at qwen2.5-1.5b B128 S1024)",
+    "attention_H200.json": "benchmarks/attention.py on an H200 (floor fitted at 4.65 TB/s) before the split merge "
+                           "took several rows a program: lowest 0.65 of the floor (K8V8 at llama3-8b B128 S1024)",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
     "throughput_serving_int4_diffkv_qwen2.5-1.5b_H100.json": "benchmarks/throughput.py --workload serving, int4 "

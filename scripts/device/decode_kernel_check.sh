@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device command (under its 600 s limit) that checks and times the CUDA decode kernel
 # (diffkv_serve/kernels/decode_attention/decode_mma.cu), each stage under its own timeout, logs and JSONs in $OUT:
-#   tests           its CUDA tests against float64 loops (every served precision) and the dispatcher's
+#   tests           its CUDA tests against float64 loops (every served precision), the dispatcher's and the split merge's
 #   kernel_ab       benchmarks/decode_kernel_ab.py: against the Triton kernel the dispatcher would pick, same calls
 #   attention       benchmarks/attention.py --repeats 2: every precision against the floor (the decode targets)
 #   step_breakdown  benchmarks/step_breakdown.py at the Llama-3-8B shape: int4 and diffkv beside fp16, end to end
@@ -34,8 +34,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a timeout, print its st
   tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
 
-stage tests 150 env DIFFKV_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
-  tests/kernels/test_decode_attention_mma_cuda.py tests/kernels/test_decode_attention_dispatch.py
+stage tests 300 env DIFFKV_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+  tests/kernels/test_decode_attention_mma_cuda.py tests/kernels/test_decode_attention_dispatch.py tests/kernels/test_decode_merge.py
 stage kernel_ab 100 python3 benchmarks/decode_kernel_ab.py --out "$OUT/decode_mma_vs_triton_$gpu.json"
 stage attention 130 python3 benchmarks/attention.py --repeats 2 --out "$OUT/attention_$gpu.json"
 stage step_breakdown 190 python3 benchmarks/step_breakdown.py --preset llama3-8b --modes fp16 int4 diffkv \

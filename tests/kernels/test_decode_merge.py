@@ -1,0 +1,58 @@
+"""The split merge (diffkv_serve/kernels/decode_attention/merge.py) against its torch reference: random partials of
+several (sequence, query head) rows per program, splits without tokens, rows past the last program's end."""
+import math
+import os
+
+import pytest
+import torch
+
+from diffkv_serve.kernels.decode_attention.merge import merge_splits, merge_splits_ref, rows_per_program
+
+DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
+
+
+def test_rows_per_program():
+    assert rows_per_program(4, 128) == 8  # 4 splits x 128 dims: 8 rows fill 4,096 elements
+    assert rows_per_program(2, 128) == 16
+    assert rows_per_program(3, 128) == 8  # 3 splits pad to 4
+    assert rows_per_program(64, 128) == 1
+    assert rows_per_program(2, 64) == 16  # at most MAX_ROWS
+    assert rows_per_program(64, 64) == 1
+
+
+@pytest.mark.parametrize("B,Hq,splits,D,dtype", [
+    (3, 5, 4, 64, torch.float16),  # 15 rows: the second program of 8 has one row past the end
+    (2, 3, 3, 32, torch.bfloat16),  # split count not a power of two
+    (1, 3, 64, 64, torch.float32),  # one row a program (the 2D path)
+])
+def test_merge_matches_reference(B, Hq, splits, D, dtype):
+    g = torch.Generator().manual_seed(B * 100 + splits)
+    acc = torch.randn(B, Hq, splits, D, generator=g)
+    ml = torch.stack([torch.randn(B, Hq, splits, generator=g) * 4,
+                      torch.rand(B, Hq, splits, generator=g) * 10 + 0.5], -1)
+    ml[0, 0, 1:, 1] = 0.0  # row (0, 0): only its first split holds tokens
+    acc[0, 0, 1:] = 0.0
+    ml[-1, -1, :, 1] = 0.0  # the last row: no tokens at all
+    acc[-1, -1] = 0.0
+    want_out, want_lse = merge_splits_ref(acc, ml)
+    out = torch.full((B, Hq, D), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((B, Hq), float("nan"), device=DEVICE)
+    merge_splits(acc.to(DEVICE), ml.to(DEVICE), out, lse, splits, True)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[dtype]  # the output dtype's rounding
+    torch.testing.assert_close(out.float().cpu(), want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-5, rtol=1e-5)
+    assert want_lse[-1, -1] == float("-inf") and torch.all(out[-1, -1].float().cpu() == 0)
+    # row (0, 0) is its first split's own partial: acc / l, lse = m + log2(l) in nats
+    torch.testing.assert_close(want_out[0, 0], acc[0, 0, 0] / ml[0, 0, 0, 1])
+    assert math.isclose(float(want_lse[0, 0]), (float(ml[0, 0, 0, 0]) + math.log2(float(ml[0, 0, 0, 1]))) * math.log(2),
+                        rel_tol=1e-5)
+
+
+def test_merge_without_lse_leaves_it_alone():
+    acc = torch.randn(4, 6, 2, 32)
+    ml = torch.stack([torch.randn(4, 6, 2), torch.rand(4, 6, 2) + 0.5], -1)
+    out = torch.empty(4, 6, 32, device=DEVICE)
+    lse = torch.full((4, 6), 7.0, device=DEVICE)
+    merge_splits(acc.to(DEVICE), ml.to(DEVICE), out, lse, 2, False)
+    torch.testing.assert_close(out.cpu(), merge_splits_ref(acc, ml)[0], atol=1e-5, rtol=1e-5)
+    assert torch.all(lse == 7.0)
