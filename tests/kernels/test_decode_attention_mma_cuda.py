@@ -115,9 +115,13 @@ def test_variants_fit_the_sm():
             for low in ((0, 2), (4, 2)):
                 var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, True)
                 assert var.shared_bytes <= 48 * 1024
-                assert 1 <= var.min_programs <= mma_cuda.MAX_PROGRAMS
+                cap = mma_cuda.MAX_PROGRAMS_TWO_SECTIONS if low[0] else mma_cuda.MAX_PROGRAMS
+                assert 1 <= var.min_programs <= cap
                 assert var.min_programs * (var.shared_bytes + 1024) <= mma_cuda.SHARED_PER_SM
                 assert f"#define KB_LO {low[0]}" in var.defines()
+    # int4's one section keeps 12 programs; the same pages as a high section beside a low one get 8
+    assert mma_cuda.Variant(4, 4, 0, 2, 3, False, False).min_programs == 12
+    assert mma_cuda.Variant(4, 4, 4, 2, 3, False, True).min_programs == 8
 
 
 # (spec, Hq, Hkv, high lengths per slot and KV head, low lengths or None, splits)

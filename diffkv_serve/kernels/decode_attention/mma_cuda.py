@@ -31,6 +31,9 @@ KEY_BITS, VALUE_BITS = (4, 8), (2, 4, 8)
 MAX_GROUP = 8  # query heads per KV head: the mma's N
 STAGES = 2  # cp.async tiles in flight
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
+# A variant with a low section compiles two sections' loops; held to 12 programs (170 registers) it ran 6-13% slower
+# than at 8 on an H100 (K4V4+K4V4 and K4V4+K4V2 sections, batch 128 and 256, 1,088 tokens a head).
+MAX_PROGRAMS_TWO_SECTIONS = 8
 SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
 HEAD_DIM = 128
 
@@ -61,8 +64,9 @@ class Variant(NamedTuple):
     @property
     def min_programs(self) -> int:
         """Programs per SM the registers must allow: as many as shared memory lets reside, at most MAX_PROGRAMS
-        (K4V2: 12 -> 170 registers; K8V4: 8, no cap)."""
-        return max(1, min(MAX_PROGRAMS, SHARED_PER_SM // (self.shared_bytes + 1024)))
+        (K4V2: 12 -> 170 registers; K8V4: 8, no cap), or MAX_PROGRAMS_TWO_SECTIONS with a low section."""
+        cap = MAX_PROGRAMS_TWO_SECTIONS if self.kb_lo else MAX_PROGRAMS
+        return max(1, min(cap, SHARED_PER_SM // (self.shared_bytes + 1024)))
 
     def defines(self) -> str:
         d = dict(KB_HI=self.kb_hi, VB_HI=self.vb_hi, KB_LO=self.kb_lo, VB_LO=self.vb_lo, MAXPAGES=self.maxpages,
