@@ -22,9 +22,8 @@ DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 THROUGHPUT = "throughput_smollm2_H100.json.gz"
 THROUGHPUT_REPEAT = "throughput_smollm2_reversed_H100.json.gz"  # the same command, modes in reverse order
 FIDELITY = ROOT / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
-# int4 beside diffkv at the Qwen settings (alpha_low 0: low scores unread), then diffkv reading them (alpha_low 1e-4)
-STEP_BREAKDOWN_RUNS = ("step_breakdown_int4_diffkv_qwen2.5-1.5b_H200.json",
-                       "step_breakdown_diffkv_low_scores_read_qwen2.5-1.5b_H200.json")
+# int4 beside diffkv at the Qwen settings (alpha_low 0: low scores unread), one GPU, one run
+STEP_BREAKDOWN_RUNS = ("step_breakdown_int4_diffkv_qwen2.5-1.5b_H100.json",)
 MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
@@ -43,6 +42,9 @@ MEASURED_ALTERNATIVES = {
     "step_breakdown_llama3_8b_H100.json": "benchmarks/step_breakdown.py at the Llama-3-8B shape, batches 64 and 256 "
                                           "(2026-11-25): diffkv's decode step 8.68 / 15.16 ms against int4's 7.82 / "
                                           "12.51 ms, policy 4.0% / 7.3% of it",
+    "step_breakdown_diffkv_low_scores_read_qwen2.5-1.5b_H200.json": "step_breakdown.py, diffkv at alpha_low 1e-4 "
+        "(low scores computed and read) on an H200: policy 7.1% (batch 128) and 9.0% (256) of the step, against "
+        "4.3% and 4.7% at alpha_low 0",
     "attention_H200.json": "benchmarks/attention.py on an H200 (floor fitted at 4.65 TB/s) before the split merge "
                            "took several rows a program: lowest 0.65 of the floor (K8V8 at llama3-8b B128 S1024)",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
