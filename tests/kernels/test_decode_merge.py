@@ -21,8 +21,8 @@ def test_rows_per_program():
 
 
 @pytest.mark.parametrize("B,Hq,splits,D,dtype", [
-    (3, 5, 4, 64, torch.float16),  # 15 rows: the second program of 8 has one row past the end
-    (2, 3, 3, 32, torch.bfloat16),  # split count not a power of two
+    (3, 5, 4, 64, torch.float16),  # 15 rows in one program of 16: its last row is past the end
+    (5, 7, 3, 32, torch.bfloat16),  # split count not a power of two; 35 rows over three programs of 16
     (1, 3, 64, 64, torch.float32),  # one row a program (the 2D path)
 ])
 def test_merge_matches_reference(B, Hq, splits, D, dtype):
