@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-pages", type=int, default=3600)
     ap.add_argument("--block-size", type=int, default=16,
-                    help="tokens a page holds at 16 bits (its bytes); smaller pages leave less partly empty")
+                    help="tokens a full-precision page holds (fp32 on CPU, bf16/fp16 on GPU): the page's bytes; "
+                         "smaller pages leave less partly empty")
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="evals.configs names")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/short_requests_bytes_<device>.json")
     ap.add_argument("--quiet", action="store_true")
