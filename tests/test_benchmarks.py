@@ -53,6 +53,16 @@ def test_decode_splits_smoke(tmp_path):
     assert "score" not in rows[0] and {"1", "2"} <= set(score["us"]) and score["best_us"] == min(score["us"].values())
 
 
+def test_decode_merge_smoke(tmp_path):
+    out = tmp_path / "merge.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_merge.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["heads"], r["splits"]) for r in rows] == [(2, 3, 4), (1, 2, 64)]
+    assert [r["rows"] for r in rows] == [16, 2]  # 4 and 64 splits of 32 dims
+    assert all(r["max_err"] < 2e-3 and r["us"] > 0 and r["us_one_row"] > 0 for r in rows)  # fp16 output
+
+
 def test_decode_sass_smoke(tmp_path):
     """The decode kernel compiled for sm_90 on this (GPU-less) machine: its main loop holds the tile's mmas."""
     out = tmp_path / "sass.json"

@@ -56,3 +56,18 @@ def test_merge_without_lse_leaves_it_alone():
     merge_splits(acc.to(DEVICE), ml.to(DEVICE), out, lse, 2, False)
     torch.testing.assert_close(out.cpu(), merge_splits_ref(acc, ml)[0], atol=1e-5, rtol=1e-5)
     assert torch.all(lse == 7.0)
+
+
+def test_forced_rows_give_the_same_merge():
+    """merge_splits(rows=) (benchmarks time one row a program against the default) changes only the launch."""
+    acc = torch.randn(3, 4, 4, 32)
+    ml = torch.stack([torch.randn(3, 4, 4), torch.rand(3, 4, 4) + 0.5], -1)
+    outs = []
+    for rows in (1, 4, None):
+        out = torch.empty(3, 4, 32, device=DEVICE)
+        merge_splits(acc.to(DEVICE), ml.to(DEVICE), out, out, 4, False, rows=rows)
+        outs.append(out.cpu())
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="rows=3"):
+        merge_splits(acc.to(DEVICE), ml.to(DEVICE), outs[0].to(DEVICE), outs[0].to(DEVICE), 4, False, rows=3)

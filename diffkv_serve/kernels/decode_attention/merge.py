@@ -15,7 +15,7 @@ from diffkv_serve.kernels.decode_attention.tiles import natural_lse
 # Elements of acc one program reduces (4 warps: 32 fp32 registers a thread). One (sequence, query head) row per
 # program made 1,536 programs of 2 KB at batch 128, 12 query heads, 4 splits, and cost 5.7 us on an H100 for 3 MB,
 # where 384 programs of 8 KB (batch 32, 16 splits) took 3.0 us: the block launches, not the bytes, set the time.
-# So a program takes as many rows as fit this many elements, at most MAX_ROWS.
+# So a program takes as many rows as fit this many elements, at most MAX_ROWS (benchmarks/decode_merge.py times both).
 ELEMENTS_PER_PROGRAM = 4096
 MAX_ROWS = 16
 
@@ -79,11 +79,13 @@ def _reduce_one_row(mid_acc, mid_ml, o_ptr, stride_ob, stride_oh, Hq, D, num_spl
         tl.store(lse_ptr + b * stride_eb + hq * stride_eh, natural_lse(m_max, total))
 
 
-def merge_splits(mid_acc, mid_ml, out, lse, num_splits: int, write_lse: bool) -> None:
+def merge_splits(mid_acc, mid_ml, out, lse, num_splits: int, write_lse: bool, rows: int | None = None) -> None:
     """Merges mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] into out [B, Hq, D] (and lse [B, Hq]
-    with write_lse)."""
+    with write_lse). rows: rows a program takes (a power of two; default rows_per_program's; benchmarks)."""
     B, Hq, D = out.shape
-    rows = rows_per_program(num_splits, D)
+    rows = rows or rows_per_program(num_splits, D)
+    if rows & (rows - 1):
+        raise ValueError(f"merge_splits: rows={rows} is not a power of two")
     _decode_reduce_kernel[(triton.cdiv(B * Hq, rows),)](
         mid_acc, mid_ml, out, out.stride(0), out.stride(1), Hq, D, num_splits, B * Hq,
         ROWS=rows, BLOCK_S=next_pow2(num_splits), BLOCK_D=max(16, next_pow2(D)),
