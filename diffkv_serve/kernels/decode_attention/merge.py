@@ -101,7 +101,7 @@ def merge_splits_ref(mid_acc: torch.Tensor, mid_ml: torch.Tensor) -> tuple[torch
     m_max = m.amax(-1, keepdim=True)
     w = torch.exp2(m - m_max)
     total = (w * l).sum(-1)
-    out = (w[..., None] * mid_acc.double()).sum(-2) / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, (m_max[..., 0] + torch.log2(torch.where(total > 0, total, 1.0))) * math.log(2),
-                      float("-inf"))
+    held = torch.where(total > 0, total, 1.0)  # rows without tokens divide by 1: their acc is 0
+    out = (w[..., None] * mid_acc.double()).sum(-2) / held[..., None]
+    lse = torch.where(total > 0, (m_max[..., 0] + torch.log2(held)) * math.log(2), float("-inf"))
     return out.float(), lse.float()
