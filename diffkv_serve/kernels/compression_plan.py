@@ -112,8 +112,12 @@ def _plan_kernel(
         hi_end = tl.where((c >= 0) & (c >= n0 - window), lh, 0)  # inactive heads scan nothing
 
     # High section: find t_c by position and the least significant token older than the window.
+    # t_c's mean and the victim's position are kept as the scan finds them: reading them again after the loop
+    # was two more rounds of dependent loads (page id, then row) in a kernel that is a chain of such rounds.
     jc = tl.full([], _BIG, tl.int32)
+    mean_c = tl.full([], float("inf"), tl.float32)
     jv = tl.full([], _BIG, tl.int32)
+    vpos = tl.full([], -1, tl.int32)
     vmin = tl.full([], float("inf"), tl.float32)
     n_below = tl.zeros([], tl.int32)  # high tokens older than the window below th_h (the lazy low section's count)
     for j0 in range(0, hi_end, BLOCK):
@@ -122,24 +126,23 @@ def _plan_kernel(
         base = tl.load(pt_row + j // T_HI, mask=m, other=0).to(tl.int64) * page_words + j % T_HI
         pos = tl.load(pool_i + base + hi_pos, mask=m, other=-1)
         mean = _mean(tl.load(pool_f + base + hi_score, mask=m, other=0.0), pos, n0, N, num_queries)
-        jc = tl.minimum(jc, tl.min(tl.where(m & (pos == c), j, _BIG), 0))
+        is_c = m & (pos == c)  # positions are distinct within a head: at most one token
+        jc = tl.minimum(jc, tl.min(tl.where(is_c, j, _BIG), 0))
+        mean_c = tl.minimum(mean_c, tl.min(tl.where(is_c, mean, float("inf")), 0))
         vals = tl.where(m & (pos < N - window), mean, float("inf"))
         n_below += tl.sum((vals < th_h).to(tl.int32), 0)
         bmin = tl.min(vals, 0)
         bidx = tl.min(tl.where(vals == bmin, j, _BIG), 0)
-        jv = tl.where(bmin < vmin, bidx, jv)  # strict: earlier blocks win ties
+        bpos = tl.max(tl.where(j == bidx, pos, -1), 0)
+        vpos = tl.where(bmin < vmin, bpos, vpos)  # strict: earlier blocks win ties
+        jv = tl.where(bmin < vmin, bidx, jv)
         vmin = tl.minimum(vmin, bmin)
 
     found = jc < _BIG
-    jcs = tl.where(found, jc, 0)
-    cbase = tl.load(pt_row + jcs // T_HI).to(tl.int64) * page_words + jcs % T_HI
-    mean_c = _mean(tl.load(pool_f + cbase + hi_score, mask=found, other=0.0), c, n0, N, num_queries)
+    mean_c = tl.where(found, mean_c, 0.0)
     go_high = found & (mean_c >= th_h)
     th_lc = tl.where((c >= p_lo) & (c < p_hi), th_l, 0.0)
     go_low = found & (mean_c < th_h) & (mean_c >= th_lc)
-    jvs = tl.where(jv < _BIG, jv, 0)
-    vbase = tl.load(pt_row + jvs // T_HI).to(tl.int64) * page_words + jvs % T_HI
-    vpos = tl.load(pool_i + vbase + hi_pos, mask=jv < _BIG, other=-1)
     th_lv = tl.where((vpos >= p_lo) & (vpos < p_hi), th_l, 0.0)
 
     # Low section: only scanned when t_c joins it and a low victim could be pruned (th_l > 0; at th_l = 0 none
