@@ -17,8 +17,6 @@ import triton
 import triton.language as tl
 
 from diffkv_serve.kernels._common import next_pow2, num_sms, use_triton
-from diffkv_serve.kernels.decode_attention.merge import SplitPartials, merge_splits_ref
-from diffkv_serve.kernels.decode_attention.tiles import natural_lse
 from diffkv_serve.kernels.page_layout import PageFormat
 from diffkv_serve.kernels.sections import section_columns, section_page, split_range
 
@@ -33,9 +31,6 @@ TARGET_PROGRAMS_PER_SM = 16
 # call (H100, CUDA-graph us, .carry/gpu/score_bench.py: B=64 S=4096 45.9 -> 20.1, 2.5 TB/s on the logits and
 # score bytes; B=8 7.4 -> 4.2; B=128 80.5 -> 43.9); 256 gave 24.6 at B=64, 8 warps or one stage no better.
 BLOCK_N = 512
-# acc elements the merge (partials given) holds per step of its loop over splits: a KV head's query rows x
-# head_dim x this many splits at a time, as many as merge.py's programs hold.
-MERGE_ELEMENTS = 4096
 
 
 def choose_score_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
@@ -61,7 +56,7 @@ def _score_section(
         tl.store(ptr, tl.load(ptr, mask=tmask, other=0.0) + p, mask=tmask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "attn_splits"])  # one variant whatever the split counts
+@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
 def _score_kernel(
     pool_f32, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, logits_ptr, lse_ptr, alow_ptr,
     stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, stride_lls, stride_lll, stride_llh,
@@ -69,24 +64,15 @@ def _score_kernel(
     layer, low_col0, page_words, score_off, lscore_off, num_splits,  # runtime: one variant for every length
     GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr, GATED: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    mid_acc=None, mid_ml=None, o_ptr=None, stride_ob=0, stride_oh=0, attn_splits=1, D=0,
-    MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, CHUNK_S: tl.constexpr = 1, BLOCK_D: tl.constexpr = 16,
 ):
-    # One program per (batch entry, KV head, split); each split takes its share of both sections. MERGE: the
-    # attention's splits are merged here first (the lse every split needs is that merge's), split 0 writing the
-    # output and lse of the KV head's query rows, so a DiffKV layer costs the split merge's launch and no other.
+    # One program per (batch entry, KV head, split); each split takes its share of both sections.
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
     g = tl.arange(0, BLOCK_G)
     gmask = g < GROUP
     hq = h * GROUP + g
-    if MERGE:
-        lse = _merge_group(mid_acc, mid_ml, o_ptr, stride_ob, stride_oh, lse_ptr, stride_eb, stride_eh,
-                           b, hq, gmask, tl.num_programs(1) * GROUP, attn_splits, D, split == 0,
-                           BLOCK_G, BLOCK_S, CHUNK_S, BLOCK_D)
-    else:
-        lse = tl.load(lse_ptr + b * stride_eb + hq * stride_eh, mask=gmask, other=0.0)
+    lse = tl.load(lse_ptr + b * stride_eb + hq * stride_eh, mask=gmask, other=0.0)
     logit_rows = logits_ptr + b * stride_gb + hq * stride_gh
 
     length = tl.load(len_ptr + slot * stride_ls + layer * stride_ll + h * stride_lh)
@@ -102,38 +88,6 @@ def _score_kernel(
                        length, lse, gmask, page_words, lscore_off, T_LO, True, BLOCK_N)
 
 
-@triton.jit
-def _merge_group(mid_acc, mid_ml, o_ptr, stride_ob, stride_oh, lse_ptr, stride_eb, stride_eh, b, hq, gmask, Hq,
-                 attn_splits, D, write, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """The split merge (merge.py's) of one KV head's query rows: returns their natural-log lse; where `write`,
-    also stores their output and lse. Splits are combined CHUNK_S at a time, so many splits stay in registers."""
-    row = b * Hq + hq
-    s = tl.arange(0, BLOCK_S)
-    sm = gmask[:, None] & (s[None, :] < attn_splits)
-    idx = row[:, None] * attn_splits + s[None, :]
-    m = tl.load(mid_ml + idx * 2, mask=sm, other=-1.0e30)
-    m_max = tl.max(m, 1)
-    total = tl.sum(tl.exp2(m - m_max[:, None]) * tl.load(mid_ml + idx * 2 + 1, mask=sm, other=0.0), 1)
-    lse = natural_lse(m_max, total)
-    if write:
-        d = tl.arange(0, BLOCK_D)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        for s0 in range(0, attn_splits, CHUNK_S):
-            c = s0 + tl.arange(0, CHUNK_S)
-            cm = gmask[:, None] & (c[None, :] < attn_splits)
-            cidx = row[:, None] * attn_splits + c[None, :]
-            w = tl.exp2(tl.load(mid_ml + cidx * 2, mask=cm, other=-1.0e30) - m_max[:, None])
-            part = tl.load(mid_acc + cidx[:, :, None] * D + d[None, None, :],
-                           mask=cm[:, :, None] & (d[None, None, :] < D), other=0.0)
-            acc += tl.sum(w[:, :, None] * part, 1)
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        o = o_ptr + b * stride_ob + hq[:, None] * stride_oh + d[None, :]
-        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & (d[None, :] < D))
-        tl.store(lse_ptr + b * stride_eb + hq * stride_eh, lse, mask=gmask)
-    return lse
-
-
 def _sections(fmt, fmt_low, lengths, len_low):
     if len_low is not None and fmt_low is None:
         raise ValueError("len_low needs fmt_low (the low section's page format)")
@@ -144,12 +98,8 @@ def _sections(fmt, fmt_low, lengths, len_low):
 
 
 def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
-                          fmt_low=None, len_low=None, alpha_low_by_slot=None, partials=None):
+                          fmt_low=None, len_low=None, alpha_low_by_slot=None):
     has_low = _sections(fmt, fmt_low, lengths, len_low)
-    if partials is not None and partials.num_splits > 1:
-        out, merged_lse = merge_splits_ref(partials.mid_acc, partials.mid_ml)
-        partials.out.copy_(out)
-        lse.copy_(merged_lse)
     pf = pool.view(torch.float32)
     B, Hq, NMAX = logits.shape
     Hkv = page_table.shape[2]
@@ -181,23 +131,13 @@ def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, lay
 
 
 def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
-                             fmt_low=None, len_low=None, alpha_low_by_slot=None, partials=None, num_splits=None,
-                             block_n=BLOCK_N, num_warps=4, num_stages=None):
+                             fmt_low=None, len_low=None, alpha_low_by_slot=None, num_splits=None, block_n=BLOCK_N,
+                             num_warps=4, num_stages=None):
     has_low = _sections(fmt, fmt_low, lengths, len_low)
     B, Hq, NMAX = logits.shape
     Hkv = page_table.shape[2]
     if B == 0:
         return
-    merge_kw = {}
-    if partials is not None and partials.num_splits > 1:
-        out = partials.out
-        D = out.shape[2]
-        attn_splits = partials.num_splits
-        block_d = max(16, next_pow2(D))
-        chunk = max(1, min(next_pow2(attn_splits), MERGE_ELEMENTS // (next_pow2(Hq // Hkv) * block_d)))
-        merge_kw = dict(mid_acc=partials.mid_acc, mid_ml=partials.mid_ml, o_ptr=out, stride_ob=out.stride(0),
-                        stride_oh=out.stride(1), attn_splits=attn_splits, D=D, MERGE=True,
-                        BLOCK_S=next_pow2(attn_splits), CHUNK_S=chunk, BLOCK_D=block_d)
     assert logits.stride(2) == 1 and page_table.stride(3) == 1 and Hq % Hkv == 0
     low = fmt_low if has_low else fmt
     lenlo = len_low if has_low else lengths
@@ -214,14 +154,13 @@ def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, 
         layer, page_table.shape[3] - 2, fmt.page_bytes // 4, fmt.score_off // 4, low.score_off // 4,
         num_splits, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low, GATED=gated,
         BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=num_warps,
-        **({} if num_stages is None else dict(num_stages=num_stages)), **merge_kw,
+        **({} if num_stages is None else dict(num_stages=num_stages)),
     )
 
 
 def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: int, logits, lse,
                       fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None,
-                      alpha_low_by_slot: torch.Tensor | None = None, partials: SplitPartials | None = None,
-                      impl: str = "auto"):
+                      alpha_low_by_slot: torch.Tensor | None = None, impl: str = "auto"):
     """In place: score[token] += max_g exp(logits[b, g, idx] - lse[b, g]) for every cached token of every
     (batch entry b, KV head h); g over h's query heads. Sections and idx as in paged_decode_attention
     (high token j: idx j, page_table[.., j // T]; low token j: idx lengths + j, page_table[.., P - 1 - j // T_lo]).
@@ -229,10 +168,7 @@ def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: 
     logits f32 [B, Hq, NMAX] (NMAX >= len_high + len_low of every head), lse f32 [B, Hq]; the batch entries'
     slots must be distinct. alpha_low_by_slot: optional f32 [S], the decode alpha_low of every slot; a slot's
     low tokens are skipped where it is 0 (their scores are never read).
-    partials: the attention call's unmerged splits (paged_decode_attention(..., merge=False)); with more than one
-    split they are merged here first, in the same launch, into partials.out and lse (whose values are then
-    this merge's, not the caller's).
     """
     fn = accumulate_scores_triton if use_triton(impl, pool, logits, page_table) else accumulate_scores_ref
     fn(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low, len_low=len_low,
-       alpha_low_by_slot=alpha_low_by_slot, partials=partials)
+       alpha_low_by_slot=alpha_low_by_slot)

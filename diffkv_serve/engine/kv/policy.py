@@ -283,17 +283,13 @@ class KVCache:
         B, Hq = q.shape[0], q.shape[1]
         logits = torch.empty(B, Hq, max_len, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-        # The attention's splits are merged by the score update's launch, which needs their lse anyway: one
-        # launch after the attention per layer, as for a single precision (the merge counts as policy time).
-        parts = paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high, slots,
-                                       layer, scale, max_len=max_len, fmt_low=mm.fmt_low, len_low=mm.len_low,
-                                       logits_out=logits, lse_out=lse, alpha_low_by_slot=self.slot_alphas[1],
-                                       merge=False)
+        out = paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high, slots,
+                                     layer, scale, max_len=max_len, fmt_low=mm.fmt_low, len_low=mm.len_low,
+                                     logits_out=logits, lse_out=lse, alpha_low_by_slot=self.slot_alphas[1])
         with cost_range("policy"):
             accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
-                              fmt_low=mm.fmt_low, len_low=mm.len_low, alpha_low_by_slot=self.slot_alphas[1],
-                              partials=parts)
-        return parts.out
+                              fmt_low=mm.fmt_low, len_low=mm.len_low, alpha_low_by_slot=self.slot_alphas[1])
+        return out
 
     # ---- memory-management timing (no host sync on the hot path) -------------------------------------
     def _mm_begin(self) -> None:

@@ -18,7 +18,7 @@ from diffkv_serve.kernels._common import check_supported, dot_in_fp32, use_trito
 from diffkv_serve.kernels.decode_attention import mma_cuda
 from diffkv_serve.kernels.decode_attention.f16 import launch_f16
 from diffkv_serve.kernels.decode_attention.launch import choose_num_splits, decode_kernel, launch_config, tile_tokens
-from diffkv_serve.kernels.decode_attention.merge import SplitPartials, merge_splits
+from diffkv_serve.kernels.decode_attention.merge import merge_splits
 from diffkv_serve.kernels.decode_attention.q8 import launch_q8
 from diffkv_serve.kernels.decode_attention.quartered import launch_quartered
 from diffkv_serve.kernels.decode_attention.reference import check_low_section, paged_decode_attention_ref
@@ -30,12 +30,12 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
                                   scale, num_splits=None, max_len=None, block_n=None, out=None,
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
                                   num_warps=None, num_stages=None, kernel=None, config=None,
-                                  alpha_low_by_slot=None, merge=True):
+                                  alpha_low_by_slot=None):
     """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: decode_kernel's pick, or
     "mma_cuda" where that is "quartered" and mma_cuda.usable allows it ("quartered" forces the Triton kernel
     there); "mma_cuda" may be forced wherever mma_cuda.usable allows it (K8V8 pages too).
     config: a LaunchConfig in place of launch_config's (tests, benchmarks); block_n / num_warps / num_stages
-    override either. merge=False: returns the call's SplitPartials, its splits left for the caller to merge."""
+    override either."""
     check_supported(fmt, cache_dtype, for_triton=True)
     has_low = check_low_section(fmt, fmt_low, len_low, cache_dtype, True)
     B, Hq, D = q.shape
@@ -52,7 +52,7 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         _require(lse_out.dtype == torch.float32 and lse_out.shape == (B, Hq), "lse_out",
                  f"needs float32 [{B}, {Hq}]")
     if B == 0:
-        return out if merge else SplitPartials(out, out, out, 1)
+        return out
     pc = pool.view(cache_dtype)
     picked = pick_kernel(fmt, fmt_low if has_low else None, q, Hq // Hkv)
     kernel = kernel or picked
@@ -69,9 +69,8 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
     if max_len is None:  # capacity bound: needs no device sync
         max_len = page_table.shape[3] * max(T, fmt_low.tokens if has_low else 0)
     if kernel == "mma_cuda":
-        parts = _launch_mma(q, pool, fmt, fmt_low if has_low else None, page_table, lengths, len_low, slots, layer,
-                            scale, num_splits, max_len, out, logits_out, lse_out, alpha_low_by_slot)
-        return _merged(parts, lse_out) if merge else parts
+        return _launch_mma(q, pool, fmt, fmt_low if has_low else None, page_table, lengths, len_low, slots, layer,
+                           scale, num_splits, max_len, out, logits_out, lse_out, alpha_low_by_slot)
     cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if num_splits is None:
@@ -94,16 +93,9 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         launch_quartered(q, pc, pool, page_table, lengths, lenlo, slots, out, mid_acc, mid_ml, logits, lse, layer,
                          scale, num_splits, fmt, low, has_low, block_n, dot_fp32, cfg, warps, stages, write_logits,
                          write_lse)
-    parts = SplitPartials(out, mid_acc, mid_ml, num_splits)
-    return _merged(parts, lse_out) if merge else parts
-
-
-def _merged(parts: SplitPartials, lse_out) -> torch.Tensor:
-    """The call's output: its splits merged (and lse_out written) where it has more than one."""
-    if parts.num_splits > 1:
-        merge_splits(parts.mid_acc, parts.mid_ml, parts.out, lse_out if lse_out is not None else parts.out,
-                     parts.num_splits, lse_out is not None)
-    return parts.out
+    if num_splits > 1:
+        merge_splits(mid_acc, mid_ml, out, lse, num_splits, write_lse)
+    return out
 
 
 def _split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,16 +118,17 @@ def pick_kernel(fmt: PageFormat, fmt_low: PageFormat | None, q, group: int) -> s
 
 
 def _launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, layer, scale, num_splits, max_len, out,
-                logits_out, lse_out, alpha_low_by_slot=None) -> SplitPartials:
-    """The CUDA kernel's call, unmerged: one-warp programs, so the split count targets warps as the quartered
-    kernel's do."""
+                logits_out, lse_out, alpha_low_by_slot=None):
+    """The CUDA kernel's call: one-warp programs, so the split count targets warps as the quartered kernel's do."""
     B, _, D = q.shape
     if num_splits is None:
         num_splits = choose_num_splits(B, page_table.shape[2], max_len, q.device, mma_cuda.TILE, 1, D)
     mid_acc, mid_ml = _split_partials(out, num_splits)
     mma_cuda.launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, out, mid_acc, mid_ml, logits_out,
                         lse_out, layer, scale * LOG2E, num_splits, alpha_low_by_slot=alpha_low_by_slot)
-    return SplitPartials(out, mid_acc, mid_ml, num_splits)
+    if num_splits > 1:
+        merge_splits(mid_acc, mid_ml, out, lse_out if lse_out is not None else out, num_splits, lse_out is not None)
+    return out
 
 
 def paged_decode_attention(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer: int,
@@ -143,7 +136,7 @@ def paged_decode_attention(q, pool, fmt: PageFormat, cache_dtype, page_table, le
                            max_len: int | None = None, out: torch.Tensor | None = None,
                            fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None,
                            logits_out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                           alpha_low_by_slot: torch.Tensor | None = None, merge: bool = True):
+                           alpha_low_by_slot: torch.Tensor | None = None):
     """Attention of one new token per sequence over its paged KV cache; returns [B, Hq, D] in q's dtype.
 
     q [B, Hq, D]; page_table int32 [S, L, Hkv, P + 1] (column P: trash, never read); slots int32 [B] picks rows
@@ -159,9 +152,7 @@ def paged_decode_attention(q, pool, fmt: PageFormat, cache_dtype, page_table, le
     token j) or lengths + j (low token j); other entries untouched. lse_out: optional f32 [B, Hq] receiving
     the log-sum-exp of those logits (-inf for a head without tokens). alpha_low_by_slot: optional f32 [S], the
     decode alpha_low of every slot; where it is 0 the CUDA kernel leaves the slot's low-token logits unwritten
-    (score_update never reads them; the other kernels write them anyway). merge=False: returns a SplitPartials
-    whose splits the caller merges (score_update.accumulate_scores(..., partials=) merges them in its own launch);
-    the torch reference returns its result as one split.
+    (score_update never reads them; the other kernels write them anyway).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -169,11 +160,10 @@ def paged_decode_attention(q, pool, fmt: PageFormat, cache_dtype, page_table, le
     if use_triton(impl, q, pool, page_table, lengths, slots):
         return paged_decode_attention_triton(q, pool, fmt, cache_dtype, page_table, lengths, slots, layer,
                                              scale, num_splits=num_splits, max_len=max_len, out=out,
-                                             alpha_low_by_slot=alpha_low_by_slot, merge=merge, **kw)
+                                             alpha_low_by_slot=alpha_low_by_slot, **kw)
     res = paged_decode_attention_ref(q, pool, fmt, cache_dtype, page_table, lengths, slots, layer, scale,
                                      max_len=max_len, **kw)
-    res = res if out is None else out.copy_(res)
-    return res if merge else SplitPartials(res, res, res, 1)
+    return res if out is None else out.copy_(res)
 
 
 def _require(ok: bool, name: str, why: str) -> None:

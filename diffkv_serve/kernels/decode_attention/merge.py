@@ -4,7 +4,6 @@ log-sum-exp into the output (and the lse, when asked). merge_splits_ref is its t
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -19,15 +18,6 @@ from diffkv_serve.kernels.decode_attention.tiles import natural_lse
 # So a program takes as many rows as fit this many elements, at most MAX_ROWS (benchmarks/decode_merge.py times both).
 ELEMENTS_PER_PROGRAM = 4096
 MAX_ROWS = 16
-
-
-class SplitPartials(NamedTuple):
-    """A decode-attention call left unmerged (paged_decode_attention(..., merge=False)): with one split `out`
-    holds the result and the other fields are unused; otherwise the merge of mid_acc / mid_ml writes `out`."""
-    out: torch.Tensor  # [B, Hq, D]
-    mid_acc: torch.Tensor  # [B, Hq, num_splits, D] f32
-    mid_ml: torch.Tensor  # [B, Hq, num_splits, 2] f32: log2-domain max and sum
-    num_splits: int
 
 
 def rows_per_program(num_splits: int, head_dim: int) -> int:
