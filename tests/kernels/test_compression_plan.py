@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 
+from diffkv_serve.kernels import compression_plan as compression_plan_module
 from diffkv_serve.kernels.compression_plan import FIELDS, compression_plan, compression_plan_triton
 from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
@@ -294,8 +295,11 @@ def _random_case(seed, layer_scale=None, ranges=None):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("block", [None, 16])
-def test_random_matches_naive(seed, block):
+@pytest.mark.parametrize("block,many", [(None, False), (16, False), (None, True)])
+def test_random_matches_naive(seed, block, many, monkeypatch):
+    """many: the launch of a large batch (one warp a program, 128-token tiles), forced at this small grid."""
+    if many:
+        monkeypatch.setattr(compression_plan_module, "MANY_PROGRAMS_PER_SM", 0)
     args, naive = _random_case(seed)
     got = _run_both(*args, block=block)
     actions = set()

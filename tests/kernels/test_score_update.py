@@ -66,9 +66,12 @@ def test_accumulate_scores(spec, gated, Hq, Hkv, num_splits):
         alpha_low = torch.tensor([0.02, 0.5, 0.0, 0.0, 1.0], device=DEVICE) if gated else None
         skip = (2, 3) if gated else ()
         expect = _naive(pool, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots.cpu(), layer, logits, lse, skip)
-        for impl in ("triton", "ref"):
+        for impl in ("triton", "short", "ref"):
             got = pool.clone()
-            if impl == "triton":
+            if impl == "short":  # the launch for short sections (high_only), on every case
+                accumulate_scores(got, fmt_hi, page_table, len_hi, slots, layer, logits, lse, fmt_low=fmt_lo,
+                                  len_low=len_lo, alpha_low_by_slot=alpha_low, high_only=True, impl="triton")
+            elif impl == "triton":
                 accumulate_scores_triton(got, fmt_hi, page_table, len_hi, slots, layer, logits, lse, fmt_low=fmt_lo,
                                          len_low=len_lo, alpha_low_by_slot=alpha_low, num_splits=num_splits,
                                          block_n=32)

@@ -288,7 +288,8 @@ class KVCache:
                                      logits_out=logits, lse_out=lse, alpha_low_by_slot=self.slot_alphas[1])
         with cost_range("policy"):
             accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
-                              fmt_low=mm.fmt_low, len_low=mm.len_low, alpha_low_by_slot=self.slot_alphas[1])
+                              fmt_low=mm.fmt_low, len_low=mm.len_low, alpha_low_by_slot=self.slot_alphas[1],
+                              high_only=self.config.alpha_low == 0)
         return out
 
     # ---- memory-management timing (no host sync on the hot path) -------------------------------------
