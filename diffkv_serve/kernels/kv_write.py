@@ -6,6 +6,8 @@ absolute maximum (scale, zero point 0).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,18 @@ import triton.language as tl
 from diffkv_serve.kernels._common import check_supported, next_pow2, pool_views, seg_offsets, use_triton
 from diffkv_serve.kernels.page_layout import PageFormat
 from diffkv_serve.kernels.quant import quantize_fp8_tile, quantize_tile, write_rows_ref
+
+
+class KVWrite(NamedTuple):
+    """write_kv's arguments (score_update.accumulate_scores(write=) runs it in its own launch)."""
+    pool: torch.Tensor
+    fmt: PageFormat
+    cache_dtype: torch.dtype
+    k: torch.Tensor
+    v: torch.Tensor
+    dst_page: torch.Tensor
+    dst_slot: torch.Tensor
+    positions: torch.Tensor
 
 
 @triton.jit
@@ -74,7 +88,26 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KF8: tl.constexpr, VF8: tl.constexpr, TRACKED: tl.constexpr,
 ):
     # One program per token: all its heads form one [BLOCK_H, BLOCK_D] tile (contiguous along D).
-    n = tl.program_id(0)
+    write_token(tl.program_id(0), k_ptr, v_ptr, page_ptr, slot_ptr, pos_ptr, score_ptr,
+                pool_c, pool_u8, pool_h, pool_i32, pool_f32,
+                stride_kn, stride_kh, stride_vn, stride_vh, stride_pn, stride_sn, stride_scn, H, D,
+                page_elems, page_bytes, k_off, k_meta_off, v_off, v_meta_off, page_words, score_off, pos_off,
+                KB, VB, HAS_SCORES, BLOCK_H, BLOCK_D, KF8, VF8, TRACKED)
+
+
+@triton.jit
+def write_token(
+    n, k_ptr, v_ptr, page_ptr, slot_ptr, pos_ptr, score_ptr,
+    pool_c, pool_u8, pool_h, pool_i32, pool_f32,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_pn, stride_sn, stride_scn,
+    H, D,
+    page_elems, page_bytes, k_off, k_meta_off, v_off, v_meta_off,
+    page_words, score_off, pos_off,
+    KB: tl.constexpr, VB: tl.constexpr, HAS_SCORES: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KF8: tl.constexpr, VF8: tl.constexpr, TRACKED: tl.constexpr,
+):
+    """Token n's program of _write_kv_kernel (also run by score_update's kernel, which writes a decode layer's
+    new tokens in the launch that updates the layer before's scores)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     hmask = h < H
@@ -108,12 +141,13 @@ def write_kv_ref(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, p
     pf[page, fmt.score_off // 4 + slot] = 0.0 if scores is None else scores[ok].float()
 
 
-def write_kv_triton(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, positions, scores=None):
+def write_kv_launch(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, positions, scores=None):
+    """(arguments, constexprs) of _write_kv_kernel for these tokens: one program per token (None: no token)."""
     check_supported(fmt, cache_dtype, for_triton=True)
     pc, pi, pf = pool_views(pool, cache_dtype)
     N, H, D = k.shape
     if N == 0:
-        return
+        return None
     assert D == fmt.head_dim and k.stride(2) == 1 and v.stride(2) == 1
     assert dst_page.stride(1) == 1 and dst_slot.stride(1) == 1
     if scores is not None:
@@ -121,17 +155,23 @@ def write_kv_triton(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot
     isz = fmt.full_itemsize
     k_off, k_meta = seg_offsets(fmt, "k")
     v_off, v_meta = seg_offsets(fmt, "v")
-    _write_kv_kernel[(N,)](
-        k, v, dst_page, dst_slot, positions, pf if scores is None else scores,
-        pc, pool, pool.view(torch.float16), pi, pf,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), dst_page.stride(0), dst_slot.stride(0),
-        0 if scores is None else scores.stride(0),
-        H, D, fmt.page_bytes // isz, fmt.page_bytes, k_off, k_meta, v_off, v_meta,
-        fmt.page_bytes // 4, *fmt.tracked_words(),
-        KB=fmt.key_bits, VB=fmt.value_bits, HAS_SCORES=scores is not None,
-        BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), KF8=fmt.key_float8, VF8=fmt.value_float8, TRACKED=fmt.tracked,
-        num_warps=4, enable_fp_fusion=False,
-    )
+    args = (k, v, dst_page, dst_slot, positions, pf if scores is None else scores,
+            pc, pool, pool.view(torch.float16), pi, pf,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), dst_page.stride(0), dst_slot.stride(0),
+            0 if scores is None else scores.stride(0),
+            H, D, fmt.page_bytes // isz, fmt.page_bytes, k_off, k_meta, v_off, v_meta,
+            fmt.page_bytes // 4, *fmt.tracked_words())
+    consts = dict(KB=fmt.key_bits, VB=fmt.value_bits, HAS_SCORES=scores is not None, BLOCK_H=next_pow2(H),
+                  BLOCK_D=next_pow2(D), KF8=fmt.key_float8, VF8=fmt.value_float8, TRACKED=fmt.tracked)
+    return args, consts
+
+
+def write_kv_triton(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, positions, scores=None):
+    launch = write_kv_launch(pool, fmt, cache_dtype, k, v, dst_page, dst_slot, positions, scores)
+    if launch is None:
+        return
+    args, consts = launch
+    _write_kv_kernel[(k.shape[0],)](*args, **consts, num_warps=4, enable_fp_fusion=False)
 
 
 def write_kv(pool, fmt: PageFormat, cache_dtype, k, v, dst_page, dst_slot, positions, impl: str = "auto",

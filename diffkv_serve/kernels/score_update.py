@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from diffkv_serve.kernels._common import next_pow2, num_sms, use_triton
+from diffkv_serve.kernels.kv_write import KVWrite, write_kv, write_kv_launch, write_token
 from diffkv_serve.kernels.page_layout import PageFormat
 from diffkv_serve.kernels.sections import section_columns, section_page, split_range
 
@@ -61,17 +62,39 @@ def _score_section(
         tl.store(ptr, tl.load(ptr, mask=tmask, other=0.0) + p, mask=tmask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one variant whatever the split count
+@triton.jit(do_not_specialize=["num_splits", "n_write"])  # one variant whatever the split count and batch
 def _score_kernel(
     pool_f32, pt_ptr, len_ptr, lenlo_ptr, slots_ptr, logits_ptr, lse_ptr, alow_ptr,
     stride_pts, stride_ptl, stride_pth, stride_ls, stride_ll, stride_lh, stride_lls, stride_lll, stride_llh,
     stride_gb, stride_gh, stride_eb, stride_eh,
-    layer, low_col0, page_words, score_off, lscore_off, num_splits,  # runtime: one variant for every length
+    layer, low_col0, page_words, score_off, lscore_off, num_splits, Hkv,  # runtime: one variant for every length
     GROUP: tl.constexpr, T: tl.constexpr, T_LO: tl.constexpr, HAS_LOW: tl.constexpr, GATED: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    # WRITE: the first n_write programs write the next layer's new tokens (kv_write.write_token's arguments)
+    w_k=None, w_v=None, w_page=None, w_slot=None, w_pos=None, w_score=None,
+    w_pc=None, w_u8=None, w_h=None, w_i32=None, w_f32=None,
+    w_skn=0, w_skh=0, w_svn=0, w_svh=0, w_spn=0, w_ssn=0, w_sscn=0, w_H=0, w_D=0,
+    w_page_elems=0, w_page_bytes=0, w_k_off=0, w_k_meta=0, w_v_off=0, w_v_meta=0,
+    w_page_words=0, w_score_off=0, w_pos_off=0, n_write=0,
+    WRITE: tl.constexpr = False, KB: tl.constexpr = 16, VB: tl.constexpr = 16, HAS_SCORES: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 1, BLOCK_D: tl.constexpr = 16, KF8: tl.constexpr = False, VF8: tl.constexpr = False,
+    TRACKED: tl.constexpr = True,
 ):
-    # One program per (batch entry, KV head, split); each split takes its share of both sections.
-    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # One program per (batch entry, KV head, split), after the n_write token writers; each split takes its share
+    # of both sections.
+    pid = tl.program_id(0)
+    if WRITE:
+        if pid < n_write:
+            write_token(pid, w_k, w_v, w_page, w_slot, w_pos, w_score, w_pc, w_u8, w_h, w_i32, w_f32,
+                        w_skn, w_skh, w_svn, w_svh, w_spn, w_ssn, w_sscn, w_H, w_D,
+                        w_page_elems, w_page_bytes, w_k_off, w_k_meta, w_v_off, w_v_meta,
+                        w_page_words, w_score_off, w_pos_off, KB, VB, HAS_SCORES, BLOCK_H, BLOCK_D, KF8, VF8,
+                        TRACKED)
+            return
+        pid -= n_write
+    split = pid % num_splits
+    b = pid // num_splits // Hkv
+    h = pid // num_splits % Hkv
     slot = tl.load(slots_ptr + b).to(tl.int64)
     pt_row = pt_ptr + slot * stride_pts + layer * stride_ptl + h * stride_pth
     g = tl.arange(0, BLOCK_G)
@@ -137,11 +160,13 @@ def accumulate_scores_ref(pool, fmt: PageFormat, page_table, lengths, slots, lay
 
 def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, layer, logits, lse,
                              fmt_low=None, len_low=None, alpha_low_by_slot=None, num_splits=None, block_n=BLOCK_N,
-                             num_warps=4, num_stages=None):
+                             num_warps=4, num_stages=None, write: KVWrite | None = None):
     has_low = _sections(fmt, fmt_low, lengths, len_low)
     B, Hq, NMAX = logits.shape
     Hkv = page_table.shape[2]
-    if B == 0:
+    launch = write_kv_launch(*write) if write is not None else None
+    n_write = 0 if launch is None else write.k.shape[0]
+    if B == 0 and n_write == 0:
         return
     assert logits.stride(2) == 1 and page_table.stride(3) == 1 and Hq % Hkv == 0
     low = fmt_low if has_low else fmt
@@ -150,22 +175,33 @@ def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, 
         num_splits = choose_score_splits(B, Hkv, NMAX, logits.device, block_n)
     group = Hq // Hkv
     gated = has_low and alpha_low_by_slot is not None
-    _score_kernel[(B, Hkv, num_splits)](
+    extra = {} if num_stages is None else dict(num_stages=num_stages)
+    if launch is not None:  # the write's arguments by name (w_*), then its constexprs
+        args, consts = launch
+        extra.update(zip(WRITE_ARGS, args), n_write=n_write, WRITE=True, enable_fp_fusion=False, **consts)
+    _score_kernel[(n_write + B * Hkv * num_splits,)](
         pool.view(torch.float32), page_table, lengths, lenlo, slots, logits, lse,
         alpha_low_by_slot if gated else lse,
         page_table.stride(0), page_table.stride(1), page_table.stride(2),
         lengths.stride(0), lengths.stride(1), lengths.stride(2), lenlo.stride(0), lenlo.stride(1), lenlo.stride(2),
         logits.stride(0), logits.stride(1), lse.stride(0), lse.stride(1),
         layer, page_table.shape[3] - 2, fmt.page_bytes // 4, fmt.score_off // 4, low.score_off // 4,
-        num_splits, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low, GATED=gated,
-        BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=num_warps,
-        **({} if num_stages is None else dict(num_stages=num_stages)),
+        num_splits, Hkv, GROUP=group, T=fmt.tokens, T_LO=low.tokens, HAS_LOW=has_low, GATED=gated,
+        BLOCK_G=next_pow2(group), BLOCK_N=block_n, num_warps=num_warps, **extra,
     )
+
+
+# _score_kernel's names of kv_write.write_kv_launch's arguments, in their order.
+WRITE_ARGS = ("w_k", "w_v", "w_page", "w_slot", "w_pos", "w_score", "w_pc", "w_u8", "w_h", "w_i32", "w_f32",
+              "w_skn", "w_skh", "w_svn", "w_svh", "w_spn", "w_ssn", "w_sscn", "w_H", "w_D",
+              "w_page_elems", "w_page_bytes", "w_k_off", "w_k_meta", "w_v_off", "w_v_meta",
+              "w_page_words", "w_score_off", "w_pos_off")
 
 
 def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: int, logits, lse,
                       fmt_low: PageFormat | None = None, len_low: torch.Tensor | None = None,
-                      alpha_low_by_slot: torch.Tensor | None = None, high_only: bool = False, impl: str = "auto"):
+                      alpha_low_by_slot: torch.Tensor | None = None, high_only: bool = False,
+                      write: KVWrite | None = None, impl: str = "auto"):
     """In place: score[token] += max_g exp(logits[b, g, idx] - lse[b, g]) for every cached token of every
     (batch entry b, KV head h); g over h's query heads. Sections and idx as in paged_decode_attention
     (high token j: idx j, page_table[.., j // T]; low token j: idx lengths + j, page_table[.., P - 1 - j // T_lo]).
@@ -175,12 +211,16 @@ def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: 
     low tokens are skipped where it is 0 (their scores are never read).
     high_only: a launch hint, not a rule: most slots are expected at alpha_low 0 (short sections; see SHORT_BLOCK_N).
     Any slot's sections are still updated in full.
+    write: new tokens to write as write_kv(*write) would (another layer's: their pages are not this layer's), in
+    the same launch on the GPU, so a decode layer's K/V write costs no launch of its own.
     """
     if use_triton(impl, pool, logits, page_table):
         short = dict(block_n=SHORT_BLOCK_N, num_warps=1, num_splits=choose_score_splits(
             logits.shape[0], page_table.shape[2], logits.shape[2], logits.device, BLOCK_N)) if high_only else {}
         accumulate_scores_triton(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low,
-                                 len_low=len_low, alpha_low_by_slot=alpha_low_by_slot, **short)
+                                 len_low=len_low, alpha_low_by_slot=alpha_low_by_slot, write=write, **short)
     else:
+        if write is not None:
+            write_kv(*write, impl="ref")
         accumulate_scores_ref(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low,
                               len_low=len_low, alpha_low_by_slot=alpha_low_by_slot)

@@ -6,6 +6,7 @@ import torch
 
 from _paged_cache import build_cache, formats
 from diffkv_serve.kernels.decode_attention import paged_decode_attention
+from diffkv_serve.kernels.kv_write import KVWrite, write_kv_triton
 from diffkv_serve.kernels.score_update import accumulate_scores, accumulate_scores_triton
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -86,3 +87,52 @@ def test_accumulate_scores(spec, gated, Hq, Hkv, num_splits):
             for sl in skip:
                 counted[sl] -= len_lo[sl]
             assert changed.sum() == int(counted[slots.long().cpu(), layer].sum())
+
+
+@pytest.mark.parametrize("spec,high_only", [("K8V4+K4V2", True), ("K4V2", False)])
+def test_score_update_writes_another_layers_tokens_in_its_launch(spec, high_only):
+    """accumulate_scores(write=): the new tokens of another layer are written as write_kv writes them (the same
+    bytes), and the scores are those of the update alone."""
+    dtype = DTYPES[-1]
+    isz = torch.empty((), dtype=dtype).element_size()
+    fmt_hi, fmt_lo = formats(spec, 64, isz)
+    Hkv, Hq = 2, 6
+    lens_hi = [[3, 40], [17, 0], [0, 5]]
+    lens_lo = None if fmt_lo is None else [[30, 0], [2, 90], [0, 0]]
+    pool, page_table, len_hi, len_lo, _ = build_cache(fmt_hi, fmt_lo, dtype, Hkv, lens_hi, lens_lo, DEVICE, seed=11)
+    slots = torch.tensor([1, 2, 0], dtype=torch.int32, device=DEVICE)
+    B, layer, P = 3, 1, page_table.shape[3] - 1
+    # Pages no head's sections use (build_cache leaves spares): the new tokens go there.
+    used = set()
+    for s in range(page_table.shape[0]):
+        for lay in range(page_table.shape[1]):
+            for h in range(Hkv):
+                n_hi = -(-int(len_hi[s, lay, h]) // fmt_hi.tokens)
+                n_lo = 0 if fmt_lo is None else -(-int(len_lo[s, lay, h]) // fmt_lo.tokens)
+                cols = list(range(n_hi)) + list(range(P - n_lo, P))
+                used |= {int(page_table[s, lay, h, c]) for c in cols}
+    spare = [p for p in range(pool.shape[0]) if p not in used][:3]
+    g = torch.Generator().manual_seed(5)
+    N = 4
+    k = torch.randn(N, Hkv, 64, generator=g).to(DEVICE, dtype)
+    v = torch.randn(N, Hkv, 64, generator=g).to(DEVICE, dtype)
+    dst_page = torch.tensor([[spare[0], spare[1]], [spare[2], -1], [spare[0], spare[2]], [spare[1], spare[1]]],
+                            dtype=torch.int32, device=DEVICE)
+    dst_row = torch.tensor([[0, 1], [2, 0], [3, 4], [5, 6]], dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([7, 100, 3, 55], dtype=torch.int32, device=DEVICE)
+    total = len_hi + (len_lo if len_lo is not None else 0)
+    logits = torch.randn(B, Hq, int(total.max()) + 1, generator=g).to(DEVICE) * 3
+    lse = torch.logsumexp(logits, -1)  # any finite lse will do: the scores follow it
+    alpha_low = torch.tensor([0.0, 0.5, 0.0], device=DEVICE) if fmt_lo is not None else None
+    written = pool.clone()
+    write_kv_triton(written, fmt_hi, dtype, k, v, dst_page, dst_row, positions)
+    skip = (0, 2) if alpha_low is not None else ()
+    expect = _naive(written, fmt_hi, fmt_lo, page_table, len_hi, len_lo, slots.cpu(), layer, logits, lse, skip)
+    got = pool.clone()
+    accumulate_scores(got, fmt_hi, page_table, len_hi, slots, layer, logits, lse, fmt_low=fmt_lo, len_low=len_lo,
+                      alpha_low_by_slot=alpha_low, high_only=high_only, impl="triton",
+                      write=KVWrite(got, fmt_hi, dtype, k, v, dst_page, dst_row, positions))
+    assert torch.equal(got[spare].cpu(), written[spare].cpu())
+    assert not torch.equal(written[spare].cpu(), pool[spare].cpu())  # the write did happen
+    torch.testing.assert_close(got.view(torch.float32).double().cpu(), expect, atol=TOL[dtype], rtol=TOL[dtype],
+                               equal_nan=True)

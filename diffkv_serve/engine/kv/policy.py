@@ -33,7 +33,7 @@ from diffkv_serve.engine.profiling import cost_range, costed
 from diffkv_serve.kernels.compression_plan import BIG, compression_plan
 from diffkv_serve.kernels.decode_pages import decode_pages
 from diffkv_serve.kernels.decode_attention import paged_decode_attention
-from diffkv_serve.kernels.kv_write import write_kv
+from diffkv_serve.kernels.kv_write import KVWrite, write_kv
 from diffkv_serve.kernels.kv_write_sections import write_sections
 from diffkv_serve.kernels.prompt_classify import (classify_prompt, pin_significance, prompt_mean_significance,
                                                  segment_index)
@@ -111,6 +111,8 @@ class KVCache:
         self.num_query_heads = num_query_heads
         self.last_mm_seconds = 0.0
         self._mm_events: Optional[tuple] = None
+        # (layer, slots, logits, lse) of a decode layer whose score update waits for the next layer's K/V write
+        self._pending_scores: Optional[tuple] = None
 
     # ---- per-slot request settings -------------------------------------------------------------------
     def write_slot_settings(self, slots: torch.Tensor, settings: list[KVRequestSettings],
@@ -245,6 +247,8 @@ class KVCache:
         slot's settings gathered from the per-slot table on the device."""
         if not self.diffkv:
             return None
+        if self._pending_scores is not None:  # a step cut short before its last layer: its update still counts
+            self._flush_scores()
         mm, at = self.mm, slots.long()
         alpha_high, alpha_low = self.slot_alphas[0, at], self.slot_alphas[1, at]
         prompt_len, lo, hi = self.slot_ranges[:, at].unbind(0)
@@ -276,21 +280,37 @@ class KVCache:
                       dst_page: torch.Tensor, dst_row: torch.Tensor, slots: torch.Tensor, scale: float,
                       max_len: int) -> torch.Tensor:
         mm = self.mm
-        write_kv(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, dst_page[layer], dst_row[layer], positions)
+        new_tokens = KVWrite(mm.pool, mm.fmt_high, mm.cache_dtype, k, v, dst_page[layer], dst_row[layer], positions)
         if not self.diffkv:
+            write_kv(*new_tokens)
             return paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high,
                                           slots, layer, scale, max_len=max_len)
+        if self._pending_scores is None:
+            write_kv(*new_tokens)
+        else:  # the layer before's score update writes this layer's new tokens: one launch for both
+            self._flush_scores(write=new_tokens)
         B, Hq = q.shape[0], q.shape[1]
         logits = torch.empty(B, Hq, max_len, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
         out = paged_decode_attention(q, mm.pool, mm.fmt_high, mm.cache_dtype, mm.page_table, mm.len_high, slots,
                                      layer, scale, max_len=max_len, fmt_low=mm.fmt_low, len_low=mm.len_low,
                                      logits_out=logits, lse_out=lse, alpha_low_by_slot=self.slot_alphas[1])
+        # Nothing reads this layer's scores before the next step's plan, so the update waits for the next layer's
+        # write (a launch of ~3 us for one token a sequence, like the update itself); the last layer's runs now.
+        self._pending_scores = (layer, slots, logits, lse)
+        if layer == mm.shape.num_layers - 1:
+            self._flush_scores()
+        return out
+
+    def _flush_scores(self, write: Optional[KVWrite] = None) -> None:
+        """The pending score update of a decode layer (and `write`, another layer's new tokens, in its launch)."""
+        layer, slots, logits, lse = self._pending_scores
+        self._pending_scores = None
+        mm = self.mm
         with cost_range("policy"):
             accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
                               fmt_low=mm.fmt_low, len_low=mm.len_low, alpha_low_by_slot=self.slot_alphas[1],
-                              high_only=self.config.alpha_low == 0)
-        return out
+                              high_only=self.config.alpha_low == 0, write=write)
 
     # ---- memory-management timing (no host sync on the hot path) -------------------------------------
     def _mm_begin(self) -> None:
