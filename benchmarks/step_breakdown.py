@@ -53,7 +53,8 @@ KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
     (r"\b_prefill_kernel|flash|fmha", "attention"),
     (r"\b_write_kv_kernel|\b_write_sections_kernel", "attention"),  # the layer's new K/V into its pages (and diffkv's prefix-cache copies)
     (r"\b_plan_kernel", "policy"),  # Algorithm 1 (diffkv_serve/kernels/compression_plan.py)
-    (r"\b_score_kernel", "policy"),  # decode attention added to token scores (diffkv_serve/kernels/score_update.py)
+    (r"\b_score_kernel", "policy"),  # decode attention added to token scores (diffkv_serve/kernels/score_update.py;
+    # its launch also writes the next layer's new K/V)
     (r"\b_lse_kernel|\b_sig_kernel", "policy"),  # prompt significance
     (r"\b_move_kernel", "memory"),  # token moves between sections (diffkv_serve/kernels/kv_move.py)
 )

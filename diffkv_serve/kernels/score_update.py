@@ -178,6 +178,7 @@ def accumulate_scores_triton(pool, fmt: PageFormat, page_table, lengths, slots, 
     extra = {} if num_stages is None else dict(num_stages=num_stages)
     if launch is not None:  # the write's arguments by name (w_*), then its constexprs
         args, consts = launch
+        assert len(args) == len(WRITE_ARGS)
         extra.update(zip(WRITE_ARGS, args), n_write=n_write, WRITE=True, enable_fp_fusion=False, **consts)
     _score_kernel[(n_write + B * Hkv * num_splits,)](
         pool.view(torch.float32), page_table, lengths, lenlo, slots, logits, lse,
