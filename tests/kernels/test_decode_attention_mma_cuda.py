@@ -36,7 +36,7 @@ def test_usable_names_what_it_cannot_serve():
         assert mma_cuda.usable(formats("K8V8-e4m3", 128, 2)[0], None, qc, 4) is None
         assert "K8V8-e4m3 low" in mma_cuda.usable(k8v4, formats("K8V8-e4m3", 128, 2)[0], qc, 4)
         assert "8-bit values only" in mma_cuda.usable(*formats("K8V8+K4V2", 128, 2), qc, 4)
-        assert "K2V2 low" in mma_cuda.usable(k8v4, formats("K2V2", 128, 2)[0], qc, 4)
+        assert mma_cuda.usable(k8v4, formats("K2V2", 128, 2)[0], qc, 4) is None  # 2-bit keys in a low section
         assert "head_dim 64" in mma_cuda.usable(formats("K4V2", 64, 2)[0], None, qc[..., :64], 4)
         assert "float32" in mma_cuda.usable(k4v2, None, qc.float(), 4)
         assert "12 query heads" in mma_cuda.usable(k4v2, None, qc, 12)
@@ -151,6 +151,10 @@ CASES = [
     ("K4V4@6", 8, 2, [[300, 85], [21, 0]], None, 2),          # 21-token pages (the fewest served): four a tile
     ("K8V8@12", 12, 2, [[250, 43]], None, 1),                 # 22-token pages
     ("K8V4+K4V2@9", 6, 1, [[200], [64]], [[130], [45]], 3),   # 22- and 41-token pages
+    ("K2V2", 8, 2, [[300, 77], [64, 0]], None, 2),            # 2-bit keys
+    ("K2V4", 4, 1, [[150], [65]], None, 1),
+    ("K4V4+K2V2", 12, 2, [[80, 300]], [[600, 40]], None),     # DiffKV's frontier points: 2-bit keys in the low section
+    ("K8V4+K2V2", 6, 1, [[130], [0]], [[300], [70]], 3),
 ]
 
 

@@ -1,4 +1,4 @@
-// Decode attention over quantized pages with 4- or 8-bit keys and 2-, 4- or 8-bit values (integer codes, planar
+// Decode attention over quantized pages with 2-, 4- or 8-bit keys and 2-, 4- or 8-bit values (integer codes, planar
 // packing, fp16 scale / zero per token; layout in kernels/page_layout.py and kernels/quant.py), head_dim 128, a
 // GQA group of up to 8 query heads, a high section and optionally a low section of another precision (DiffKV's
 // K8V4 + K4V2), one warp per (batch entry, KV head, split). kernels/decode_attention/mma_cuda.py compiles it
@@ -25,6 +25,7 @@
 // kernels/decode_attention/merge.py's kernel combines them.
 typedef unsigned int u32;
 struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
+struct __attribute__((aligned(8))) U2 { u32 x, y; };
 
 #ifndef KB_HI
 #define KB_HI 4
@@ -294,11 +295,12 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     cp_commit();
   }
   // This lane's 32 query elements in four 16-byte loads (the launcher aligns q rows to 16 bytes): local element
-  // 8 j + i of load j is dim 32 t4 + 8 j + i (8-bit keys) or 64 (j / 2) + 16 t4 + 8 (j % 2) + i (4-bit keys).
+  // 8 j + i of load j is dim 32 t4 + 8 j + i (8-bit keys), 64 (j / 2) + 16 t4 + 8 (j % 2) + i (4-bit keys) or
+  // 32 j + 8 t4 + i (2-bit keys: plane j of the lane's key bytes 8 t4 + i).
   u32 qw[16];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int dim0 = KB == 8 ? 32 * t4 + 8 * j : 64 * (j >> 1) + 16 * t4 + 8 * (j & 1);
+    const int dim0 = KB == 8 ? 32 * t4 + 8 * j : KB == 4 ? 64 * (j >> 1) + 16 * t4 + 8 * (j & 1) : 32 * j + 8 * t4;
     const U4 v = *(const U4*)(qrow + dim0);
     qw[4 * j] = v.x, qw[4 * j + 1] = v.y, qw[4 * j + 2] = v.z, qw[4 * j + 3] = v.w;
   }
@@ -306,6 +308,9 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   // 4-bit keys: slice s of lane t4 takes k-rows 2 t4 + e / 2 t4 + 8 + e from key byte 16 t4 + 4 (s >> 1) + (s & 1)
   // + 2 e, its low nibble (dim = byte; b01) and high nibble (dim 64 + byte, read as 16 c: q scaled by 1/16; b23).
   // 8-bit keys: slice i of lane t4 takes dims 32 t4 + 4 i + {0, 1} (b01) and + {2, 3} (b23).
+  // 2-bit keys: slice s = 4 w + 2 h + pp of lane t4 takes, from key bytes 8 t4 + 4 w + h + 2 e (e = 0, 1: bytes h
+  // and h + 2 of the lane's word w), plane 2 pp (b01) and plane 2 pp + 1 (b23): dim 32 p + byte, read as 4^p c
+  // (q scaled by 4^-p).
   u32 qb[8][2];
   float q1 = 0.f, q0 = 0.f;  // this lane's share of sum(fp16 q') and of sum(q * qk_scale) for member gi
 #pragma unroll
@@ -315,11 +320,14 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       float v[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int local = KB == 8 ? 4 * s + 2 * r + e : 16 * r + 4 * (s >> 1) + (s & 1) + 2 * e;
+        const int plane = 2 * (s & 1) + r;  // 2-bit keys
+        const int local = KB == 8 ? 4 * s + 2 * r + e
+                        : KB == 4 ? 16 * r + 4 * (s >> 1) + (s & 1) + 2 * e
+                                  : 8 * plane + 4 * (s >> 2) + ((s >> 1) & 1) + 2 * e;
         const unsigned short qe = (unsigned short)(qw[local >> 1] >> (16 * (local & 1)));
         const float x = real ? q_elem(qe) * qk_scale : 0.f;
         q0 += x;
-        v[e] = (KB == 4 && r) ? x * 0.0625f : x;
+        v[e] = KB == 4 ? (r ? x * 0.0625f : x) : KB == 2 ? x * (1.f / (float)(1 << (2 * plane))) : x;
       }
       const u32 p = pack_f16x2(v[0], v[1]);
       q1 += f16_lo(p) + f16_hi(p);
@@ -376,6 +384,25 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           c_lo = lop_or(wc8, 0x000F000F, 0x64006400);
           c_hi = lop_or(wc8, 0x00F000F0, 0x64006400);
           mma(s[blk], a_lo, c_lo, a_hi, c_hi, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+        }
+      } else if (KB == 2) {
+        // 2-bit keys: lane t4 holds bytes 8 t4 .. 8 t4 + 7 of rows gi and gi + 8 (32-byte rows: a half-warp's
+        // loads cover 128 contiguous bytes, conflict-free unswizzled)
+        const U2 ka = *(const U2*)(kbuf + (blk * 16 + gi) * KROW(KB) + 8 * t4);
+        const U2 kc = *(const U2*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 8 * t4);
+        const u32 wa[2] = {ka.x, ka.y}, wc[2] = {kc.x, kc.y};
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32 a = wa[w] >> (8 * h), c = wc[w] >> (8 * h);  // bytes h, h + 2 in the halves' low bytes
+#pragma unroll
+            for (int pp = 0; pp < 2; ++pp) {
+              const u32 m01 = 0x00030003u << (4 * pp), m23 = 0x00030003u << (4 * pp + 2);
+              mma(s[blk], lop_or(a, m01, 0x64006400), lop_or(c, m01, 0x64006400), lop_or(a, m23, 0x64006400),
+                  lop_or(c, m23, 0x64006400), qb[4 * w + 2 * h + pp][0], qb[4 * w + 2 * h + pp][1]);
+            }
+          }
         }
       } else {
         // 8-bit keys: lane t4 holds chunks 2 t4, 2 t4 + 1 of a row (stored swapped on odd rows); a prmt puts two

@@ -1,5 +1,5 @@
-"""The hand-written CUDA decode kernel (decode_mma.cu) for quantized pages with 4- or 8-bit keys and 2-, 4- or
-8-bit values (K4V2, K4V4, K8V4, K8V8, ...; integer codes, or e4m3 codes in the 8-bit sides of a high section:
+"""The hand-written CUDA decode kernel (decode_mma.cu) for quantized pages with 2-, 4- or 8-bit keys and 2-, 4- or
+8-bit values (K2V2, K4V2, K4V4, K8V4, K8V8, ...; integer codes, or e4m3 codes in the 8-bit sides of a high section:
 kv_mode fp8), with or without a low section of another such precision (DiffKV's K8V4 + K4V2), with or without the
 per-token logits / lse outputs DiffKV's significance update reads: when it serves a call (usable), how it is
 compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched (launch_mma).
@@ -27,7 +27,7 @@ SOURCE = Path(__file__).with_name("decode_mma.cu")
 TILE = 64  # tokens per tile (decode_mma.cu)
 MAX_PAGES = 4  # pages one tile may span (decode_mma.cu's MAXPAGES): pages must hold MIN_TOKENS or more
 MIN_TOKENS = -(-(TILE - 1) // (MAX_PAGES - 1))  # 21: then TILE tokens touch at most MAX_PAGES pages
-KEY_BITS, VALUE_BITS = (4, 8), (2, 4, 8)
+KEY_BITS, VALUE_BITS = (2, 4, 8), (2, 4, 8)
 MAX_GROUP = 8  # query heads per KV head: the mma's N
 STAGES = 2  # cp.async tiles in flight
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
