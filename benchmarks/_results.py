@@ -4,8 +4,11 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Optional
+
+import torch
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -23,3 +26,14 @@ def write_result(result: dict, name: str, device: str, out: Optional[str], smoke
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def record_sweep(name: str, argv: Optional[list[str]], args, rows: list, cuda: bool) -> None:
+    """The JSON of a kernel sweep (decode_merge.py, decode_splits.py): device, torch, the command line, the flags
+    and the rows; written where --out says, or under results/ when it ran on a GPU."""
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {"benchmark": name, "device": device, "torch": torch.__version__,
+              "command": f"python benchmarks/{name}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "config": vars(args), "rows": rows}
+    if args.out or cuda:
+        write_result(result, name, device, args.out, args.smoke)

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import write_result  # noqa: E402
+from _results import record_sweep  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention.merge import merge_splits, merge_splits_ref, rows_per_program  # noqa: E402
 
@@ -75,12 +75,7 @@ def main(argv=None) -> int:
         rows_out.append({"batch": B, "heads": Hq, "splits": S, "head_dim": D, "rows": rows, "us": times[rows],
                          "us_one_row": times[1], "max_err": err, "acc_bytes": acc.numel() * 4})
         print(f"{B:>4} {Hq:>3} {S:>6} {rows:>4} {times[rows]:8.2f} {times[1]:10.2f} {err:9.1e}", flush=True)
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    result = {"benchmark": "decode_merge", "device": device, "torch": torch.__version__,
-              "command": "python benchmarks/decode_merge.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "config": vars(args), "rows": rows_out}
-    if args.out or cuda:
-        write_result(result, "decode_merge", device, args.out, args.smoke)
+    record_sweep("decode_merge", argv, args, rows_out, cuda)
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import write_result  # noqa: E402
+from _results import record_sweep  # noqa: E402
 from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import choose_num_splits, launch_config, paged_decode_attention  # noqa: E402
@@ -143,12 +143,7 @@ def main(argv=None) -> int:
                 if diffkv and args.score_splits:
                     rows[-1]["score"] = score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, lse,
                                                     B, S, dev, cuda)
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    result = {"benchmark": "decode_splits", "device": device, "torch": torch.__version__,
-              "command": "python benchmarks/decode_splits.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "config": vars(args), "rows": rows}
-    if args.out or cuda:
-        write_result(result, "decode_splits", device, args.out, args.smoke)
+    record_sweep("decode_splits", argv, args, rows, cuda)
     return 0
 
 
