@@ -216,6 +216,8 @@ def accumulate_scores(pool, fmt: PageFormat, page_table, lengths, slots, layer: 
     the same launch on the GPU, so a decode layer's K/V write costs no launch of its own.
     """
     if use_triton(impl, pool, logits, page_table):
+        # high_only: short tiles, but the split count of BLOCK_N-token tiles (a short section is one tile either way;
+        # the H100 timing above is of this launch)
         short = dict(block_n=SHORT_BLOCK_N, num_warps=1, num_splits=choose_score_splits(
             logits.shape[0], page_table.shape[2], logits.shape[2], logits.device, BLOCK_N)) if high_only else {}
         accumulate_scores_triton(pool, fmt, page_table, lengths, slots, layer, logits, lse, fmt_low=fmt_low,
