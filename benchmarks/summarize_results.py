@@ -45,8 +45,6 @@ MEASURED_ALTERNATIVES = {
     "step_breakdown_diffkv_low_scores_read_qwen2.5-1.5b_H200.json": "step_breakdown.py, diffkv at alpha_low 1e-4 "
         "(low scores computed and read) on an H200: policy 7.1% (batch 128) and 9.0% (256) of the step, against "
         "4.3% and 4.7% at alpha_low 0",
-    "attention_H200.json": "benchmarks/attention.py on an H200 (floor fitted at 4.65 TB/s) before the split merge "
-                           "took several rows a program: lowest 0.65 of the floor (K8V8 at llama3-8b B128 S1024)",
     "throughput_diffkv_k8v4_k4v4_qwen2.5-1.5b_H100.json": "throughput_qwen.py, int4 against DiffKV K8V4/K4V4 a_h 16 "
                                                           "at 128 x 2,048: 24,437 vs 19,923 tokens/s",
     "throughput_serving_int4_diffkv_qwen2.5-1.5b_H100.json": "benchmarks/throughput.py --workload serving, int4 "
@@ -100,6 +98,8 @@ MEASURED_ALTERNATIVES = {
     "decode_splits_gqa6_H100.json": "decode attention time per split count at Qwen2.5-1.5B's heads (GQA 6): the "
                                     "automatic split count within 8% of the best at every shape",
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
+    "tune_decode_attention_q8_H100.json": "the q8 kernel's tile size / warps / split count sweep behind "
+                                          "launch.q8_launch (benchmarks/tune_decode_attention.py --graph)",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90 (the Triton "
                              "kernels and the CUDA kernel, decode_mma)",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",

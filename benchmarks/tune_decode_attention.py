@@ -1,12 +1,16 @@
-"""Sweep the decode-attention launch configuration (BLOCK_N, num_warps, num_stages) per page precision.
+"""Sweep the decode-attention launch configuration (BLOCK_N, num_warps, num_stages, split count) per page precision.
 
-For each precision and shape it times `paged_decode_attention_triton` under every configuration (do_bench
-median, L2 flushed, caches rotated like benchmarks/attention.py), checks every configuration's output against
-the torch reference once, and prints the fastest configuration per precision (geomean time over the shapes).
-The winners go into diffkv_serve/kernels/decode_attention/launch.py:launch_config by hand, with the JSON kept in results/.
+For each head layout, precision and shape it times `paged_decode_attention_triton` under every configuration and
+split count (0 = the dispatcher's count for that configuration), and the dispatcher's own launch (config "auto":
+launch_config, or q8_launch for K8V8 pages); do_bench median with L2 flushed, or with --graph CUDA-graph replays
+(do_bench_cudagraph, as benchmarks/attention.py times its graph column), caches rotated among copies. Every
+configuration's output is checked against the torch reference once. It prints the fastest configuration per
+precision (geomean over the shapes) and, per shape, the fastest launch beside the dispatcher's. The winners go into
+diffkv_serve/kernels/decode_attention/launch.py by hand, with the JSON kept in results/.
 
-Usage (GPU): python benchmarks/tune_decode_attention.py [--shapes 32x4096 8x16384 128x4096] [--out PATH]
-Smoke (CPU): python benchmarks/tune_decode_attention.py --smoke   (interpreter, two configurations, tiny shape)
+Usage (GPU): python benchmarks/tune_decode_attention.py [--heads llama3-8b qwen2.5-1.5b] [--shapes 32x4096 ...]
+                 [--splits 0 1 2 4 ...] [--graph] [--out PATH]
+Smoke (CPU): TRITON_INTERPRET=1 python benchmarks/tune_decode_attention.py --smoke   (two configurations, tiny shape)
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
-from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
+from attention import HEADS, PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import launch_config, paged_decode_attention, paged_decode_attention_triton  # noqa: E402
 from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
@@ -33,6 +37,10 @@ TOL = 4e-3  # atol = rtol vs impl="ref" (fp16 dots on the same dequantized data)
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
+    ap.add_argument("--heads", nargs="+", default=["llama3-8b"], choices=list(HEADS))
+    ap.add_argument("--splits", type=int, nargs="+", default=[0],
+                    help="split counts to try per configuration (0: the dispatcher's count for it)")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (do_bench_cudagraph)")
     ap.add_argument("--shapes", nargs="+", default=None, help="BxS, default 32x4096 8x16384 128x4096")
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -44,23 +52,28 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.smoke:
         args.shapes = args.shapes or ["2x100"]
-        args.block_n, args.warps, args.stages = [32], [4], [1, 2]
+        args.block_n, args.warps, args.stages, args.splits = [32], [4], [1, 2], [0, 2]
         args.precisions = ["fp16", "mix"]
     args.shapes = [tuple(map(int, s.split("x"))) for s in (args.shapes or ["32x4096", "8x16384", "128x4096"])]
     return args
+
+
+AUTO = ("auto",)  # the dispatcher's own launch, beside the swept configurations
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    Hq, Hkv, D, dt = 32, 8, 128, torch.float16
+    D, dt = 128, torch.float16
     page_bytes = page_bytes_for(16, D, 2)
     configs = list(itertools.product(args.block_n, args.warps, args.stages))
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"{gpu}: {len(configs)} configurations x {len(args.precisions)} precisions x {len(args.shapes)} shapes")
+    print(f"{gpu}: {len(configs)} configurations x {len(args.splits)} split counts x {len(args.precisions)} "
+          f"precisions x {len(args.shapes)} shapes x {len(args.heads)} head layouts")
     rows = []
-    for B, S in args.shapes:
+    for heads, (B, S) in itertools.product(args.heads, args.shapes):
+        Hq, Hkv, _ = HEADS[heads]
         K, V = make_kv(B, Hkv, S, D, dt, device, seed=B + S)
         q = torch.randn(B, Hq, D, device=device, dtype=dt)
         slots = torch.arange(B, dtype=torch.int32, device=device)
@@ -72,43 +85,72 @@ def main(argv=None) -> int:
             kw = dict(max_len=S, fmt_low=fmt_lo, len_low=len_lo)
             ref = paged_decode_attention(q, pool, fmt_hi, dt, pt, lens, slots, 0, impl="ref", **kw).float()
             kv_bytes, qo = read_bytes(fmt_hi, fmt_lo, B, Hq, Hkv, S, 2)
-            for bn, w, st in configs:
-                def run(k, bn=bn, w=w, st=st):
+            launches = [(AUTO, 0)] + [(c, sp) for c in configs for sp in args.splits
+                                      if sp == 0 or sp <= -(-S // c[0])]  # a split holds at least one tile
+            for cfg, sp in launches:
+                over = {} if cfg == AUTO else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+
+                def run(k, over=over, sp=sp):
                     return paged_decode_attention_triton(q, pools[k], fmt_hi, dt, pt, lens, slots, 0, D ** -0.5,
-                                                         block_n=bn, num_warps=w, num_stages=st, **kw)
+                                                         num_splits=sp or None, **over, **kw)
                 got = run(0).float()
                 err = float((got - ref).abs().max())
                 if not torch.allclose(got, ref, atol=TOL, rtol=TOL):
-                    print(f"MISMATCH {prec} B={B} S={S} block_n={bn} warps={w} stages={st}: max err {err:.3e}")
+                    print(f"MISMATCH {heads} {prec} B={B} S={S} config={cfg} splits={sp}: max err {err:.3e}")
                     return 2
-                if cuda:
-                    import triton.testing
-                    t = 1e3 * triton.testing.do_bench(rotating(run, n), rep=args.rep, return_mode="median")
-                else:
-                    t = float("nan")
-                rows.append(dict(precision=prec, batch=B, seq=S, block_n=bn, num_warps=w, num_stages=st,
-                                 time_us=t, frac_bw=(kv_bytes + qo) / (t * 1e-6) / args.bandwidth, max_err=err))
-                print(f"  {prec:>5} B={B:<4} S={S:<6} n={bn:<4} w={w} s={st}: {t:8.1f} us "
-                      f"{100 * rows[-1]['frac_bw']:5.1f}% BW  err {err:.1e}")
+                t = _time_us(rotating(run, n), args) if cuda else float("nan")
+                rows.append(dict(heads=heads, precision=prec, batch=B, seq=S, config=list(cfg), splits=sp,
+                                 time_us=round(t, 2), frac_bw=round((kv_bytes + qo) / (t * 1e-6) / args.bandwidth, 4),
+                                 max_err=err))
             del pools, pool
-    best = {}
-    for prec in args.precisions:
-        def geo(cfg):
-            ts = [r["time_us"] for r in rows if r["precision"] == prec and (r["block_n"], r["num_warps"],
-                                                                           r["num_stages"]) == cfg]
-            return math.exp(sum(math.log(t) for t in ts) / len(ts)) if cuda else 0.0
-        cfg = min(configs, key=geo)
-        fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), D, page_bytes, 2)
-        best[prec] = {"block_n": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2], "geomean_us": geo(cfg),
-                      "current": list(launch_config(fmt_hi, fmt_lo)[:3]),
-                      "current_geomean_us": geo(tuple(launch_config(fmt_hi, fmt_lo)[:3]))
-                      if tuple(launch_config(fmt_hi, fmt_lo)[:3]) in configs else None}
-        print(f"best {prec:>5}: block_n={cfg[0]} warps={cfg[1]} stages={cfg[2]} ({geo(cfg):.1f} us geomean); "
-              f"current {best[prec]['current']}")
-    write_result({"benchmark": "tune_decode_attention", "device": gpu, "rows": rows, "best": best,
+    best = _best_per_precision(rows, args.precisions, configs, cuda, D, page_bytes)
+    per_shape = _best_per_shape(rows)
+    write_result({"benchmark": "tune_decode_attention", "device": gpu, "timing": "do_bench_cudagraph median" if
+                  args.graph else "do_bench median (L2 flushed)", "rows": rows, "best": best, "per_shape": per_shape,
                   "command": "python benchmarks/tune_decode_attention.py " + " ".join(sys.argv[1:])},
                  "tune_decode_attention", gpu, args.out, args.smoke)
     return 0
+
+
+def _time_us(call, args) -> float:
+    import triton.testing
+    if args.graph:
+        return 1e3 * triton.testing.do_bench_cudagraph(call, rep=args.rep, return_mode="median")
+    return 1e3 * triton.testing.do_bench(call, rep=args.rep, return_mode="median")
+
+
+def _best_per_precision(rows, precisions, configs, cuda, D, page_bytes) -> dict:
+    """The configuration with the lowest geomean time over every shape (at the dispatcher's split count)."""
+    best = {}
+    for prec in precisions:
+        def geo(cfg):
+            ts = [r["time_us"] for r in rows if r["precision"] == prec and tuple(r["config"]) == cfg
+                  and r["splits"] == 0]
+            return math.exp(sum(math.log(t) for t in ts) / len(ts)) if cuda and ts else 0.0
+        cfg = min(configs, key=geo)
+        fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), D, page_bytes, 2)
+        current = tuple(launch_config(fmt_hi, fmt_lo)[:3])
+        best[prec] = {"block_n": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2], "geomean_us": geo(cfg),
+                      "current": list(current), "current_geomean_us": geo(current) if current in configs else None}
+        print(f"best {prec:>5}: block_n={cfg[0]} warps={cfg[1]} stages={cfg[2]} ({geo(cfg):.1f} us geomean); "
+              f"current {best[prec]['current']}")
+    return best
+
+
+def _best_per_shape(rows) -> list[dict]:
+    """Per (heads, precision, batch, seq): the fastest launch against the dispatcher's ("auto")."""
+    out = []
+    keys = sorted({(r["heads"], r["precision"], r["batch"], r["seq"]) for r in rows})
+    print(f"{'heads':<14}{'precision':<10}{'batch':>6}{'seq':>7}{'auto us':>9}{'best us':>9}  best launch")
+    for k in keys:
+        mine = [r for r in rows if (r["heads"], r["precision"], r["batch"], r["seq"]) == k]
+        auto = next(r for r in mine if r["config"] == list(AUTO))
+        top = min(mine, key=lambda r: r["time_us"])
+        out.append(dict(zip(("heads", "precision", "batch", "seq"), k), auto_us=auto["time_us"],
+                        best_us=top["time_us"], best_config=top["config"], best_splits=top["splits"]))
+        print(f"{k[0]:<14}{k[1]:<10}{k[2]:>6}{k[3]:>7}{auto['time_us']:>9.1f}{top['time_us']:>9.1f}  "
+              f"{top['config']} splits {top['splits'] or 'auto'}")
+    return out
 
 
 if __name__ == "__main__":

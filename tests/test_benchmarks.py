@@ -53,6 +53,18 @@ def test_decode_splits_smoke(tmp_path):
     assert "score" not in rows[0] and {"1", "2"} <= set(score["us"]) and score["best_us"] == min(score["us"].values())
 
 
+def test_tune_decode_attention_smoke(tmp_path):
+    out = tmp_path / "tune.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_decode_attention.py"), "--smoke", "--out",
+                    str(out)], check=True, cwd=ROOT, timeout=300)
+    r = json.loads(out.read_text())
+    # every shape: the dispatcher's launch, then each configuration at each split count (0: its automatic count)
+    launches = [(tuple(x["config"]), x["splits"]) for x in r["rows"] if x["precision"] == "mix"]
+    assert launches == [(("auto",), 0), ((32, 4, 1), 0), ((32, 4, 1), 2), ((32, 4, 2), 0), ((32, 4, 2), 2)]
+    assert [(s["precision"], s["batch"], s["seq"]) for s in r["per_shape"]] == [("fp16", 2, 100), ("mix", 2, 100)]
+    assert all(x["max_err"] < 4e-3 for x in r["rows"])
+
+
 def test_decode_merge_smoke(tmp_path):
     out = tmp_path / "merge.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_merge.py"), "--smoke", "--out", str(out)],

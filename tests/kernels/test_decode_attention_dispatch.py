@@ -76,3 +76,20 @@ def test_bad_shapes_raise_value_errors_naming_the_argument():
         paged_decode_attention_triton(q, *args)
     with pytest.raises(ValueError, match="out: shape"):
         paged_decode_attention_triton(torch.randn(2, 4, 16), *args, out=torch.empty(2, 4, 8))
+
+
+def test_q8_launch_follows_the_grid_size():
+    """K8V8 calls at head_dim 128 (132 SMs): narrow programs where the wide launch would split, its split count a
+    power of two; one wide program per (sequence, KV head) at mid-sized grids; narrow again from 4 wide programs
+    per SM; heads narrower than 128 stay wide."""
+    from diffkv_serve.kernels.decode_attention.launch import Q8_NARROW, Q8_WIDE, choose_num_splits, q8_launch
+
+    cpu = torch.device("cpu")
+    assert q8_launch(8, 2, 4096, cpu, 128) == (Q8_NARROW, 32)  # choose_num_splits says 33 for two warps
+    assert choose_num_splits(8, 2, 4096, cpu, 64, 2, 128) == 33
+    assert q8_launch(32, 2, 1024, cpu, 128) == (Q8_NARROW, 8)
+    assert q8_launch(8, 2, 1024, cpu, 128) == (Q8_NARROW, 16)  # one 64-token tile a split at most
+    assert q8_launch(128, 2, 1024, cpu, 128) == (Q8_WIDE, 1)  # 256 programs: < 4 per SM
+    assert q8_launch(32, 8, 16384, cpu, 128) == (Q8_WIDE, 1)
+    assert q8_launch(128, 8, 1024, cpu, 128) == (Q8_NARROW, 1)  # 1,024 programs
+    assert q8_launch(8, 2, 4096, cpu, 64)[0] == Q8_WIDE

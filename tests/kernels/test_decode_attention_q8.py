@@ -69,7 +69,7 @@ def test_q8_edge_lengths(spec, Hq, Hkv, num_splits):
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("D,block_n,num_splits,layer", [(64, 16, None, 1), (128, 32, 5, 0), (128, None, 2, 1)])
 def test_q8_long_multi_split(spec, D, block_n, num_splits, layer):
-    """Long heads split several ways with several tiles per split (GQA 4), and the default 128-token tiles."""
+    """Long heads split several ways with several tiles per split (GQA 4), and the default tiles."""
     for dtype in DTYPES:
         _compare(dtype, 8, 2, D, [[300, 57], [45, 290]], [1, 0], num_splits, block_n, layer, seed=D + layer,
                  spec=spec)

@@ -17,7 +17,8 @@ import torch
 from diffkv_serve.kernels._common import check_supported, dot_in_fp32, use_triton
 from diffkv_serve.kernels.decode_attention import mma_cuda
 from diffkv_serve.kernels.decode_attention.f16 import launch_f16
-from diffkv_serve.kernels.decode_attention.launch import choose_num_splits, decode_kernel, launch_config, tile_tokens
+from diffkv_serve.kernels.decode_attention.launch import (choose_num_splits, decode_kernel, launch_config, q8_launch,
+                                                          tile_tokens)
 from diffkv_serve.kernels.decode_attention.merge import merge_splits
 from diffkv_serve.kernels.decode_attention.q8 import launch_q8
 from diffkv_serve.kernels.decode_attention.quartered import launch_quartered
@@ -72,9 +73,12 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         return _launch_mma(q, pool, fmt, fmt_low if has_low else None, page_table, lengths, len_low, slots, layer,
                            scale, num_splits, max_len, out, logits_out, lse_out, alpha_low_by_slot)
     cfg = config or launch_config(fmt, fmt_low if has_low else None, kernel)
+    q8_splits = None
+    if kernel == "q8" and config is None and not (block_n or num_warps or num_stages):
+        cfg, q8_splits = q8_launch(B, Hkv, max_len, q.device, D)  # its launch depends on the grid's size
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, max_len, q.device, block_n or cfg.block_n, warps, D)
+        num_splits = q8_splits or choose_num_splits(B, Hkv, max_len, q.device, block_n or cfg.block_n, warps, D)
     block_n = block_n or tile_tokens(cfg, max_len, num_splits)
     mid_acc, mid_ml = _split_partials(out, num_splits)
     low = fmt_low if has_low else fmt

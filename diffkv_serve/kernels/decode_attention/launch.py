@@ -57,14 +57,37 @@ def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
     return "quartered"
 
 
+# The q8 kernel's two launches. Measured on an H100 (benchmarks/results/tune_decode_attention_q8_H100.json: K8V8 pages,
+# 32 / 8 and 12 / 2 heads, head_dim 128, batch 8-128 x 1k-16k tokens, every split count): narrow programs win where
+# the wide launch would split (few sequences x KV heads: 7-13% faster, e.g. 64 of them x 1024 tokens 13.9 against
+# 15.8 us) and where the grid holds >= 4 wide programs per SM (1,024 of them x 1024 tokens: 105.5 against 112.9
+# us, fewer waves); between those, one wide program per (sequence, KV head) is 3-11% faster than any narrow launch.
+Q8_NARROW = LaunchConfig(64, 2, 5)
+Q8_WIDE = LaunchConfig(128, 4, 5)
+Q8_WIDE_MAX_PROGRAMS_PER_SM = 4
+
+
+def q8_launch(batch: int, kv_heads: int, max_len: int, device: torch.device, head_dim: int) -> tuple[LaunchConfig, int]:
+    """(launch parameters, split count) of the q8 kernel for a call (see Q8_NARROW). Heads narrower than 128 keep
+    the wide launch (the sweep was at head_dim 128). The narrow launch's split count is choose_num_splits' for its
+    two warps, rounded down to a power of two (33 splits ran 4% slower than 32)."""
+    wide_splits = choose_num_splits(batch, kv_heads, max_len, device, Q8_WIDE.block_n, Q8_WIDE.num_warps, head_dim)
+    programs = batch * kv_heads
+    if head_dim < 128 or (wide_splits == 1 and programs < Q8_WIDE_MAX_PROGRAMS_PER_SM * num_sms(device)):
+        return Q8_WIDE, wide_splits
+    splits = choose_num_splits(batch, kv_heads, max_len, device, Q8_NARROW.block_n, Q8_NARROW.num_warps, head_dim)
+    return Q8_NARROW, 1 << (splits.bit_length() - 1)
+
+
 def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | None = None) -> LaunchConfig:
     """Launch parameters of `kernel` (default: decode_kernel's pick), chosen by CUDA-graph timing on H100 / H200
     at the Llama-3-8B shape (32 query / 8 KV heads, head_dim 128) and SmolLM2's (9 / 3, head_dim 64).
 
     f16: 128-token tiles, 4 warps, 2 stages (99% of HBM bandwidth at B=128 S=4096; other stage counts and
-    64-token tiles within 1%). q8: 128-token tiles, 4 warps, 5 stages, the fewest that double-buffer its cp.async
-    tiles. Quartered, head_dim >= 128: one warp per program over 32-token tiles (no cross-warp reductions, four
-    times the splits for the same work target), freely scheduled unpacking, one tuple reduction of the row sums
+    64-token tiles within 1%). q8: 64-token tiles, 2 warps, 5 stages (the fewest that double-buffer its cp.async
+    tiles), at head_dim >= 128; the dispatcher picks it or Q8_WIDE by the grid's size (q8_launch). Quartered,
+    head_dim >= 128: one warp per program over 32-token tiles (no cross-warp reductions, four times the splits for
+    the same work target), freely scheduled unpacking, one tuple reduction of the row sums
     (red 1), key codes as uint16 pairs (key_pairs), 5 stages for keys of 4 bits or fewer and 3 for wider ones;
     64-token tiles where the high section is K4V2 / K2V2 and a split covers WIDE_SPLIT_TOKENS or more. Smaller
     heads: 2 warps, one stage, value loads first. GQA groups pad to 8 rows (16 for f16).
@@ -88,7 +111,7 @@ def launch_config(fmt: PageFormat, fmt_low: PageFormat | None, kernel: str | Non
     if kernel == "f16":
         return LaunchConfig(128, 4, 2, min_rows=16)
     if kernel == "q8":
-        return LaunchConfig(128, 4, 5)
+        return Q8_NARROW if fmt.head_dim >= 128 else Q8_WIDE
     if fmt.head_dim >= 128:
         narrow_keys = fmt.key_bits <= 4
         wide = 64 if narrow_keys and fmt.value_bits == 2 else None  # long splits of K4V2 / K2V2
