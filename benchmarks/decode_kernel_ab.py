@@ -99,7 +99,7 @@ def main() -> None:
                      f"{r[base + '+logits'] / r['mma_cuda+logits']:>8.2f}x")
         print(line)
     result = dict(benchmark="decode_kernel_ab", device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python benchmarks/decode_kernel_ab.py" + (f" --out {args.out}" if args.out else ""),
+                  command=" ".join(["python benchmarks/decode_kernel_ab.py"] + sys.argv[1:]),
                   timing="do_bench_cudagraph median (us) per call", rows=rows)
     write_result(result, "decode_mma_vs_triton", result["device"], args.out, False)
 
