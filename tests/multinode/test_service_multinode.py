@@ -157,16 +157,21 @@ def measure_service(service) -> None:
 
 
 def _stream(base: str, body: dict, out: dict, t_kill: dict) -> None:
-    """One SSE request; records its events and whether content had arrived before the kill."""
+    """One SSE request; records its events and whether content had arrived before the kill. While it runs,
+    out["content_at"] is set at its first content and out["ended"] once it ends (the test kills a node on them)."""
     events, got_content_at = [], None
-    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=180) as r:
-        out["status"] = r.status_code
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line[6:])
-            if got_content_at is None and line[6:] != "[DONE]" and "error" not in json.loads(line[6:]):
-                got_content_at = time.monotonic()
+    out["content_at"], out["ended"] = None, False
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=180) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if got_content_at is None and line[6:] != "[DONE]" and "error" not in json.loads(line[6:]):
+                    got_content_at = out["content_at"] = time.monotonic()
+    finally:
+        out["ended"] = True
     out["events"], out["content_at"] = events, got_content_at
     out["content_before_kill"] = got_content_at is not None and got_content_at < t_kill.get("t", float("inf"))
 
@@ -194,9 +199,11 @@ def test_node_loss_retries_errors_cleanly_and_recovers(service):
     threads += [threading.Thread(target=post, args=(p,)) for p in plain]
     for t in threads:
         t.start()
-    # Each replica runs MAX_NUM_SEQS requests and queues the rest; kill once both are generating.
-    wait_for(lambda: sum(1 for s in streams if s.get("status") == 200) >= 3, 60, interval=0.05,
-             what="streams to start on both replicas")
+    # Each replica runs MAX_NUM_SEQS requests and queues the rest; kill once both are generating: more streams
+    # than one replica runs at once have output and are still open, so the victim is mid-way through one (a
+    # stream answered 200 may have no token yet: killed then, every request is re-sent and none fails).
+    wait_for(lambda: sum(1 for s in streams if s.get("content_at") and not s.get("ended")) > MAX_NUM_SEQS, 60,
+             interval=0.02, what="streams with output on both replicas")
     victim = before["replicas"][0]
     t_kill["t"] = t0 = time.monotonic()
     nodes.kill_worker(victim)
