@@ -79,9 +79,10 @@ def test_bad_shapes_raise_value_errors_naming_the_argument():
 
 
 def test_q8_launch_follows_the_grid_size():
-    """K8V8 calls at head_dim 128 (132 SMs): narrow programs where the wide launch would split, its split count a
-    power of two; one wide program per (sequence, KV head) at mid-sized grids; narrow again from 4 wide programs
-    per SM; heads narrower than 128 stay wide."""
+    """K8V8 calls at head_dim 128 (132 SMs): narrow programs where the wide launch would cut sequences into splits
+    shorter than WIDE_SPLIT_TOKENS, their split count a power of two; wide where its splits are longer, and one
+    wide program per (sequence, KV head) at mid-sized grids; narrow again from 4 wide programs per SM; heads
+    narrower than 128 stay wide."""
     from diffkv_serve.kernels.decode_attention.launch import Q8_NARROW, Q8_WIDE, choose_num_splits, q8_launch
 
     cpu = torch.device("cpu")
@@ -89,6 +90,8 @@ def test_q8_launch_follows_the_grid_size():
     assert choose_num_splits(8, 2, 4096, cpu, 64, 2, 128) == 33
     assert q8_launch(32, 2, 1024, cpu, 128) == (Q8_NARROW, 8)
     assert q8_launch(8, 2, 1024, cpu, 128) == (Q8_NARROW, 16)  # one 64-token tile a split at most
+    assert q8_launch(8, 2, 16384, cpu, 128) == (Q8_WIDE, 16)  # 1,024-token wide splits
+    assert q8_launch(32, 2, 16384, cpu, 128) == (Q8_WIDE, 4)
     assert q8_launch(128, 2, 1024, cpu, 128) == (Q8_WIDE, 1)  # 256 programs: < 4 per SM
     assert q8_launch(32, 8, 16384, cpu, 128) == (Q8_WIDE, 1)
     assert q8_launch(128, 8, 1024, cpu, 128) == (Q8_NARROW, 1)  # 1,024 programs

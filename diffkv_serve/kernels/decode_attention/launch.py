@@ -59,9 +59,11 @@ def decode_kernel(fmt: PageFormat, fmt_low: PageFormat | None) -> str:
 
 # The q8 kernel's two launches. Measured on an H100 (benchmarks/results/tune_decode_attention_q8_H100.json: K8V8 pages,
 # 32 / 8 and 12 / 2 heads, head_dim 128, batch 8-128 x 1k-16k tokens, every split count): narrow programs win where
-# the wide launch would split (few sequences x KV heads: 7-13% faster, e.g. 64 of them x 1024 tokens 13.9 against
-# 15.8 us) and where the grid holds >= 4 wide programs per SM (1,024 of them x 1024 tokens: 105.5 against 112.9
-# us, fewer waves); between those, one wide program per (sequence, KV head) is 3-11% faster than any narrow launch.
+# the wide launch would cut each sequence into splits shorter than WIDE_SPLIT_TOKENS (64 sequences x KV heads x 1024
+# tokens: 14.7 against 16.2 us) and where the grid holds >= 4 wide programs per SM (1,024 of them x 1024 tokens:
+# 106.2 against 113.2 us, fewer waves). Elsewhere the wide launch is as fast or faster (64 of them x 16384 tokens in
+# 4 wide splits: 104.1 against 107.9 us in 8 narrow ones; one wide program each for 256 of them: 3-11% faster than
+# any narrow launch).
 Q8_NARROW = LaunchConfig(64, 2, 5)
 Q8_WIDE = LaunchConfig(128, 4, 5)
 Q8_WIDE_MAX_PROGRAMS_PER_SM = 4
@@ -72,8 +74,9 @@ def q8_launch(batch: int, kv_heads: int, max_len: int, device: torch.device, hea
     the wide launch (the sweep was at head_dim 128). The narrow launch's split count is choose_num_splits' for its
     two warps, rounded down to a power of two (33 splits ran 4% slower than 32)."""
     wide_splits = choose_num_splits(batch, kv_heads, max_len, device, Q8_WIDE.block_n, Q8_WIDE.num_warps, head_dim)
-    programs = batch * kv_heads
-    if head_dim < 128 or (wide_splits == 1 and programs < Q8_WIDE_MAX_PROGRAMS_PER_SM * num_sms(device)):
+    short_splits = wide_splits > 1 and max_len < WIDE_SPLIT_TOKENS * wide_splits
+    crowded = wide_splits == 1 and batch * kv_heads >= Q8_WIDE_MAX_PROGRAMS_PER_SM * num_sms(device)
+    if head_dim < 128 or not (short_splits or crowded):
         return Q8_WIDE, wide_splits
     splits = choose_num_splits(batch, kv_heads, max_len, device, Q8_NARROW.block_n, Q8_NARROW.num_warps, head_dim)
     return Q8_NARROW, 1 << (splits.bit_length() - 1)
