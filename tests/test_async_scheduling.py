@@ -44,14 +44,39 @@ def _run(engine, reqs):
     return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs], pipelined
 
 
+NEAR_TIE = 0.1  # nats between the two most likely tokens: a float-rounding flip, not a bug
+
+
+def _same_or_near_tie(engine, reqs, got, want) -> list[int]:
+    """Requests whose outputs differ must differ first at a greedy near-tie: `engine` (synchronous), given the
+    prompt and the tokens both runs agree on, puts the two tokens within NEAR_TIE of each other at the top of its
+    distribution. Nothing after that token is compared. Returns those requests."""
+    excused = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g[:3] == w[:3]:
+            continue
+        k = next((j for j, (a, b) in enumerate(zip(g[0], w[0])) if a != b), None)
+        assert k is not None and reqs[i][1].temperature == 0, f"request {i}: {g[:3]} != {w[:3]}"
+        prefix = list(reqs[i][0]) + list(w[0][:k])
+        top = run_all(engine, [prefix], SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0].top_logprobs[0]
+        (id0, lp0), (id1, lp1) = top[:2]
+        assert {id0, id1} == {g[0][k], w[0][k]} and lp0 - lp1 < NEAR_TIE, \
+            f"request {i} differs at token {k} ({g[0][k]} against {w[0][k]}); there the top two are {top[:2]}"
+        excused.append(i)
+    return excused
+
+
 @pytest.mark.slow  # long kernel / engine sweeps: CI's second stage
 @pytest.mark.parametrize("mode, pages", [("fp16", 450), ("diffkv", None)])
 def test_async_steps_give_the_same_outputs(make_engine, mode, pages):
     """pages=450 (fp16, 90 pages per 16 tokens of a sequence): less than the six sequences need at once, so
     decoding preempts and recomputes. diffkv's settings are pinned, not the model's calibrated ones, and its keys
-    are not centered here: with centered keys (the calibrated centers, or the bias) one near-tie token of six
-    requests differs between async and sync steps on CPU (a class flip at a threshold under another batch
-    shape's float rounding is the suspect, not yet shown); centering's own exactness is tests/test_key_centering.py.
+    are not centered here. Async steps run other batch shapes than synchronous ones, and on some CPUs the float
+    rounding of another shape flips a greedy near-tie of a diffkv request (the chat request, token 13: two tokens
+    0.05 nats apart, on one CI
+    machine and not on another; its thresholds can turn a last-bit difference into another precision class): so
+    diffkv outputs must be equal, or one request may differ first where the synchronous run's top two tokens lie
+    within NEAR_TIE. Centering's own exactness is tests/test_key_centering.py.
     """
     pinned = ({"high": "K8V4", "low": "K4V2", "alpha_high": 1.0, "alpha_low": 0.02, "key_centering": "off"}
               if mode == "diffkv" else {})
@@ -61,14 +86,18 @@ def test_async_steps_give_the_same_outputs(make_engine, mode, pages):
     assert asyn.executor.async_steps and not sync.executor.async_steps
     stop_token = run_all(sync, [PROMPTS[4]], SamplingParams(temperature=0, max_tokens=8))[0].token_ids[5]
     # diffkv: a seventh request changes the batch shapes enough to flip a near-tie of the chat request
-    want, none = _run(sync, _requests(sync, stop_token, penalties=mode == "fp16"))
+    reqs = _requests(sync, stop_token, penalties=mode == "fp16")
+    want, none = _run(sync, reqs)
     got, pipelined = _run(asyn, _requests(asyn, stop_token, penalties=mode == "fp16"))
     assert none == 0 and pipelined > 10  # steps really were launched ahead
-    assert [g[:3] for g in got] == [w[:3] for w in want]
+    if mode == "fp16":
+        assert [g[:3] for g in got] == [w[:3] for w in want]
+    else:  # diffkv's thresholds can turn a last-bit difference into another class, and a near-tie into another token
+        assert len(_same_or_near_tie(sync, reqs, got, want)) <= 1
     assert want[1][2] == "stop" and want[2][2] == "stop" and want[3][2] == "stop"  # the stops were exercised
     for g, w in zip(got, want):
         assert (g[3] is None) == (w[3] is None)
-        if w[3] is not None:
+        if w[3] is not None and g[:3] == w[:3]:
             assert torch.allclose(torch.tensor(g[3]), torch.tensor(w[3]), atol=1e-4)
     if pages:
         assert sync.scheduler.num_preemptions > 0 and asyn.scheduler.num_preemptions > 0
