@@ -72,11 +72,11 @@ def test_async_steps_give_the_same_outputs(make_engine, mode, pages):
     """pages=450 (fp16, 90 pages per 16 tokens of a sequence): less than the six sequences need at once, so
     decoding preempts and recomputes. diffkv's settings are pinned, not the model's calibrated ones, and its keys
     are not centered here. Async steps run other batch shapes than synchronous ones, and on some CPUs the float
-    rounding of another shape flips a greedy near-tie of a diffkv request (the chat request, token 13: two tokens
-    0.05 nats apart, on one CI
-    machine and not on another; its thresholds can turn a last-bit difference into another precision class): so
-    diffkv outputs must be equal, or one request may differ first where the synchronous run's top two tokens lie
-    within NEAR_TIE. Centering's own exactness is tests/test_key_centering.py.
+    rounding of another shape flips a greedy near-tie of a diffkv request (the chat request's 13th token: two
+    tokens 0.05 nats apart, on one CI machine and not on another; its thresholds can turn a last-bit difference
+    into another precision class): so diffkv outputs must be equal, or one request may differ first where a
+    synchronous engine's top two tokens lie within NEAR_TIE. Centering's own exactness is
+    tests/test_key_centering.py.
     """
     pinned = ({"high": "K8V4", "low": "K4V2", "alpha_high": 1.0, "alpha_low": 0.02, "key_centering": "off"}
               if mode == "diffkv" else {})
