@@ -172,7 +172,7 @@ def _stream(base: str, body: dict, out: dict, t_kill: dict) -> None:
                     got_content_at = out["content_at"] = time.monotonic()
     finally:
         out["ended"] = True
-    out["events"], out["content_at"] = events, got_content_at
+    out["events"] = events
     out["content_before_kill"] = got_content_at is not None and got_content_at < t_kill.get("t", float("inf"))
 
 
