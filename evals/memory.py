@@ -1,8 +1,8 @@
 """KV memory of a configuration as a fraction of an fp16 cache, metadata included.
 
 Bytes per token of a precision are those of the engine's unified page at a 16-bit cache dtype (what the
-GPU uses): quantized keys and values, their fp16 scale/zero and, in a diffkv cache, the f32 significance score
-and the int32 position, divided by the tokens a page holds (single-precision caches' pages have no score or
+GPU uses): quantized keys and values, their fp16 scale/zero and, on a diffkv cache's tracked pages, the f32
+significance score and the int32 position, divided by the tokens a page holds (single-precision caches' pages have no score or
 position rows). So the numbers do not depend on the machine (on CPU the engine keeps its 16-bit pages in
 fp32). The fp16 reference is 2 bytes x (K + V) x head_dim per token and KV head, which the fp16 cache is.
 """
@@ -14,10 +14,14 @@ from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 HALF = 2  # bytes of a 16-bit element
 
 
-def token_bytes(key_bits: int, value_bits: int, head_dim: int, block_size: int = 16, tracked: bool = True) -> float:
-    """tracked: pages with score and position rows (a diffkv cache's, CacheConfig.tracks_tokens)."""
+def token_bytes(key_bits: int, value_bits: int, head_dim: int, block_size: int = 16, tracked: bool = True,
+                rows_tracked: bool | None = None) -> float:
+    """tracked: the pool's pages are sized for score and position rows (a diffkv cache's, CacheConfig.tracks_tokens);
+    rows_tracked: these pages have them (default: tracked; a diffkv cache's low pages may not,
+    CacheConfig.tracks_low_tokens)."""
     page = page_bytes_for(block_size, head_dim, HALF, tracked)
-    return PageFormat.make(key_bits, value_bits, head_dim, page, HALF, tracked=tracked).token_bytes()
+    rows = tracked if rows_tracked is None else rows_tracked
+    return PageFormat.make(key_bits, value_bits, head_dim, page, HALF, tracked=rows).token_bytes()
 
 
 def fp16_token_bytes(head_dim: int) -> int:
@@ -30,8 +34,12 @@ def memory_fraction(cache: CacheConfig, head_dim: int, tokens_high: int, tokens_
     if total <= 0:
         raise ValueError("memory_fraction: no tokens")
     high, low = cache.precisions()
-    tracked = cache.tracks_tokens()
+    # A diffkv cache with one precision and both alphas 0 is how the evals run a uniform KxVy that has no kv_mode
+    # (K8V4, K4V2, K2V2): every token stays high. Its bytes are a single-precision cache's (no score or position
+    # rows, which never change what is stored): the alternative DiffKV is measured against, not DiffKV's own.
+    tracked = cache.tracks_tokens() and not (high == low and cache.policy == "thresholds"
+                                             and cache.alpha_high == cache.alpha_low == 0)
     used = tokens_high * token_bytes(*high, head_dim, cache.block_size, tracked)
     if tokens_low:
-        used += tokens_low * token_bytes(*low, head_dim, cache.block_size, tracked)
+        used += tokens_low * token_bytes(*low, head_dim, cache.block_size, tracked, cache.tracks_low_tokens())
     return used / (total * fp16_token_bytes(head_dim))

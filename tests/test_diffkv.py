@@ -98,10 +98,11 @@ def test_per_request_thresholds_change_what_is_kept(make_engine):
 def test_alpha_low_zero_skips_low_scores_and_changes_nothing(make_engine, monkeypatch):
     """At alpha_low 0 no low token is ever pruned, so the score update leaves low sections alone and the plan does
     not scan them: the same tokens and kept classes as an engine updating every low score. Requests at alpha_low
-    0 and above share the batch (the skip is per slot)."""
+    0 and above share the batch (the skip is per slot: the low pages keep their score rows, track_low)."""
     import diffkv_serve.engine.kv.policy as policy
 
-    cache = {"kv_mode": "diffkv", "high": "K8V4", "low": "K4V4", "alpha_high": 2.0, "alpha_low": 0.0, "window": 4}
+    cache = {"kv_mode": "diffkv", "high": "K8V4", "low": "K4V4", "alpha_high": 2.0, "alpha_low": 0.0, "window": 4,
+             "track_low": True}
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     per_request = [None, {"alpha_high": 2.0, "alpha_low": 0.3}, None]
 
@@ -122,6 +123,31 @@ def test_alpha_low_zero_skips_low_scores_and_changes_nothing(make_engine, monkey
     assert skipping == every
     assert all(u["tokens_low"] > 0 for _, u in skipping)  # low sections existed (and went unscored at 0)
     assert skipping[1][1]["tokens_pruned"] > 0 and skipping[0][1]["tokens_pruned"] == 0
+
+
+@pytest.mark.parametrize("low", ["K4V4", "K4V2"])
+def test_untracked_low_pages_change_nothing_but_their_bytes(make_engine, low):
+    """At alpha_low 0 no low token is ever pruned, so its score and position are never read: low pages without
+    those rows (track_low 'auto') give the same tokens, logprobs and kept classes as low pages with them, in fewer
+    bytes (a K4V4 low row costs what an int4 row does)."""
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+    cache = {"kv_mode": "diffkv", "high": "K8V4", "low": low, "alpha_high": 2.0, "alpha_low": 0.0, "window": 4,
+             "record_pruning": True}
+    runs, low_tokens = {}, {}
+    for track in (True, "auto"):
+        eng = make_engine(cache={**cache, "track_low": track})
+        assert eng.mm.fmt_low.tracked is (track is True)
+        low_tokens[track] = eng.mm.fmt_low.tokens
+        runs[track] = run_all(eng, PROMPTS, sp)
+    assert low_tokens["auto"] > low_tokens[True]  # more low tokens a page
+    for a, b in zip(runs[True], runs["auto"]):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+        assert torch.equal(a.kv_usage["token_classes"], b.kv_usage["token_classes"])
+        for k in ("tokens_high", "tokens_low", "tokens_pruned"):
+            assert a.kv_usage[k] == b.kv_usage[k]
+        assert b.kv_usage["tokens_low"] > 0 and b.kv_usage["tokens_pruned"] == 0
+        assert b.kv_usage["bytes_used"] <= a.kv_usage["bytes_used"]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])

@@ -93,6 +93,26 @@ def test_http_request_model_runs_the_engines_checks(bad):
     assert str(engine_error.value) in str(http_error.value)
 
 
+def test_untracked_low_pages_refuse_requests_that_would_prune_low_tokens():
+    """At alpha_low 0 'auto' leaves score and position rows off low pages; only pruning a low token reads them, so a
+    request asking to prune (alpha_low > 0) is refused, naming the field, and one at 0 passes."""
+    cache = CacheConfig(kv_mode="diffkv", alpha_high=3.0, alpha_low=0.0)
+    assert not cache.tracks_low_tokens() and cache.describe()["track_low"] is False
+    assert resolve({"alpha_high": 8.0}, cache) == KVRequestSettings(8.0, 0.0, "both")
+    with pytest.raises(InvalidRequestError) as e:
+        resolve({"alpha_low": 0.1}, cache)
+    assert e.value.param == "kv_compression.alpha_low" and "track_low" in str(e.value)
+    tracked = cache.model_copy(update={"track_low": True})
+    assert tracked.tracks_low_tokens() and resolve({"alpha_low": 0.1}, tracked).alpha_low == 0.1
+    assert CacheConfig(kv_mode="diffkv", alpha_low=0.05).tracks_low_tokens()  # 'auto' with pruning on
+    assert CacheConfig(kv_mode="diffkv", policy="budget", alpha_low=0.0).tracks_low_tokens()
+    assert not CacheConfig(kv_mode="int4").tracks_low_tokens()
+    with pytest.raises(pydantic.ValidationError, match="track_low"):
+        CacheConfig(kv_mode="diffkv", alpha_low=0.02, track_low=False)
+    with pytest.raises(ValueError, match="track_low"):  # alpha_low left to the settings file, checked when resolved
+        CacheConfig(kv_mode="diffkv", track_low=False).tracks_low_tokens()
+
+
 # ---- the per-slot table ------------------------------------------------------------------------------------------
 def _run(engine, requests, usage=None):
     """Greedy token ids per request id; `usage` (a dict) collects each finished request's kv_usage."""

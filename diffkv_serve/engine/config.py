@@ -69,6 +69,13 @@ class CacheConfig(BaseModel):
     low: str = Field("K4V2", description="precision of moderately significant tokens")
     alpha_high: float = Field(1.0, ge=0, description="token kept high if significance >= alpha_high / position")
     alpha_low: float = Field(0.02, ge=0, description="token kept low if significance >= alpha_low / position")
+    # A low token's score and position serve one purpose: choosing which low token to prune. Where nothing can be
+    # pruned (alpha_low 0), low pages leave both rows out and cost what a uniform page of their precision does.
+    track_low: Union[bool, Literal["auto"]] = Field(
+        "auto", description="diffkv: low pages carry each token's significance score and position (8 bytes a token "
+                            "and KV head), which pruning low tokens needs; without them no request may set "
+                            "kv_compression.alpha_low above 0. 'auto': exactly when the policy is thresholds with "
+                            "alpha_low > 0")
     window: int = Field(64, ge=1, description="most recent tokens always kept at high precision")
     significance_queries: int = Field(64, ge=1, description="last prompt queries whose attention scores tokens")
     prune_phase: PrunePhase = Field(
@@ -132,6 +139,8 @@ class CacheConfig(BaseModel):
         if self.kv_mode == "diffkv" and self.enable_prefix_caching is True and self.pin_prompt_blocks is False:
             raise ValueError("pin_prompt_blocks=False with enable_prefix_caching=True: diffkv shares prompt "
                              "blocks only where they are pinned high (docs/PREFIX_CACHING.md)")
+        if "alpha_low" in self.model_fields_set:  # unset, it is the model settings file's (checked when resolved)
+            self._check_track_low()
         for i, s in enumerate(self.layer_alpha_scale or ()):
             if not 0 < s < float("inf"):
                 raise ValueError(f"layer_alpha_scale[{i}]={s}: per-layer multipliers must be finite and > 0")
@@ -177,6 +186,21 @@ class CacheConfig(BaseModel):
         single-precision cache keeps them in order and its pages leave both rows out."""
         return self.resolved_mode == "diffkv"
 
+    def tracks_low_tokens(self) -> bool:
+        """Whether the low section's pages carry score and position rows (track_low, 'auto' resolved): only
+        pruning a low token reads them, and only a threshold policy with alpha_low > 0 prunes low tokens."""
+        if self.resolved_mode != "diffkv":
+            return False
+        if self.track_low == "auto":
+            return self.policy != "thresholds" or self.alpha_low > 0
+        self._check_track_low()
+        return self.track_low
+
+    def _check_track_low(self) -> None:
+        if self.track_low is False and self.policy == "thresholds" and self.alpha_low > 0:
+            raise ValueError(f"track_low=False with alpha_low={self.alpha_low}: pruning low tokens needs their "
+                             "scores (set alpha_low 0, or track_low true or 'auto')")
+
     @property
     def float8(self) -> bool:
         """Whether the 8-bit pages hold e4m3 codes (kv_mode fp8) rather than integer codes."""
@@ -195,6 +219,8 @@ class CacheConfig(BaseModel):
             out.update(policy=self.policy, window=self.window)
             if self.pins_prompt_blocks():  # only when on: runs recorded before the rule still match
                 out["pin_prompt_blocks"] = True
+            if not self.tracks_low_tokens():  # likewise: a cache whose low pages have no score or position rows
+                out["track_low"] = False
             if self.policy == "thresholds":
                 out.update(alpha_high=self.alpha_high, alpha_low=self.alpha_low,
                            layer_alpha_scale=self.layer_alpha_scale, prune_phase=self.prune_phase)

@@ -25,6 +25,10 @@ whose older high tokens are all pinned has none: jv = BIG), a pinned t_c stays h
 among the unpinned), and the lazy low section never counts them. They are the first rows of the high
 section, and holes only open at victims, so no move or compaction ever writes their pages (shared pages).
 
+Untracked low pages (fmt_low.tracked False, CacheConfig.track_low): the low section has no score or position
+rows, so it is never scanned for a victim. Such caches decode at alpha_low 0, where no low token is ever below
+th_l = 0, so the decisions are Algorithm 1's.
+
 Per-layer budgets (optional `layer_scale`, f32 [L]): layer l compares against alpha * layer_scale[l] / N
 (the product rounded to f32 first, then divided), so each layer keeps its own share of tokens.
 
@@ -88,7 +92,7 @@ def _plan_kernel(
     budget,  # budget policy: fraction of tokens a head keeps
     min_low,  # lazy low section: low-class high tokens a head needs before its first low token
     T_HI: tl.constexpr, T_LO: tl.constexpr, BLOCK: tl.constexpr, BUDGET: tl.constexpr, SCALED: tl.constexpr,
-    RANGED: tl.constexpr, ARMED: tl.constexpr,
+    RANGED: tl.constexpr, ARMED: tl.constexpr, LO_TRACKED: tl.constexpr,
 ):
     b, l, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -154,6 +158,8 @@ def _plan_kernel(
     # Low section: only scanned when t_c joins it and a low victim could be pruned (th_l > 0; at th_l = 0 none
     # is below it, so t_c is appended whatever the scan finds, and score_update leaves such low scores as they are).
     lo_end = tl.where(go_low & (th_l > 0), ll, 0)
+    if not LO_TRACKED:  # no score rows to scan: such caches decode at alpha_low 0, where no low token is a victim
+        lo_end = tl.zeros_like(ll)
     jl = tl.full([], _BIG, tl.int32)
     lmin = tl.full([], float("inf"), tl.float32)
     for j0 in range(0, lo_end, BLOCK):
@@ -202,6 +208,10 @@ def _plan_kernel(
 
 def _section(pool, fmt: PageFormat, cols: torch.Tensor, j: torch.Tensor):
     """Gather (score, position) [B, L, H, J] of section rows j living in page-table columns `cols`."""
+    if not fmt.tracked:  # untracked low pages: nothing to gather (the caller scans no row of them)
+        assert j.numel() == 0
+        empty = cols.new_empty(cols.shape)
+        return empty.float(), empty.int()
     pages = cols.long().clamp(0, pool.shape[0] - 1)  # entries past a length are garbage: masked later
     row = (j % fmt.tokens).expand_as(pages)
     pf, pi = pool.view(torch.float32), pool.view(torch.int32)
@@ -266,7 +276,8 @@ def compression_plan_ref(pool, fmt_high, fmt_low, page_table, len_high, len_low,
         else torch.full_like(lh, -1)
     th_lv = th_l_at(torch.where(jv < BIG, pos_v, -1))
 
-    j = torch.arange(int(ll.max()) if ll.numel() else 0, device=dev)
+    # untracked low pages: no low token is ever a victim (their caches decode at alpha_low 0, where none is)
+    j = torch.arange(int(ll.max()) if ll.numel() and fmt_low.tracked else 0, device=dev)
     score, pos = _section(pool, fmt_low, pt[..., P - 1 - j // fmt_low.tokens], j)
     lo_ok = (j < ll[..., None]) & (pos >= p_lo) & (pos < p_hi)
     lmin, jl = _argmin(torch.where(lo_ok, mean(score, pos), float("inf")))
@@ -317,10 +328,10 @@ def compression_plan_triton(pool, fmt_high, fmt_low, page_table, len_high, len_l
             *page_table.stride()[:3], *len_high.stride(), *len_low.stride(),
             *(low_armed if low_armed is not None else len_low).stride(),
             B, L, H, P1 - 1, window, num_queries, fmt_high.page_bytes // 4,
-            fmt_high.score_off // 4, fmt_high.pos_off // 4, fmt_low.score_off // 4, fmt_low.pos_off // 4,
-            float(budget or 0.0), int(min_low),
+            *fmt_high.tracked_words(), *fmt_low.tracked_words(), float(budget or 0.0), int(min_low),
             T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, BLOCK=block, BUDGET=budget is not None,
             SCALED=layer_scale is not None, RANGED=prunable is not None, ARMED=low_armed is not None,
+            LO_TRACKED=fmt_low.tracked,
             num_warps=1 if many else 4,
         )
     return dict(zip(FIELDS, out.unbind(0)))

@@ -141,7 +141,7 @@ def _apply_kernel(
     growth_ptr, slots_ptr, seq_ptr, aux_ptr, hole_ptr, src_ptr, dst_ptr, nlh_ptr, nll_ptr, nla_ptr, page_out, row_out,
     B, LH, NC, H, P, num_pages, stride_pts, page_elems, page_bytes, D,
     hk_off, hk_meta, hv_off, hv_meta, lk_off, lk_meta, lv_off, lv_meta, hi_score, hi_pos, lo_score, lo_pos,
-    T_HI: tl.constexpr, T_LO: tl.constexpr, PLAN: tl.constexpr, LOW_GROWS: tl.constexpr,
+    T_HI: tl.constexpr, T_LO: tl.constexpr, PLAN: tl.constexpr, LOW_GROWS: tl.constexpr, LO_TRACKED: tl.constexpr,
     HKB: tl.constexpr, HVB: tl.constexpr, LKB: tl.constexpr, LVB: tl.constexpr, ISZ: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_NC: tl.constexpr,
@@ -189,7 +189,7 @@ def _apply_kernel(
         dr = dst % T_LO
         move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
                   hk_off, hk_meta, hv_off, hv_meta, lk_off, lk_meta, lv_off, lv_meta, hi_score, hi_pos, lo_score,
-                  lo_pos, D, HKB, HVB, LKB, LVB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R)
+                  lo_pos, D, HKB, HVB, LKB, LVB, ISZ, BLOCK_H, BLOCK_D, BLOCK_R, LO_TRACKED)
         tl.debug_barrier()  # ... then the hole it leaves is filled with the section's last token
         hole = tl.load(hole_ptr + b * LH + h, mask=m, other=-1)
         last = len_hi - 1
@@ -266,7 +266,8 @@ def decode_pages_triton(st: PageState, fmt_high: PageFormat, fmt_low: Optional[P
         B, LH, NC, H, P1 - 1, st.pool.shape[0], st.page_table.stride(0), fmt_high.page_bytes // isz,
         fmt_high.page_bytes, D, *seg_offsets(fmt_high, "k"), *seg_offsets(fmt_high, "v"), *seg_offsets(fmt_low_, "k"),
         *seg_offsets(fmt_low_, "v"), *fmt_high.tracked_words(), *fmt_low_.tracked_words(),  # read with a plan only
-        T_HI=fmt_high.tokens, T_LO=fmt_low_.tokens, PLAN=has_plan, LOW_GROWS=low_grows, HKB=fmt_high.key_bits, HVB=fmt_high.value_bits,
+        T_HI=fmt_high.tokens, T_LO=fmt_low_.tokens, PLAN=has_plan, LOW_GROWS=low_grows,
+        LO_TRACKED=fmt_low_.tracked, HKB=fmt_high.key_bits, HVB=fmt_high.value_bits,
         LKB=fmt_low_.key_bits, LVB=fmt_low_.value_bits, ISZ=isz, BLOCK_H=block_h, BLOCK_D=next_pow2(D),
         BLOCK_R=next_pow2(row_bytes), BLOCK_B=next_pow2(B), BLOCK_NC=next_pow2(NC), num_warps=num_warps,
         enable_fp_fusion=False,  # requantize as torch does (no FMA): bit-identical to the reference's moves

@@ -66,16 +66,18 @@ def _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_
 def move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
               sk_off, sk_meta, sv_off, sv_meta, dk_off, dk_meta, dv_off, dv_meta, s_score, s_pos, d_score, d_pos, D,
               SKB: tl.constexpr, SVB: tl.constexpr, DKB: tl.constexpr, DVB: tl.constexpr, ISZ: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, TRACKED: tl.constexpr = True):
     """Token rows (sp, sr) -> (dp, dr) where ok (BLOCK_M of them; pages int64): keys and values (re-quantized where
-    the bits differ), then score and position (offsets in 4-byte words)."""
+    the bits differ), then, where the destination is TRACKED, score and position (offsets in 4-byte words)."""
     _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
                sk_off, sk_meta, dk_off, dk_meta, D, SKB, DKB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
     _move_side(pool_c, pool_u8, pool_h, sp, sr, dp, dr, ok, d, page_elems, page_bytes,
                sv_off, sv_meta, dv_off, dv_meta, D, SVB, DVB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
-    words = page_bytes // 4
-    tl.store(pool_i32 + dp * words + d_score + dr, tl.load(pool_i32 + sp * words + s_score + sr, mask=ok), mask=ok)
-    tl.store(pool_i32 + dp * words + d_pos + dr, tl.load(pool_i32 + sp * words + s_pos + sr, mask=ok), mask=ok)
+    if TRACKED:
+        words = page_bytes // 4
+        tl.store(pool_i32 + dp * words + d_score + dr, tl.load(pool_i32 + sp * words + s_score + sr, mask=ok),
+                 mask=ok)
+        tl.store(pool_i32 + dp * words + d_pos + dr, tl.load(pool_i32 + sp * words + s_pos + sr, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -85,7 +87,7 @@ def _move_kernel(
     sk_off, sk_meta, sv_off, sv_meta, dk_off, dk_meta, dv_off, dv_meta,
     s_score, s_pos, d_score, d_pos,  # in 4-byte words
     SKB: tl.constexpr, SVB: tl.constexpr, DKB: tl.constexpr, DVB: tl.constexpr, ISZ: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, TRACKED: tl.constexpr,
 ):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < M
@@ -98,7 +100,7 @@ def _move_kernel(
     dr = tl.load(dst_row_ptr + m, mask=ok, other=0)
     move_rows(pool_c, pool_u8, pool_h, pool_i32, sp, sr, dp, dr, ok, tl.arange(0, BLOCK_D), page_elems, page_bytes,
               sk_off, sk_meta, sv_off, sv_meta, dk_off, dk_meta, dv_off, dv_meta, s_score, s_pos, d_score, d_pos, D,
-              SKB, SVB, DKB, DVB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B)
+              SKB, SVB, DKB, DVB, ISZ, BLOCK_M, BLOCK_D, BLOCK_B, TRACKED)
 
 
 def _check(fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype, for_triton: bool) -> None:
@@ -108,6 +110,8 @@ def _check(fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype, for_triton: bo
     check_supported(fmt_dst, cache_dtype, for_triton and requant)
     if (fmt_src.page_bytes, fmt_src.head_dim) != (fmt_dst.page_bytes, fmt_dst.head_dim):
         raise ValueError(f"{fmt_src.name} and {fmt_dst.name} must share page_bytes and head_dim")
+    if fmt_dst.tracked and not fmt_src.tracked:
+        raise ValueError(f"{fmt_src.name} -> {fmt_dst.name}: untracked rows have no score or position to carry")
     for which, sb, db in (("k", fmt_src.key_bits, fmt_dst.key_bits), ("v", fmt_src.value_bits, fmt_dst.value_bits)):
         f8 = (fmt_src.side_float8(which), fmt_dst.side_float8(which))
         if any(f8) and (sb, f8[0]) != (db, f8[1]):  # equal bits alone would copy e4m3 bytes as integer codes
@@ -136,6 +140,8 @@ def move_tokens_ref(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype,
         else:
             x = read_rows_ref(pool, fmt_src, cache_dtype, which, sp, sr)
             write_rows_ref(pool, fmt_dst, cache_dtype, which, dp, dr, x)
+    if not fmt_dst.tracked:  # no score or position rows to write
+        return
     pi = pool.view(torch.int32)
     for so, do in ((fmt_src.score_off, fmt_dst.score_off), (fmt_src.pos_off, fmt_dst.pos_off)):
         pi[dp, do // 4 + dr] = pi[sp, so // 4 + sr]
@@ -156,8 +162,7 @@ def move_tokens_triton(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dty
         fmt_src.page_bytes // isz, fmt_src.page_bytes,
         *seg_offsets(fmt_src, "k"), *seg_offsets(fmt_src, "v"), *seg_offsets(fmt_dst, "k"),
         *seg_offsets(fmt_dst, "v"),
-        fmt_src.score_off // 4, fmt_src.pos_off // 4, fmt_dst.score_off // 4, fmt_dst.pos_off // 4,
-        SKB=fmt_src.key_bits, SVB=fmt_src.value_bits, DKB=fmt_dst.key_bits, DVB=fmt_dst.value_bits, ISZ=isz,
+        *fmt_src.tracked_words(), *fmt_dst.tracked_words(), TRACKED=fmt_dst.tracked, SKB=fmt_src.key_bits, SVB=fmt_src.value_bits, DKB=fmt_dst.key_bits, DVB=fmt_dst.value_bits, ISZ=isz,
         BLOCK_M=BLOCK_M, BLOCK_D=next_pow2(D), BLOCK_B=next_pow2(max(row_bytes)),
         num_warps=4, enable_fp_fusion=False,  # dequantize as torch does (no FMA): bit-identical re-quantization
     )
@@ -165,7 +170,7 @@ def move_tokens_triton(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dty
 
 def move_tokens(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype, src_page, src_row, dst_page,
                 dst_row, impl: str = "auto"):
-    """Copy token rows (K, V, their scale/zero, score, position) from (src_page[m], src_row[m]) in format
+    """Copy token rows (K, V, their scale/zero, score, position: the last two where fmt_dst is tracked) from (src_page[m], src_row[m]) in format
     fmt_src to (dst_page[m], dst_row[m]) in format fmt_dst; all int32 [M]; rows with a negative page skipped.
 
     A side (keys or values) with equal bits in both formats is copied byte for byte (so fmt_src == fmt_dst is

@@ -44,7 +44,7 @@ def _write_sections_kernel(
     hk_off, hk_meta, hv_off, hv_meta, h_score, h_pos,
     lk_off, lk_meta, lv_off, lv_meta, l_score, l_pos,
     T_HI: tl.constexpr, T_LO: tl.constexpr, HKB: tl.constexpr, HVB: tl.constexpr, LKB: tl.constexpr,
-    LVB: tl.constexpr, RIGHT_OF: tl.constexpr, HAS_DROP: tl.constexpr,
+    LVB: tl.constexpr, RIGHT_OF: tl.constexpr, HAS_DROP: tl.constexpr, LO_TRACKED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per token: its heads form one [BLOCK_H, BLOCK_D] tile; each head is stored by at most one of
@@ -73,7 +73,8 @@ def _write_sections_kernel(
                  hk_off, hk_meta, hv_off, hv_meta, h_score, h_pos, D, HKB, HVB, BLOCK_H, BLOCK_D)
     _store_token(k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, n, h, d, lp, lr, lok, pos, score,
                  pool_c, pool_u8, pool_h, pool_i32, pool_f32, page_elems, page_bytes, page_words,
-                 lk_off, lk_meta, lv_off, lv_meta, l_score, l_pos, D, LKB, LVB, BLOCK_H, BLOCK_D)
+                 lk_off, lk_meta, lv_off, lv_meta, l_score, l_pos, D, LKB, LVB, BLOCK_H, BLOCK_D,
+                 False, False, LO_TRACKED)  # no e4m3 sides (diffkv's formats are integer codes)
 
 
 def write_sections_ref(pool, fmt_high: PageFormat, fmt_low: PageFormat, cache_dtype, k, v, positions, scores,
@@ -105,7 +106,7 @@ def write_sections_triton(pool, fmt_high: PageFormat, fmt_low: PageFormat, cache
     isz = fmt_high.full_itemsize
     offs = []
     for fmt in (fmt_high, fmt_low):
-        offs += [*seg_offsets(fmt, "k"), *seg_offsets(fmt, "v"), fmt.score_off // 4, fmt.pos_off // 4]
+        offs += [*seg_offsets(fmt, "k"), *seg_offsets(fmt, "v"), *fmt.tracked_words()]
     right = right_of if right_of is not None else page_table
     assert right_of is None or right_of.stride(2) == 1
     _write_sections_kernel[(N,)](
@@ -118,6 +119,7 @@ def write_sections_triton(pool, fmt_high: PageFormat, fmt_low: PageFormat, cache
         fmt_high.page_bytes // isz, fmt_high.page_bytes, fmt_high.page_bytes // 4, *offs,
         T_HI=fmt_high.tokens, T_LO=fmt_low.tokens, HKB=fmt_high.key_bits, HVB=fmt_high.value_bits,
         LKB=fmt_low.key_bits, LVB=fmt_low.value_bits, RIGHT_OF=right_of is not None, HAS_DROP=drop is not None,
+        LO_TRACKED=fmt_low.tracked,
         BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), num_warps=4, enable_fp_fusion=False,
     )
 

@@ -10,7 +10,8 @@ segments, each 16-byte aligned:
     score     [T]    float32 token significance
     position  [T]    int32 token position in its sequence
 
-Score and position exist only on tracked pages (a diffkv cache, whose policy ranks and moves tokens). A
+Score and position exist only on tracked pages (a diffkv cache's high pages, whose policy ranks and moves tokens,
+and its low pages where a low token may be pruned: CacheConfig.track_low). A
 single-precision cache (fp16, int8, int4, fp8) keeps every token where it was written, in order, and never
 reads either, so its pages leave both out: more tokens per byte (K4V4 60 instead of 57 tokens in the bytes of
 a 16-token fp16 page, fp8 31 instead of 30).

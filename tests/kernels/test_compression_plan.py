@@ -123,7 +123,7 @@ def _naive_lazy(hi, lo, n0, N, ah, al, window, Q, min_low, armed=None):
 
 
 def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=64, block=None, layer_scale=None,
-              prunable=None, min_low=0, low_armed=None):
+              prunable=None, min_low=0, low_armed=None, fmt_lo=FMT_LO):
     """Runs ref and Triton, asserts they agree exactly, returns the plan (cpu). prunable: ([lo], [hi]) or None."""
     i32, f32 = torch.int32, torch.float32
     args = [t.to(DEVICE) for t in (pool, pt, len_hi, len_lo)] + [
@@ -131,9 +131,9 @@ def _run_both(pool, pt, len_hi, len_lo, slots, n0, N, ah, al, window=WINDOW, Q=6
     ls = None if layer_scale is None else torch.tensor(layer_scale, dtype=f32, device=DEVICE)
     pr = None if prunable is None else tuple(torch.tensor(x, dtype=i32, device=DEVICE) for x in prunable)
     armed = None if low_armed is None else low_armed.to(DEVICE)
-    ref = compression_plan(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, impl="ref",
+    ref = compression_plan(args[0], FMT_HI, fmt_lo, *args[1:], window=window, num_queries=Q, impl="ref",
                            layer_scale=ls, prunable=pr, min_low=min_low, low_armed=armed)
-    tri = compression_plan_triton(args[0], FMT_HI, FMT_LO, *args[1:], window=window, num_queries=Q, block=block,
+    tri = compression_plan_triton(args[0], FMT_HI, fmt_lo, *args[1:], window=window, num_queries=Q, block=block,
                                   layer_scale=ls, prunable=pr, min_low=min_low, low_armed=armed)
     for f in FIELDS:
         assert ref[f].dtype == torch.int32 and ref[f].shape == tri[f].shape == (len(slots), *pt.shape[1:3]), f
@@ -307,6 +307,20 @@ def test_random_matches_naive(seed, block, many, monkeypatch):
         assert {f: int(got[f][b, l, h]) for f in FIELDS} == want, (b, l, h)
         actions.add(want["action"])
     assert {0, 1, 2, 3, 4, 5, 7} <= actions  # every reachable branch exercised
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_untracked_low_pages_plan_as_tracked_ones_at_alpha_low_zero(seed):
+    """Low pages without score and position rows (CacheConfig.track_low) are never scanned; at alpha_low 0 no low
+    token is a victim anyway, so the plan equals the one over tracked low pages (whose rows here are real)."""
+    args, _ = _random_case(seed)
+    args = (*args[:-1], [0.0] * len(args[-1]))  # alpha_low 0 for every sequence
+    untracked = PageFormat.make(4, 2, 16, PAGE_BYTES, 2, tracked=False)
+    assert untracked.tokens > FMT_LO.tokens
+    tracked = _run_both(*args)
+    assert {2, 4} <= set(tracked["action"].flatten().tolist())  # victims demoted, t_c sent low
+    got = _run_both(*args, fmt_lo=untracked)
+    assert all(torch.equal(got[f], tracked[f]) for f in FIELDS)
 
 
 @pytest.mark.parametrize("seed,min_low,armed", [(0, 3, False), (1, 1000, False), (2, 3, True), (3, 3, True)])

@@ -25,11 +25,11 @@ TOL = 0
 L, H, D, S = 2, 3, 16, 6
 
 
-def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2, layers=L, heads=H):
+def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2, layers=L, heads=H, low_tracked=True):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     shape = CacheShape(num_layers=layers, num_kv_heads=heads, head_dim=D, max_seqs=S, max_model_len=64, block_size=4)
-    mm = MemoryManager(shape, 35 * layers * heads, torch.float32, DEVICE, high=high, low=low)
+    mm = MemoryManager(shape, 35 * layers * heads, torch.float32, DEVICE, high=high, low=low, low_tracked=low_tracked)
     T_hi = mm.fmt_high.tokens
     T_lo = mm.fmt_low.tokens if low else 1
     # Move the free list's pointers near its end, so this step's pages wrap around.
@@ -139,6 +139,15 @@ def _check_equal(mm, slots, seq_len, plan, grows=True):
 def test_random_plan_matches_reference(seed, layers, heads):
     """(3 layers x 20 heads: a layer's heads span two of the kernel's 16-head blocks.)"""
     mm, slots, seq_len = _state(seed, layers=layers, heads=heads)
+    _check_equal(mm, slots, seq_len, _random_plan(mm, slots, seq_len, seed))
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_untracked_low_pages_match_reference(seed):
+    """Low pages without score and position rows (CacheConfig.track_low): a token moved down writes only its K/V
+    rows there, and nothing past them."""
+    mm, slots, seq_len = _state(seed, low_tracked=False)
+    assert not mm.fmt_low.tracked and mm.fmt_high.tracked
     _check_equal(mm, slots, seq_len, _random_plan(mm, slots, seq_len, seed))
 
 

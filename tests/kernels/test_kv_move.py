@@ -17,10 +17,12 @@ BLOCK = 16
 
 
 def _fmt(name, D, isz):
-    """'K8V4', or 'K8V8-e4m3' for e4m3 codes (kv_mode fp8)."""
+    """'K8V4', 'K8V8-e4m3' for e4m3 codes (kv_mode fp8), or 'K4V2-untracked' for pages without score and position
+    rows (a diffkv cache's low pages at alpha_low 0, CacheConfig.track_low)."""
     name, _, code = name.partition("-")
     kb, vb = name[1:].split("V")
-    return PageFormat.make(int(kb), int(vb), D, page_bytes_for(BLOCK, D, isz), isz, float8=code == "e4m3")
+    return PageFormat.make(int(kb), int(vb), D, page_bytes_for(BLOCK, D, isz), isz, float8=code == "e4m3",
+                           tracked=code != "untracked")
 
 
 def _row(pool, fmt, cache_dtype, which, p, r):
@@ -69,7 +71,8 @@ def _setup(src, dst, cache_dtype, D, M, seed):
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("src,dst", [("K8V4", "K8V4"), ("K4V2", "K4V2"), ("K16V16", "K16V16"),
                                      ("K8V4", "K4V2"), ("K8V8", "K4V4"), ("K16V16", "K8V4"), ("K4V2", "K16V16"),
-                                     ("K8V4", "K8V2"), ("K8V8-e4m3", "K8V8-e4m3")])
+                                     ("K8V4", "K8V2"), ("K8V8-e4m3", "K8V8-e4m3"), ("K8V4", "K4V2-untracked"),
+                                     ("K4V4", "K4V4-untracked")])
 @pytest.mark.parametrize("D", [64, 128])
 def test_move_tokens(cache_dtype, src, dst, D):
     fs, fd, pool, (sp, sr, dp, dr), moved = _setup(src, dst, cache_dtype, D, 37, seed=len(src + dst) + D)
@@ -101,8 +104,10 @@ def test_move_tokens(cache_dtype, src, dst, D):
                     packed, scale, zero = quantize_ref(x, dbits)
                     assert torch.equal(ddata, packed)
                     assert torch.equal(dmeta.view(torch.float16), torch.stack([scale, zero]))
-        for so, do in ((fs.score_off, fd.score_off), (fs.pos_off, fd.pos_off)):
-            assert torch.equal(res[d_p, do + 4 * d_r: do + 4 * d_r + 4], pool[s_p, so + 4 * s_r: so + 4 * s_r + 4])
+        if fd.tracked:
+            for so, do in ((fs.score_off, fd.score_off), (fs.pos_off, fd.pos_off)):
+                assert torch.equal(res[d_p, do + 4 * d_r: do + 4 * d_r + 4],
+                                   pool[s_p, so + 4 * s_r: so + 4 * s_r + 4])
         # mark the destination row's bytes
         for which in ("k", "v"):
             bits = fd.key_bits if which == "k" else fd.value_bits
@@ -112,7 +117,7 @@ def test_move_tokens(cache_dtype, src, dst, D):
             if bits < 16:
                 moff = fd.k_meta_off if which == "k" else fd.v_meta_off
                 changed[d_p, moff + 4 * d_r: moff + 4 * d_r + 4] = True
-        for o in (fd.score_off, fd.pos_off):
+        for o in (fd.score_off, fd.pos_off) if fd.tracked else ():  # untracked: no other byte may change
             changed[d_p, o + 4 * d_r: o + 4 * d_r + 4] = True
     assert changed.any() and torch.equal(res[~changed], pool[~changed])  # bytes outside moved rows unchanged
 

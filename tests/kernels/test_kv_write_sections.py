@@ -13,14 +13,14 @@ DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.startswith
 S, L, P = 5, 3, 16  # sequence slots, layers, page-table columns (+ the trash column)
 
 
-def _case(cache_dtype, high, low, H, D, seed):
+def _case(cache_dtype, high, low, H, D, seed, low_tracked=True):
     """Random prompt layer: 3 sequences of up to 12 tokens in random slots; each (token, head) high, low or
     pruned; section indices counted per (sequence, head), so destinations are distinct; distinct pages per
     page-table row, some columns unallocated (-1: the write is skipped)."""
     g = torch.Generator().manual_seed(seed)
     isz = torch.empty((), dtype=cache_dtype).element_size()
     pb = page_bytes_for(2, D, isz)
-    fh, fl = PageFormat.make(*high, D, pb, isz), PageFormat.make(*low, D, pb, isz)
+    fh, fl = PageFormat.make(*high, D, pb, isz), PageFormat.make(*low, D, pb, isz, tracked=low_tracked)
     num_pages = S * L * H * P
     table = torch.randperm(num_pages, generator=g).view(S, L, H, P).to(torch.int32)
     table[torch.rand(S, L, H, P, generator=g) < 0.1] = -1
@@ -72,12 +72,17 @@ def test_section_targets_match_a_loop():
 
 
 @pytest.mark.parametrize("cache_dtype", DTYPES)
-@pytest.mark.parametrize("high,low", [((8, 4), (4, 2)), ((16, 16), (8, 8)), ((8, 8), (4, 4)), ((4, 8), (2, 4))])
+@pytest.mark.parametrize("high,low,low_tracked", [((8, 4), (4, 2), True), ((16, 16), (8, 8), True),
+                                                  ((8, 8), (4, 4), True), ((4, 8), (2, 4), True),
+                                                  ((8, 4), (4, 2), False), ((8, 4), (4, 4), False)])
 @pytest.mark.parametrize("reserved,dropped", [(True, False), (False, True), (False, False)])
-def test_write_sections_triton_equals_reference(cache_dtype, high, low, reserved, dropped):
+def test_write_sections_triton_equals_reference(cache_dtype, high, low, low_tracked, reserved, dropped):
+    """low_tracked False: low pages without score and position rows (CacheConfig.track_low)."""
     H, D = 3, 32
     fh, fl, pool, k, v, pos, scores, table, tslots, ih, il, right_of, drop, seq = _case(
-        cache_dtype, high, low, H, D, seed=high[0] * 7 + low[1] + reserved + 2 * dropped)
+        cache_dtype, high, low, H, D, seed=high[0] * 7 + low[1] + reserved + 2 * dropped, low_tracked=low_tracked)
+    if not low_tracked:  # the low rows' bytes stop where an untracked page's data ends
+        assert not fl.tracked and fl.data_bytes <= fl.page_bytes
     kw = dict(right_of=right_of if reserved else None, drop=drop if dropped else None,
               seq_of_token=seq if dropped else None)
     pools = {impl: pool.clone() for impl in ("triton", "ref")}

@@ -94,7 +94,7 @@ class KVCache:
         self.config = config
         high, low = config.precisions()
         self.mm = MemoryManager(shape, num_pages, cache_dtype, device, high=high, low=low, float8=config.float8,
-                                low_grows=config.policy == "thresholds")
+                                low_grows=config.policy == "thresholds", low_tracked=config.tracks_low_tokens())
         self.diffkv = low is not None
         self.pins_prompt_blocks = config.pins_prompt_blocks()  # CacheConfig.pin_prompt_blocks, resolved
         config.check_num_layers(shape.num_layers)
@@ -307,10 +307,12 @@ class KVCache:
         layer, slots, logits, lse = self._pending_scores
         self._pending_scores = None
         mm = self.mm
+        # Untracked low pages have no score rows: their tokens are never pruned, so their scores are never read.
+        low = dict(fmt_low=mm.fmt_low, len_low=mm.len_low) if mm.fmt_low.tracked else {}
         with cost_range("policy"):
             accumulate_scores(mm.pool, mm.fmt_high, mm.page_table, mm.len_high, slots, layer, logits, lse,
-                              fmt_low=mm.fmt_low, len_low=mm.len_low, alpha_low_by_slot=self.slot_alphas[1],
-                              high_only=self.config.alpha_low == 0, write=write)
+                              alpha_low_by_slot=self.slot_alphas[1], high_only=self.config.alpha_low == 0,
+                              write=write, **low)
 
     # ---- memory-management timing (no host sync on the hot path) -------------------------------------
     def _mm_begin(self) -> None:
@@ -357,6 +359,11 @@ class KVCache:
         if mm.fmt_low is not None:
             sections.append((mm.fmt_low, mm.len_low[slot], True, KEPT_LOW))
         head = torch.arange(L * H, device=mm.device).view(L, H, 1)
+        if mm.fmt_low is not None and not mm.fmt_low.tracked:
+            # Untracked low rows have no positions, but nothing is pruned in such a cache (alpha_low 0): every
+            # cached token not in the high section is low.
+            out.fill_(KEPT_LOW)
+            sections = sections[:1]
         for fmt, lens, low, cls in sections:
             n = int(lens.max()) if lens.numel() else 0
             if n == 0:

@@ -43,11 +43,12 @@ from diffkv_serve.kernels.sections import section_targets
 class MemoryManager(PrefixBlocks):
     def __init__(self, shape: CacheShape, num_pages: int, cache_dtype: torch.dtype, device: torch.device,
                  high: tuple[int, int] = (16, 16), low: Optional[tuple[int, int]] = None, float8: bool = False,
-                 low_grows: bool = True):
+                 low_grows: bool = True, low_tracked: bool = True):
         """float8: the high precision's 8-bit sides hold e4m3 codes (kv_mode fp8). low_grows: the policy can
         put tokens in the low section (False for the budget policy, which keeps every kept token high): when
         it cannot, prompts reserve no low page and decode steps count no low growth. Pages carry each token's
-        score and position exactly when there is a low precision (CacheConfig.tracks_tokens: a diffkv cache)."""
+        score and position exactly when there is a low precision (CacheConfig.tracks_tokens: a diffkv cache); low
+        pages carry them only where low_tracked (CacheConfig.tracks_low_tokens: something may prune a low token)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the page pool needs at least one page")
         self.shape = shape
@@ -58,7 +59,8 @@ class MemoryManager(PrefixBlocks):
         self.page_bytes = page_bytes_for(shape.block_size, shape.head_dim, itemsize, self.tracked)
         self.fmt_high = PageFormat.make(*high, shape.head_dim, self.page_bytes, itemsize, float8=float8,
                                         tracked=self.tracked)
-        self.fmt_low = PageFormat.make(*low, shape.head_dim, self.page_bytes, itemsize) if low else None
+        self.fmt_low = PageFormat.make(*low, shape.head_dim, self.page_bytes, itemsize,
+                                       tracked=low_tracked) if low else None
         if self.fmt_low is not None and self.fmt_low.tokens < self.fmt_high.tokens:
             raise ValueError(f"low precision {self.fmt_low.name} must hold at least as many tokens per page as "
                              f"high precision {self.fmt_high.name}")

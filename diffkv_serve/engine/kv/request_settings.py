@@ -84,6 +84,9 @@ def resolve(overrides: Optional[Mapping[str, Any]], cache: CacheConfig) -> KVReq
     settings = KVRequestSettings(given.get("alpha_high", cache.alpha_high), given.get("alpha_low", cache.alpha_low),
                                  given.get("prune_phase", cache.prune_phase))
     check_order(settings.alpha_high, settings.alpha_low)
+    if settings.alpha_low > 0 and cache.kv_mode == "diffkv" and not cache.tracks_low_tokens():
+        raise InvalidRequestError(f"{FIELD}.alpha_low must be 0 on this server: its diffkv cache keeps no scores for "
+                                  "low tokens (track_low), so it cannot prune them", f"{FIELD}.alpha_low")
     if settings.prune_phase != "both" and cache.policy != "thresholds":
         raise InvalidRequestError(f"{FIELD}.prune_phase needs the engine's policy 'thresholds'",
                                   f"{FIELD}.prune_phase")
