@@ -61,8 +61,8 @@ def _state(seed: int, high=(8, 4), low=(4, 2), batch=4, pad=2, layers=L, heads=H
                         pages = page.view(1, 1).expand(n, 1).contiguous()
                         rows = torch.arange(n, dtype=torch.int32, device=DEVICE).view(n, 1)
                         pos = torch.randint(0, 40, (n,), dtype=torch.int32, device=DEVICE)
-                        write_kv(mm.pool, fmt, torch.float32, k, v, pages, rows, pos,
-                                 scores=torch.rand(n, 1, device=DEVICE) * 0.2)
+                        write_kv(mm.pool, fmt, torch.float32, k, v, pages, rows, pos,  # scores only on tracked pages
+                                 scores=torch.rand(n, 1, device=DEVICE) * 0.2 if fmt.tracked else None)
     slots_b = torch.tensor(slots + [mm.dummy_slot] * pad, dtype=torch.int32, device=DEVICE)
     seq_len = torch.tensor([int(lh[i].max()) + 5 for i in range(batch)] + [0] * pad, dtype=torch.int32,
                            device=DEVICE)
