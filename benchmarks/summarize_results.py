@@ -28,7 +28,7 @@ MEMORY_MANAGER = "memory_manager_H100.json"
 SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
 THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H200.json",
-                               "throughput_natural_stop_qwen2.5-1.5b_H100.json")
+                               "throughput_natural_stop_qwen2.5-1.5b_H200.json")
 # The run whose trace shows where each mode's pool goes (benchmarks/throughput_trace_plot.py draws its plot).
 THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
@@ -246,14 +246,16 @@ def study_caveat(study: str | None) -> str:
     return f" The study's caveat (docs/ACCURACY.md): {caveat}" if caveat else ""
 
 
-def throughput_accuracy_section(name: str) -> list[str]:
+def throughput_accuracy_section(name: str, header: bool = True) -> list[str]:
+    """header: the section's title (the runs after the first share it)."""
     d = load(name)
     if d is None:
         return []
     c = d["config"]
     stop = "natural stops" if c["natural_stop"] else "ignore_eos"
     task = d["accuracy_task"]
-    out = [f"## Generation throughput at accuracy: {d['model']}", "", *provenance(d),
+    title = [f"## Generation throughput at accuracy: {d['model']}", ""] if header else []
+    out = [*title, *provenance(d),
            f"{c['num_prompts']} {'/'.join(c['tasks'])} eval prompts x up to {c['max_tokens']} new tokens ({stop}), "
            f"one KV pool of {d['kv_memory_gb']:.2f} GiB for every mode; runs in the order "
            f"{' '.join(d['order'])} (repeat:mode). Accuracy: {task} difference vs fp16 with its paired 95% interval "
@@ -570,8 +572,8 @@ def render_performance() -> str:
              "(listed in its README). Each table names the GPU, the date and the exact command, run from the "
              "repository root; the numbers within a table come from one run on one GPU. CI runs every benchmark's "
              "`--smoke` mode on CPU.", ""]
-    for name in THROUGHPUT_AT_ACCURACY_RUNS:  # the headline: tokens/s per KV mode at its accuracy, a real model
-        lines += throughput_accuracy_section(name)
+    for i, name in enumerate(THROUGHPUT_AT_ACCURACY_RUNS):  # the headline: tokens/s per KV mode at its accuracy
+        lines += throughput_accuracy_section(name, header=i == 0)
     lines += vllm_section()
     lines += decode_step_profile_section()
     lines += pool_trace_section()
