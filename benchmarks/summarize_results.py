@@ -79,8 +79,8 @@ MEASURED_ALTERNATIVES = {
                                      "K8V4 1,257 / K4V4 1,170 (docs/PREFIX_CACHING.md)",
     "short_requests_bytes_cpu.json": "benchmarks/short_requests.py, SmolLM2, 24 chat requests x 128 tokens on 3,600 "
                                      "pages: KV bytes over fp16 bytes per held token, mean over steps: uniform K8V4 "
-                                     "0.534, DiffKV K8V4/K4V2 a_h 1 a_l 0.02 0.570, DiffKV K8V4/K4V4 a_h 64 a_l 0 "
-                                     "0.487, uniform K4V4 0.415",
+                                     "0.533, int4 0.373, DiffKV K8V4/K4V2 a_h 8 a_l 0 (Qwen's default shape) 0.420, "
+                                     "DiffKV K8V4/K4V4 a_h 64 a_l 0 0.470 (low pages without score rows)",
     "graph_decode_check_k4v4_H100.json": "benchmarks/graph_decode_check.py: 256 gsm_symbolic problems, int4, decode "
                                          "steps eager / CUDA graphs captured lazily / warm / in a small pool: same "
                                          "accuracy (0.496 eager, 0.488 graphs) and cut generations (6, 5)",
