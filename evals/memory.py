@@ -2,8 +2,8 @@
 
 Bytes per token of a precision are those of the engine's unified page at a 16-bit cache dtype (what the
 GPU uses): quantized keys and values, their fp16 scale/zero and, on a diffkv cache's tracked pages, the f32
-significance score and the int32 position, divided by the tokens a page holds (single-precision caches' pages have no score or
-position rows). So the numbers do not depend on the machine (on CPU the engine keeps its 16-bit pages in
+significance score and the int32 position, divided by the tokens a page holds (single-precision caches' pages
+have no score or position rows). So the numbers do not depend on the machine (on CPU the engine keeps its 16-bit pages in
 fp32). The fp16 reference is 2 bytes x (K + V) x head_dim per token and KV head, which the fp16 cache is.
 """
 from __future__ import annotations

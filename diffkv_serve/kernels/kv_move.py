@@ -162,7 +162,8 @@ def move_tokens_triton(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dty
         fmt_src.page_bytes // isz, fmt_src.page_bytes,
         *seg_offsets(fmt_src, "k"), *seg_offsets(fmt_src, "v"), *seg_offsets(fmt_dst, "k"),
         *seg_offsets(fmt_dst, "v"),
-        *fmt_src.tracked_words(), *fmt_dst.tracked_words(), TRACKED=fmt_dst.tracked, SKB=fmt_src.key_bits, SVB=fmt_src.value_bits, DKB=fmt_dst.key_bits, DVB=fmt_dst.value_bits, ISZ=isz,
+        *fmt_src.tracked_words(), *fmt_dst.tracked_words(), TRACKED=fmt_dst.tracked,
+        SKB=fmt_src.key_bits, SVB=fmt_src.value_bits, DKB=fmt_dst.key_bits, DVB=fmt_dst.value_bits, ISZ=isz,
         BLOCK_M=BLOCK_M, BLOCK_D=next_pow2(D), BLOCK_B=next_pow2(max(row_bytes)),
         num_warps=4, enable_fp_fusion=False,  # dequantize as torch does (no FMA): bit-identical re-quantization
     )
@@ -170,8 +171,9 @@ def move_tokens_triton(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dty
 
 def move_tokens(pool, fmt_src: PageFormat, fmt_dst: PageFormat, cache_dtype, src_page, src_row, dst_page,
                 dst_row, impl: str = "auto"):
-    """Copy token rows (K, V, their scale/zero, score, position: the last two where fmt_dst is tracked) from (src_page[m], src_row[m]) in format
-    fmt_src to (dst_page[m], dst_row[m]) in format fmt_dst; all int32 [M]; rows with a negative page skipped.
+    """Copy token rows (K, V, their scale/zero, and where fmt_dst is tracked score and position) from
+    (src_page[m], src_row[m]) in format fmt_src to (dst_page[m], dst_row[m]) in format fmt_dst; all int32 [M];
+    rows with a negative page skipped.
 
     A side (keys or values) with equal bits in both formats is copied byte for byte (so fmt_src == fmt_dst is
     an exact copy); otherwise it is dequantized and re-quantized. No row may be both read and written.

@@ -356,14 +356,13 @@ class KVCache:
         pt = mm.page_table[slot]  # [L, H, P + 1]
         pos_words = mm.pool.view(torch.int32)
         sections = [(mm.fmt_high, mm.len_high[slot], False, KEPT_HIGH)]
-        if mm.fmt_low is not None:
+        if mm.fmt_low is not None and mm.fmt_low.tracked:
             sections.append((mm.fmt_low, mm.len_low[slot], True, KEPT_LOW))
-        head = torch.arange(L * H, device=mm.device).view(L, H, 1)
-        if mm.fmt_low is not None and not mm.fmt_low.tracked:
+        elif mm.fmt_low is not None:
             # Untracked low rows have no positions, but nothing is pruned in such a cache (alpha_low 0): every
             # cached token not in the high section is low.
             out.fill_(KEPT_LOW)
-            sections = sections[:1]
+        head = torch.arange(L * H, device=mm.device).view(L, H, 1)
         for fmt, lens, low, cls in sections:
             n = int(lens.max()) if lens.numel() else 0
             if n == 0:
