@@ -11,7 +11,8 @@ Bytes the kernel must read (the numerator of "GB/s"), per token and KV head:
 plus q [B, Hq, D] and the output [B, Hq, D] once (fp16). NOT counted: the page table, the score/position
 segments and alignment padding of a page (decode never reads them), the unused tail of a sequence's last page,
 and the split-K partial results (they stay in L2). SDPA's bytes are the fp16 K/V + q + output.
-"% of 3.0 TB/s" = those compressed bytes / time / 3.0e12 (--bandwidth).
+"% of 3.0 TB/s" = those compressed bytes / time / 3.0e12 (--bandwidth: an H100's copy bandwidth; --bandwidth copy
+measures the GPU's own, read + write of a 1 GiB device-to-device copy, so the target holds on any GPU).
 
 The floor: a call that reads `bytes` cannot take less than t0 + bytes / BW, with t0 (the fixed cost of a call:
 launch, first loads, the last wave's tail) and BW fitted in the same run to torch SDPA over the contiguous fp16
@@ -320,7 +321,9 @@ def parse_args(argv):
                                                            "slowest)")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing column")
     ap.add_argument("--cpu-reps", type=int, default=3, help="timed calls per row on CPU")
-    ap.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s for the %% column (H100 copy BW)")
+    ap.add_argument("--bandwidth", default="3.0e12",
+                    help="bytes/s for the %% column and the big-read target (default an H100's copy bandwidth), or "
+                         "'copy': this GPU's, measured (read + write of a 1 GiB device copy)")
     ap.add_argument("--l2-bytes", type=float, default=50e6, help="L2 size: smaller caches rotate among copies")
     ap.add_argument("--mem-fraction", type=float, default=0.85, help="skip shapes needing more of free memory")
     ap.add_argument("--check-shape", type=int, nargs=2, default=None, metavar=("B", "S"),
@@ -338,6 +341,13 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
+    if args.bandwidth != "copy":
+        try:
+            args.bandwidth = float(args.bandwidth)
+        except ValueError:
+            ap.error(f"--bandwidth: bytes/s or 'copy', got {args.bandwidth!r}")
+        if not args.bandwidth > 0:
+            ap.error("--bandwidth: must be > 0")
     if args.smoke:
         defaults = {"batches": [2], "seqs": [50, 200], "check_shape": [2, 300]}
         args.device = "cpu" if args.device == "auto" else args.device
@@ -449,6 +459,18 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
             if cuda:
                 torch.cuda.empty_cache()
     return rows, skipped
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), CUDA-graph timing: the GPU's practical DRAM
+    bandwidth, which --bandwidth copy judges big reads against."""
+    import triton.testing
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=50, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6)
 
 
 def floor_probe(args, device, cuda) -> dict | None:
@@ -635,6 +657,12 @@ def main(argv=None) -> int:
     print(f"device {gpu} | torch {torch.__version__} | triton {triton_version} | impl {impl} | heads "
           + ", ".join(f"{n} ({hq}/{hkv}, D {d})" for n, (hq, hkv, d) in args.head_layouts) + " | fp16 cache")
 
+    if args.bandwidth == "copy":
+        if not cuda:
+            print("--bandwidth copy needs a GPU", file=sys.stderr)
+            return 2
+        args.bandwidth = copy_bandwidth(device)
+        print(f"copy bandwidth (read + write, 1 GiB): {args.bandwidth / 1e12:.2f} TB/s")
     rows, skipped, checks = [], [], []
     for heads in args.head_layouts:
         page_bytes = page_bytes_for(args.block_size, heads[1][2], 2)
