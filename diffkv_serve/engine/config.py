@@ -243,6 +243,21 @@ class SchedulerConfig(BaseModel):
     footprint_min_samples: int = Field(
         8, ge=1, description="learned: prefills a length bucket needs before its estimate replaces the worst case")
     footprint_max_samples: int = Field(256, ge=1, description="learned: most recent samples kept per bucket")
+    # Prompt-step batching (engine.scheduler): a prompt step stops every running sequence's decoding for one
+    # forward whose fixed cost (host work, reading the step in flight, a sync) dwarfs a few short prompts'
+    # compute. Once the pool is full, pages come back one finished sequence at a time, so without waiting each
+    # prompt step admits one or two prompts.
+    prefill_min_prompts: int = Field(
+        1, ge=1, description="while sequences run, a prompt step waits until this many waiting prompts fit (or all "
+                             "that wait, or as many as the free slots and the token budget take), for at most "
+                             "prefill_max_delay_steps decode steps; 1: admit whatever fits at once")
+    prefill_max_delay_steps: int = Field(
+        16, ge=0, description="decode steps a prompt that fits may wait for prefill_min_prompts to fit with it")
+    # Admission headroom: a prompt admitted into the last free pages is often preempted a few steps later, when
+    # the running sequences grow, and recomputed.
+    prefill_watermark: float = Field(
+        0.0, ge=0, lt=1, description="share of the pool's pages a prompt may not take while sequences run (headroom "
+                                     "for their growth, against preempting what was just admitted)")
     # Async scheduling (engine.llm_engine): decode step N+1 is scheduled and launched before step N's tokens are
     # read, so the host's per-step work (scheduling, inputs, outputs) overlaps the GPU instead of idling it.
     async_scheduling: Literal["auto", "on", "off"] = Field(

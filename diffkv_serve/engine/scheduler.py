@@ -76,6 +76,8 @@ class Scheduler:
         # whose host worst case (a page per head and step) kept ~5% of the pool idle.
         self.exact_growth = two_sided
         self._growth_by_slot: Optional[dict[int, int]] = None  # exact: slot -> pages its next decode step may take
+        self._deferred = 0  # decode steps a prompt that fit has waited for prefill_min_prompts (prompt batching)
+        self.num_deferred_steps = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -116,7 +118,7 @@ class Scheduler:
         else:
             free = self.mm.planning_free_pages()
         demand = self._decode_demand()  # once per step: a per-sequence sum is the scheduler's main host cost
-        prefill = self._schedule_prompts(free, demand)
+        prefill = [] if self._defer_prompts(free, demand) else self._schedule_prompts(free, demand)
         if prefill:
             return Batch(True, prefill), []
         if not self.running:
@@ -150,13 +152,48 @@ class Scheduler:
         log.debug("preempted %s (recompute)", victim.request_id)
         return pages
 
+    def _headroom(self) -> int:
+        """Pages prompts may not take while sequences run (prefill_watermark)."""
+        return int(self.config.prefill_watermark * self.mm.num_pages) if self.running else 0
+
+    def _defer_prompts(self, free: int, demand: int) -> bool:
+        """Prompt batching (prefill_min_prompts): whether this step decodes although a waiting prompt fits,
+        because fewer prompts fit than a prompt step should take and the first has not waited long enough.
+        Pages are counted without prefix hits (an over-estimate: a deferral, never a wrong admission)."""
+        cfg = self.config
+        if cfg.prefill_min_prompts <= 1 or not self.running or not self.waiting:
+            self._deferred = 0
+            return False
+        want = min(cfg.prefill_min_prompts, len(self.waiting), cfg.max_num_seqs - len(self.running),
+                   self.mm.num_free_slots)
+        room, budget, fit = free - demand - self._headroom(), cfg.max_num_batched_tokens, 0
+        for seq in list(self.waiting)[:want]:
+            if seq.rows_in_flight:
+                break
+            if fit and seq.num_tokens > budget:  # the token budget is full: this step is as large as it gets
+                fit = want
+                break
+            need = self._prompt_pages(seq)
+            if need > room:
+                break
+            room -= need
+            budget -= seq.num_tokens
+            fit += 1
+        if fit == 0 or fit >= want or self._deferred >= cfg.prefill_max_delay_steps:
+            self._deferred = 0
+            return False
+        self._deferred += 1
+        self.num_deferred_steps += 1
+        return True
+
     def _schedule_prompts(self, free: int, demand: int) -> list[Sequence]:
         """FCFS prompts that fit the token budget, the slots and the pages (worst case), in order.
         demand: pages the running sequences' next decode step may take."""
         cfg, mm = self.config, self.mm
         budget = cfg.max_num_batched_tokens
-        # Keep one decode step's growth for everyone already running, so a new prompt cannot force preemption.
-        free -= demand
+        # Keep one decode step's growth for everyone already running, so a new prompt cannot force preemption,
+        # and the watermark's headroom.
+        free -= demand + self._headroom()
         scheduled: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
