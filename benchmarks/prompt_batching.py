@@ -36,7 +36,13 @@ from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.model_runner import resolve_device  # noqa: E402
 
 KNOBS = {"k": "prefill_min_prompts", "delay": "prefill_max_delay_steps", "w": "prefill_watermark"}
-DEFAULT_VARIANTS = ["k=1", "k=4,delay=8", "k=8,delay=16", "k=16,delay=32", "w=0.01", "k=8,delay=16,w=0.01"]
+DEFAULT_VARIANTS = ["k=1,w=0", "k=4,delay=8,w=0", "k=8,delay=16,w=0", "k=16,delay=32,w=0", "k=1,w=0.01",
+                    "k=8,delay=16,w=0.01"]
+
+
+def label(cfg: SchedulerConfig) -> str:
+    """A variant as its resolved settings (what was not given is the default)."""
+    return f"k={cfg.prefill_min_prompts},delay={cfg.prefill_max_delay_steps},w={cfg.prefill_watermark:g}"
 
 
 def parse_variant(spec: str) -> dict:
@@ -59,7 +65,8 @@ def parse_args(argv):
     ap.add_argument("--modes", nargs="+", default=["int4", "diffkv"])
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                     help="scheduler settings per run: k (prefill_min_prompts), delay (prefill_max_delay_steps), w "
-                         "(prefill_watermark); the first is the baseline, run again last")
+                         "(prefill_watermark), the defaults for what is not given; the first is the baseline, run "
+                         "again last")
     ap.add_argument("--tasks", nargs="+", default=["gsm_symbolic"])
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=1024)
@@ -82,7 +89,7 @@ def parse_args(argv):
     if args.smoke:
         args.model, args.device = "random:tiny-qwen2", "cpu"
         args.num_prompts, args.max_tokens, args.fp16_seqs, args.stats_every, args.quiet = 8, 10, 2, 1, True
-        args.variants = ["k=1", "k=3,delay=4,w=0.05"]
+        args.variants = ["k=1,w=0", "k=3,delay=4,w=0.05"]
         args.max_prompt_tokens = 24
     else:
         args.max_prompt_tokens = None
@@ -101,11 +108,12 @@ def parse_args(argv):
 
 def run_row(eng, prompts, args, mode: str, spec: str, variant: dict, deadline: float) -> dict:
     """One timed pass of the workload under `variant` (the engine's scheduler settings, swapped in)."""
-    eng.scheduler.config = eng.config.scheduler.model_copy(update=variant)
+    eng.scheduler.config = SchedulerConfig(**{**eng.config.scheduler.model_dump(), **variant})
     deferred = eng.scheduler.num_deferred_steps
     r = tq.timed_run(eng, prompts, args, f"{mode}-{spec}", deadline)
     ph = r["phases"]
-    return {"mode": mode, "variant": spec, "settings": variant, "tokens_per_s": r["tokens_per_s"],
+    return {"mode": mode, "variant": spec, "settings": variant, "resolved": label(eng.scheduler.config),
+            "tokens_per_s": r["tokens_per_s"],
             "seconds": r["seconds"], "tokens": r["tokens"], "cut": r["cut"], "steps": r["steps"],
             "prompt_steps": ph["prefill"]["steps"], "prompt_seconds": ph["prefill"]["seconds"],
             "prompt_tokens": ph["prefill"]["tokens"], "decode_steps": ph["decode"]["steps"],
@@ -115,11 +123,12 @@ def run_row(eng, prompts, args, mode: str, spec: str, variant: dict, deadline: f
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'mode':>7} {'variant':>20} {'tok/s':>7} {'x first':>7} {'prompt steps':>12} {'prompt s':>8} "
+    print(f"\n{'mode':>7} {'settings':>22} {'tok/s':>7} {'x first':>7} {'prompt steps':>12} {'prompt s':>8} "
           f"{'decode steps':>12} {'decode s':>8} {'preempt':>7} {'deferred':>8} {'batch':>6}")
     for r in rows:
         x = f"{r['vs_first']:.3f}" if r.get("vs_first") else "-"
-        print(f"{r['mode']:>7} {r['variant']:>20} {r['tokens_per_s']:>7.0f} {x:>7} {r['prompt_steps']:>12} "
+        again = " (again)" if r["variant"].endswith("(again)") else ""
+        print(f"{r['mode']:>7} {r['resolved'] + again:>22} {r['tokens_per_s']:>7.0f} {x:>7} {r['prompt_steps']:>12} "
               f"{r['prompt_seconds']:>8.2f} {r['decode_steps']:>12} {r['decode_seconds']:>8.2f} "
               f"{r['preemptions']:>7} {r['deferred_steps']:>8} {r['mean_batch'] or 0:>6.1f}"
               f"{' (cut)' if r['cut'] else ''}")

@@ -82,6 +82,11 @@ def start(sch: Scheduler, pool: CountingPool, running: int, n: int = 7) -> list[
     return batch.seqs
 
 
+def test_defaults_batch_prompt_steps_and_keep_headroom():
+    cfg = SchedulerConfig()
+    assert (cfg.prefill_min_prompts, cfg.prefill_max_delay_steps, cfg.prefill_watermark) == (8, 16, 0.01)
+
+
 def test_a_lone_prompt_that_fits_waits_for_company_then_runs_after_the_delay():
     pool = CountingPool(num_pages=12)
     sch = Scheduler(SchedulerConfig(max_num_seqs=16, prefill_min_prompts=3, prefill_max_delay_steps=2), pool)
@@ -150,7 +155,7 @@ def test_the_slots_and_the_token_budget_cap_the_batch_a_prompt_step_waits_for():
 
 
 def test_watermark_keeps_headroom_while_sequences_run_but_not_in_an_empty_pool():
-    cfg = SchedulerConfig(max_num_seqs=16, prefill_watermark=0.25)  # 5 of 20 pages
+    cfg = SchedulerConfig(max_num_seqs=16, prefill_min_prompts=1, prefill_watermark=0.25)  # 5 of 20 pages
     pool = CountingPool(num_pages=20)
     sch = Scheduler(cfg, pool)
     for i in range(10):
@@ -201,7 +206,7 @@ def test_engine_generates_the_same_tokens_with_prompt_batching_and_gives_every_p
         eng.shutdown()
         return out, prompt_steps, deferred
 
-    plain, plain_steps, plain_deferred = run()
+    plain, plain_steps, plain_deferred = run(prefill_min_prompts=1, prefill_watermark=0.0)
     batched, batched_steps, deferred = run(prefill_min_prompts=3, prefill_max_delay_steps=6, prefill_watermark=0.05)
     assert plain == batched == {f"q{i}": LENGTHS[i] for i in range(12)}
     assert plain_deferred == 0 and deferred > 0

@@ -248,7 +248,7 @@ class SchedulerConfig(BaseModel):
     # compute. Once the pool is full, pages come back one finished sequence at a time, so without waiting each
     # prompt step admits one or two prompts.
     prefill_min_prompts: int = Field(
-        1, ge=1, description="while sequences run, a prompt step waits until this many waiting prompts fit (or all "
+        8, ge=1, description="while sequences run, a prompt step waits until this many waiting prompts fit (or all "
                              "that wait, or as many as the free slots and the token budget take), for at most "
                              "prefill_max_delay_steps decode steps; 1: admit whatever fits at once")
     prefill_max_delay_steps: int = Field(
@@ -256,7 +256,7 @@ class SchedulerConfig(BaseModel):
     # Admission headroom: a prompt admitted into the last free pages is often preempted a few steps later, when
     # the running sequences grow, and recomputed.
     prefill_watermark: float = Field(
-        0.0, ge=0, lt=1, description="share of the pool's pages a prompt may not take while sequences run (headroom "
+        0.01, ge=0, lt=1, description="share of the pool's pages a prompt may not take while sequences run (headroom "
                                      "for their growth, against preempting what was just admitted)")
     # Async scheduling (engine.llm_engine): decode step N+1 is scheduled and launched before step N's tokens are
     # read, so the host's per-step work (scheduling, inputs, outputs) overlaps the GPU instead of idling it.

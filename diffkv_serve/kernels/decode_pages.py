@@ -63,8 +63,9 @@ def decode_pages_ref(st: PageState, fmt_high: PageFormat, fmt_low: Optional[Page
                         dr.flatten())
         st.len_high[slots] = new_high + active
         st.len_low[slots] = new_low
-        st.low_armed[slots] = plan["new_low_armed"]
-        # What the scheduler reads next step; padding rows (the dummy slot) keep theirs.
+        # Padding rows (the dummy slot, repeated) keep its state: several rows writing one cell would race.
+        st.low_armed[slots] = torch.where(active > 0, plan["new_low_armed"], st.low_armed[slots])
+        # What the scheduler reads next step; padding rows keep theirs.
         grown = growth_bound(st, slots, T_hi, fmt_low.tokens, low_grows)
         st.next_growth[slots] = torch.where(seq_len > 0, grown, st.next_growth[slots])
     else:
@@ -206,7 +207,7 @@ def _apply_kernel(
         len_lo = tl.load(nll_ptr + b * LH + h, mask=m, other=0)
         tl.store(ll_ptr + cell, len_lo, mask=m)
         armed = tl.load(nla_ptr + b * LH + h, mask=m, other=0)
-        tl.store(armed_ptr + cell, armed, mask=m)
+        tl.store(armed_ptr + cell, armed, mask=m & (active > 0))  # padding rows share the dummy slot's cell
         held_hi = tl.load(hh_ptr + cell, mask=m, other=0)
         held_lo = tl.load(hl_ptr + cell, mask=m, other=0)
         if LOW_GROWS:  # an empty low section opens a page next step only where this step's plan armed it
