@@ -88,15 +88,16 @@ def test_defaults_batch_prompt_steps_and_keep_headroom():
 
 
 def test_a_lone_prompt_that_fits_waits_for_company_then_runs_after_the_delay():
-    pool = CountingPool(num_pages=12)
-    sch = Scheduler(SchedulerConfig(max_num_seqs=16, prefill_min_prompts=3, prefill_max_delay_steps=2), pool)
-    running = start(sch, pool, running=4)  # 2 pages each: 8 of 12 pages
+    pool = CountingPool(num_pages=22)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=32, prefill_min_prompts=3, prefill_max_delay_steps=2,
+                                    prefill_watermark=0), pool)
+    running = start(sch, pool, running=9)  # 2 pages each: 18 of 22 pages; 9 running: a step should take 3
     for i in range(5):
         sch.add(seq(i, 7))  # 2 pages each: two fit in the 4 free pages (less one decode step's growth: none)
     # Decode steps while only 2 of the 3 wanted fit: the delay runs out after 2 of them.
     for _ in range(2):
         batch, stuck = sch.schedule()
-        assert not batch.is_prefill and len(batch.seqs) == 4 and not stuck
+        assert not batch.is_prefill and len(batch.seqs) == 9 and not stuck
     batch, _ = sch.schedule()
     assert batch.is_prefill and [s.request_id for s in batch.seqs] == ["r0", "r1"]
     assert sch.num_deferred_steps == 2
@@ -109,8 +110,8 @@ def test_a_lone_prompt_that_fits_waits_for_company_then_runs_after_the_delay():
     assert sch.num_deferred_steps == 2
 
 
-def test_no_wait_when_all_that_wait_fit_or_nothing_runs_or_nothing_fits():
-    cfg = SchedulerConfig(max_num_seqs=16, prefill_min_prompts=8, prefill_max_delay_steps=100)
+def test_no_wait_when_all_that_wait_fit_or_few_run_or_nothing_runs_or_nothing_fits():
+    cfg = SchedulerConfig(max_num_seqs=32, prefill_min_prompts=4, prefill_max_delay_steps=100, prefill_watermark=0)
     # Nothing runs: whatever fits is admitted at once (an idle GPU waits for nobody).
     pool = CountingPool(num_pages=4)
     sch = Scheduler(cfg, pool)
@@ -118,36 +119,46 @@ def test_no_wait_when_all_that_wait_fit_or_nothing_runs_or_nothing_fits():
         sch.add(seq(i, 7))
     batch, _ = sch.schedule()
     assert batch.is_prefill and len(batch.seqs) == 2
-    # Both that wait fit (fewer than 8 wait): admitted at once.
-    pool = CountingPool(num_pages=12)
+    # Both that wait fit (fewer than 4 wait): admitted at once.
+    pool = CountingPool(num_pages=50)
     sch = Scheduler(cfg, pool)
-    start(sch, pool, running=2)
-    sch.add(seq(0, 8))
-    sch.add(seq(1, 8))
+    start(sch, pool, running=16)  # 32 pages
+    sch.add(seq(0, 7))
+    sch.add(seq(1, 7))
     batch, _ = sch.schedule()
     assert batch.is_prefill and len(batch.seqs) == 2
-    # The head does not fit at all: a plain decode step, and the delay is not counting.
-    pool = CountingPool(num_pages=6)
+    # Few run (7: a step should take 7 // 4 = 1 prompt): the one that fits is admitted at once.
+    pool = CountingPool(num_pages=16)
     sch = Scheduler(cfg, pool)
-    start(sch, pool, running=2)
+    start(sch, pool, running=7)  # 14 pages
+    for i in range(5):
+        sch.add(seq(i, 7))
+    batch, _ = sch.schedule()
+    assert batch.is_prefill and len(batch.seqs) == 1 and sch.num_deferred_steps == 0
+    # The head does not fit at all: a plain decode step, and the delay is not counting.
+    pool = CountingPool(num_pages=34)
+    sch = Scheduler(cfg, pool)
+    start(sch, pool, running=16)
     sch.add(seq(0, 40))
     batch, _ = sch.schedule()
     assert not batch.is_prefill and sch.num_deferred_steps == 0 and sch._deferred == 0
 
 
 def test_the_slots_and_the_token_budget_cap_the_batch_a_prompt_step_waits_for():
-    # Two free sequence slots: two prompts are a full prompt step.
-    pool = CountingPool(num_pages=100)
-    sch = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_min_prompts=8), pool)
-    start(sch, pool, running=2)
+    # 16 running want 4 prompts a step; two free sequence slots make two prompts a full step.
+    pool = CountingPool(num_pages=36)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=18, prefill_min_prompts=4, prefill_watermark=0), pool)
+    start(sch, pool, running=16)  # 32 pages: 4 free, two 2-page prompts
     for i in range(5):
-        sch.add(seq(i, 8))
+        sch.add(seq(i, 7))
     batch, _ = sch.schedule()
     assert batch.is_prefill and len(batch.seqs) == 2
     # A token budget of 20: two 8-token prompts take it (a third does not fit beside them).
     pool = CountingPool(num_pages=100)
-    sch = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=20, prefill_min_prompts=8), pool)
-    start(sch, pool, running=2)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=32, prefill_min_prompts=4, prefill_watermark=0), pool)
+    start(sch, pool, running=16)
+    sch.config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=20, prefill_min_prompts=4,
+                                 prefill_watermark=0)
     for i in range(5):
         sch.add(seq(i, 8))
     batch, _ = sch.schedule()
@@ -207,7 +218,7 @@ def test_engine_generates_the_same_tokens_with_prompt_batching_and_gives_every_p
         return out, prompt_steps, deferred
 
     plain, plain_steps, plain_deferred = run(prefill_min_prompts=1, prefill_watermark=0.0)
-    batched, batched_steps, deferred = run(prefill_min_prompts=3, prefill_max_delay_steps=6, prefill_watermark=0.05)
+    batched, batched_steps, deferred = run(prefill_min_prompts=2, prefill_max_delay_steps=6, prefill_watermark=0.05)
     assert plain == batched == {f"q{i}": LENGTHS[i] for i in range(12)}
     assert plain_deferred == 0 and deferred > 0
     assert batched_steps < plain_steps

@@ -249,8 +249,9 @@ class SchedulerConfig(BaseModel):
     # prompt step admits one or two prompts.
     prefill_min_prompts: int = Field(
         8, ge=1, description="while sequences run, a prompt step waits until this many waiting prompts fit (or all "
-                             "that wait, or as many as the free slots and the token budget take), for at most "
-                             "prefill_max_delay_steps decode steps; 1: admit whatever fits at once")
+                             "that wait, as many as the free slots and the token budget take, or one per this many "
+                             "running sequences, whichever is fewest), for at most prefill_max_delay_steps decode "
+                             "steps; 1: admit whatever fits at once")
     prefill_max_delay_steps: int = Field(
         16, ge=0, description="decode steps a prompt that fits may wait for prefill_min_prompts to fit with it")
     # Admission headroom: a prompt admitted into the last free pages is often preempted a few steps later, when

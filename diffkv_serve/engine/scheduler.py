@@ -159,12 +159,17 @@ class Scheduler:
     def _defer_prompts(self, free: int, demand: int) -> bool:
         """Prompt batching (prefill_min_prompts): whether this step decodes although a waiting prompt fits,
         because fewer prompts fit than a prompt step should take and the first has not waited long enough.
+        A step should take prefill_min_prompts prompts, or as many as wait, the free slots and the token budget
+        allow, or one per prefill_min_prompts running sequences, whichever is fewest.
         Pages are counted without prefix hits (an over-estimate: a deferral, never a wrong admission)."""
         cfg = self.config
         if cfg.prefill_min_prompts <= 1 or not self.running or not self.waiting:
             self._deferred = 0
             return False
-        want = min(cfg.prefill_min_prompts, len(self.waiting), cfg.max_num_seqs - len(self.running),
+        # At most one prompt per prefill_min_prompts running sequences: a step that stops only a few (a pool of
+        # a few sequences) costs little, and waiting would leave its pages idle for long.
+        k = cfg.prefill_min_prompts
+        want = min(k, max(1, len(self.running) // k), len(self.waiting), cfg.max_num_seqs - len(self.running),
                    self.mm.num_free_slots)
         room, budget, fit = free - demand - self._headroom(), cfg.max_num_batched_tokens, 0
         for seq in list(self.waiting)[:want]:
