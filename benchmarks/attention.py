@@ -11,8 +11,8 @@ Bytes the kernel must read (the numerator of "GB/s"), per token and KV head:
 plus q [B, Hq, D] and the output [B, Hq, D] once (fp16). NOT counted: the page table, the score/position
 segments and alignment padding of a page (decode never reads them), the unused tail of a sequence's last page,
 and the split-K partial results (they stay in L2). SDPA's bytes are the fp16 K/V + q + output.
-"% of 3.0 TB/s" = those compressed bytes / time / 3.0e12 (--bandwidth: an H100's copy bandwidth; --bandwidth copy
-measures the GPU's own, read + write of a 1 GiB device-to-device copy, so the target holds on any GPU).
+"% of 3.0 TB/s" = those compressed bytes / time / 3.0e12 (--bandwidth: an H100's copy bandwidth; --bandwidth floor
+takes the bandwidth of the floor fitted below, SDPA's on this GPU, so the big-read target can be judged on any GPU).
 
 The floor: a call that reads `bytes` cannot take less than t0 + bytes / BW, with t0 (the fixed cost of a call:
 launch, first loads, the last wave's tail) and BW fitted in the same run to torch SDPA over the contiguous fp16
@@ -321,9 +321,10 @@ def parse_args(argv):
                                                            "slowest)")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing column")
     ap.add_argument("--cpu-reps", type=int, default=3, help="timed calls per row on CPU")
-    ap.add_argument("--bandwidth", default="3.0e12",
-                    help="bytes/s for the %% column and the big-read target (default an H100's copy bandwidth), or "
-                         "'copy': this GPU's, measured (read + write of a 1 GiB device copy)")
+    ap.add_argument("--bandwidth", default=None,
+                    help="bytes/s for the %% column and the big-read target (default 3.0e12, an H100's copy "
+                         "bandwidth; --from-json: the recorded run's), or 'floor': the floor's fitted bandwidth "
+                         "(SDPA's on this GPU)")
     ap.add_argument("--l2-bytes", type=float, default=50e6, help="L2 size: smaller caches rotate among copies")
     ap.add_argument("--mem-fraction", type=float, default=0.85, help="skip shapes needing more of free memory")
     ap.add_argument("--check-shape", type=int, nargs=2, default=None, metavar=("B", "S"),
@@ -341,11 +342,13 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
-    if args.bandwidth != "copy":
+    if args.bandwidth is None and not args.from_json:
+        args.bandwidth = 3.0e12
+    if args.bandwidth not in (None, "floor"):
         try:
             args.bandwidth = float(args.bandwidth)
         except ValueError:
-            ap.error(f"--bandwidth: bytes/s or 'copy', got {args.bandwidth!r}")
+            ap.error(f"--bandwidth: bytes/s or 'floor', got {args.bandwidth!r}")
         if not args.bandwidth > 0:
             ap.error("--bandwidth: must be > 0")
     if args.smoke:
@@ -459,18 +462,6 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
             if cuda:
                 torch.cuda.empty_cache()
     return rows, skipped
-
-
-def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), CUDA-graph timing: the GPU's practical DRAM
-    bandwidth, which --bandwidth copy judges big reads against."""
-    import triton.testing
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=50, return_mode="median")
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / (us * 1e-6)
 
 
 def floor_probe(args, device, cuda) -> dict | None:
@@ -600,8 +591,16 @@ def print_tables(rows: list[dict], args, floor: dict | None) -> None:
 def judge(rows: list[dict], args, probe: dict | None) -> tuple[dict | None, dict]:
     """Derived columns, the floor and the verdict of timed rows; prints the tables and the verdict."""
     graphs = bool(rows) and all(r["graph_runs_us"] for r in rows)
+    by_floor = args.bandwidth == "floor"
+    if by_floor:  # the floor's fit reads only times: derive the columns once it is known
+        args.bandwidth = 1.0
     derive(rows, args, graphs)
     floor = floor_of(rows, probe, graphs)
+    if by_floor:
+        if floor is None:
+            raise SystemExit("--bandwidth floor: no floor was fitted (it needs SDPA rows timed on a GPU)")
+        args.bandwidth = floor["bw"]
+        derive(rows, args, graphs)
     targets = verdict(rows, floor, args)
     targets["timing"] = f"CUDA-graph, slowest of {args.repeats}" if graphs else "do_bench"
     print_tables(rows, args, floor)
@@ -629,10 +628,12 @@ def rejudge(args) -> int:
     path = Path(args.from_json)
     result = json.loads(path.read_text())
     args.repeats = result["config"].get("repeats", 1)
-    args.bandwidth = result["config"]["bandwidth"]
+    if args.bandwidth is None:
+        args.bandwidth = result["config"]["bandwidth"]
     args.sdpa = result["config"]["sdpa"]
     probe = (result.get("floor") or {}).get("probe")
     result["floor"], result["targets"] = judge(result["rows"], args, probe)
+    result["config"]["bandwidth"] = args.bandwidth
     out = Path(args.out) if args.out else path
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
@@ -657,12 +658,6 @@ def main(argv=None) -> int:
     print(f"device {gpu} | torch {torch.__version__} | triton {triton_version} | impl {impl} | heads "
           + ", ".join(f"{n} ({hq}/{hkv}, D {d})" for n, (hq, hkv, d) in args.head_layouts) + " | fp16 cache")
 
-    if args.bandwidth == "copy":
-        if not cuda:
-            print("--bandwidth copy needs a GPU", file=sys.stderr)
-            return 2
-        args.bandwidth = copy_bandwidth(device)
-        print(f"copy bandwidth (read + write, 1 GiB): {args.bandwidth / 1e12:.2f} TB/s")
     rows, skipped, checks = [], [], []
     for heads in args.head_layouts:
         page_bytes = page_bytes_for(args.block_size, heads[1][2], 2)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput_qwen as tq  # noqa: E402
 from _results import write_result  # noqa: E402
 from diffkv_serve.engine.config import SchedulerConfig  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.model_runner import resolve_device  # noqa: E402
 
@@ -61,7 +62,8 @@ def parse_variant(spec: str) -> dict:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    add_engine_flags(ap, only=("model", "device", "dtype"),
+                     defaults={"model": "qwen2.5-coder-1.5b", "device": "auto", "dtype": "auto"})
     ap.add_argument("--modes", nargs="+", default=["int4", "diffkv"])
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                     help="scheduler settings per run: k (prefill_min_prompts), delay (prefill_max_delay_steps), w "
@@ -80,8 +82,6 @@ def parse_args(argv):
     ap.add_argument("--reservation", choices=("worst_case", "learned"), default="worst_case")
     ap.add_argument("--stats-every", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds: runs that would pass it are skipped")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--smoke", action="store_true", help="tiny random-weight model on CPU, short generations")

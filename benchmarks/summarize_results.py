@@ -19,9 +19,6 @@ DOCS = ROOT / "docs"
 ATTENTION = "attention_H100.json"  # the GPU the floor targets were set on
 KERNEL_AB = "decode_mma_vs_triton_H100.json"  # the CUDA decode kernel against the Triton kernel it replaces
 DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
-THROUGHPUT = "throughput_smollm2_H100.json.gz"
-THROUGHPUT_REPEAT = "throughput_smollm2_reversed_H100.json.gz"  # the same command, modes in reverse order
-FIDELITY = ROOT / "evals" / "results" / "smollm2-135m" / "fidelity_compare.json"
 # int4 beside diffkv at the Qwen settings (alpha_low 0: low scores unread), one GPU, one run
 STEP_BREAKDOWN_RUNS = ("step_breakdown_int4_diffkv_qwen2.5-1.5b_H100.json",)
 MEMORY_MANAGER = "memory_manager_H100.json"
@@ -29,6 +26,8 @@ SERVE_SWEEP = "serve_sweep_smollm2_H200.json"
 # throughput_qwen.py runs: tokens/s per KV mode beside the accuracy study's gsm_symbolic difference vs fp16
 THROUGHPUT_AT_ACCURACY_RUNS = ("throughput_qwen2.5-1.5b_H200.json",
                                "throughput_natural_stop_qwen2.5-1.5b_H200.json")
+# prompt_batching.py: the scheduler's prompt-step settings side by side on one engine per mode (natural stops)
+PROMPT_BATCHING = "prompt_batching_natural_stop_qwen2.5-1.5b_H200.json"
 # The run whose trace shows where each mode's pool goes (benchmarks/throughput_trace_plot.py draws its plot).
 THROUGHPUT_TRACE = "throughput_trace_qwen2.5-1.5b_H100.json"
 TENSOR_PARALLEL = "tensor_parallel_llama3_8b_H200.json"
@@ -39,6 +38,20 @@ DECODE_STEP_PROFILE = "decode_step_profile_qwen2.5-1.5b_H200.json"
 
 # Recorded runs no table shows: the measured alternatives behind kernel launch rules, cited from the code.
 MEASURED_ALTERNATIVES = {
+    "prompt_batching_natural_stop_learned_qwen2.5-1.5b_H200.json": "prompt_batching.py with --reservation learned "
+        "(diffkv reserves each prompt's learned footprint): diffkv 24.4-31.7k tokens/s over the batching settings, "
+        "not above the all-high reservation's 32.1-32.5k; int4 (which reserves exactly) 32.0-36.2k",
+    "prompt_batching_ignore_eos_qwen2.5-1.5b_H200.json": "prompt_batching.py at 128 x 2,048 (ignore_eos, 0.98 GiB): "
+        "prompt batching defers nothing there (every prompt is admitted at the start): int4 29.5-29.9k, diffkv "
+        "28.1-28.2k tokens/s with and without it (diffkv's first run 24.8k: a first-run cost)",
+    "attention_H200.json": "benchmarks/attention.py on an H200, judged against its own floor (7.2 us + bytes / 4.64 "
+                           "TB/s, SDPA's) with --bandwidth floor: of the floor 0.66-1.09, big reads 60-100% of 4.64 "
+                           "TB/s; the quantized kernels do not keep up with the H200's bandwidth (K8V8 / fp8 0.68-0.83, "
+                           "K4V2 0.69-0.74 at 16,384 tokens)",
+    "throughput_smollm2_H100.json.gz": "benchmarks/throughput.py on SmolLM2-135M (H100, 2026-11-22, an engine "
+                                       "several scheduler and kernel changes ago): tokens/s per KV mode with a "
+                                       "per-step trace",
+    "throughput_smollm2_reversed_H100.json.gz": "the same command with the modes in reverse order",
     "step_breakdown_llama3_8b_H100.json": "benchmarks/step_breakdown.py at the Llama-3-8B shape, batches 64 and 256 "
                                           "(2026-11-25): diffkv's decode step 8.68 / 15.16 ms against int4's 7.82 / "
                                           "12.51 ms, policy 4.0% / 7.3% of it",
@@ -225,18 +238,6 @@ def decode_throughput_section() -> list[str]:
     return out + [""]
 
 
-def fidelity_by_cache(row: dict, fid: dict | None):
-    """The accuracy record whose cache settings are this throughput row's (kv_mode, and alphas for diffkv)."""
-    for name, c in (fid or {}).get("configs", {}).items():
-        cache = c["cache"]
-        if cache["kv_mode"] != row["kv_mode"]:
-            continue
-        s = row.get("settings") or {}
-        if row["kv_mode"] != "diffkv" or all(cache[k] == s.get(k) for k in ("alpha_high", "alpha_low")):
-            return name, c
-    return None
-
-
 def study_caveat(study: str | None) -> str:
     """' Caveat: ...' where the accuracy study a table quotes carries one (docs/ACCURACY.md prints it too)."""
     path = ROOT / study if study else None
@@ -316,45 +317,6 @@ def pool_trace_section() -> list[str]:
             out.append(f"| {row['mode']} | {name} | {p['running']:.1f} | {p['pages_per_token_head']:.5f} | "
                        f"{100 * p['high']:.1f}% | {100 * p['low']:.1f}% | {100 * p['pruned']:.1f}% |")
     return out + [""]
-
-
-def throughput_section() -> list[str]:
-    t, again = load(THROUGHPUT), load(THROUGHPUT_REPEAT)
-    if t is None:
-        return []
-    fid = json.loads(FIDELITY.read_text()) if FIDELITY.is_file() else None
-    c = t["config"]
-    repeat = {r["mode"]: r["tokens_per_s"] for r in (again or {}).get("rows", [])}
-    out = ["## Generation throughput per KV mode, with accuracy", "", *provenance(t)]
-    if again:
-        out += ["The same command with the modes in reverse order (column `reverse order`):", "", *provenance(again)]
-    out += [f"{t['model']}, {c['num_prompts']} {c.get('prompts', 'gsm_symbolic')} chat prompts x "
-            f"{c['max_tokens']} new tokens ({'natural stops' if c['natural_stop'] else 'ignore_eos'}), the same "
-            f"{c['kv_memory_gb']} GiB KV pool for every mode, max_num_seqs {c['max_num_seqs']}"
-            f"{', every mode warmed up on the whole workload first' if c.get('warmup') == 'full' else ''}. A smaller "
-            "cache holds more sequences (mean batch), which is where the speedup comes from. `compression` is fp16 "
-            "bytes / bytes held.", ""]
-    if fid:
-        out += ["Accuracy beside it: KV memory relative to fp16 and top-1 agreement with the fp16 cache, teacher "
-                f"forced over {fid['settings']['fidelity_n']} generations x {fid['settings']['gen_len']} tokens "
-                f"({fid['device']}, `{fid['command']}`); docs/ACCURACY.md has the task accuracies."]
-    out += ["", "| mode | tokens/s | reverse order | vs fp16 | mean batch | compression | preemptions | KV memory "
-            "| top-1 agreement |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in t["rows"]:
-        f = fidelity_by_cache(r, fid)
-        acc = (f"{100 * f[1]['memory_fraction']:.1f}% | {f[1]['top1_agreement']:.3f}" if f
-               else "100% | 1 (reference)" if r["kv_mode"] == "fp16" else "- | -")
-        rep = repeat.get(r["mode"])
-        out.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {'-' if rep is None else f'{rep:.0f}'} | "
-                   f"{r['speedup_vs_fp16']:.2f} | {r['mean_batch']:.1f} | {r['compression_ratio']:.2f} | "
-                   f"{r['preemptions']} | {acc} |")
-    if any("trace" in r for r in t["rows"]):
-        out += ["", f"![running batch and pages held over the run]({trace_png_name()})"]
-    return out + [""]
-
-
-def trace_png_name() -> str:
-    return f"{THROUGHPUT.split('.')[0].replace('throughput_', 'throughput_trace_')}.png"
 
 
 def step_breakdown_section() -> list[str]:
@@ -490,6 +452,36 @@ def parts(d: dict) -> str:
     return " vllm " + " ".join(f"ours-{m}" for m in ("fp16", "fp8", "int4") if m in ours) if "int4" in ours else ""
 
 
+def prompt_batching_section() -> list[str]:
+    """The scheduler's prompt-step settings side by side (benchmarks/prompt_batching.py)."""
+    d = load(PROMPT_BATCHING)
+    if d is None:
+        return []
+    c = d["config"]
+    out = ["## Prompt steps under natural stops: batching them and keeping headroom", "", *provenance(d),
+           f"{c['num_prompts']} gsm_symbolic prompts x up to {c['max_tokens']} new tokens (natural stops), "
+           f"{d['kv_memory_gb']:.2f} GiB pool, one engine per mode with its scheduler settings swapped between runs "
+           "(k = prefill_min_prompts, delay = prefill_max_delay_steps, w = prefill_watermark; the defaults are k 8, "
+           "delay 16, w 0.01). A prompt step stops every running sequence for one forward; once the pool is full, "
+           "pages come back a finished sequence at a time and each prompt step admitted one or two prompts, many "
+           "preempted again a few steps later. The first setting runs again last (beside its first run): the gap is "
+           "the run-to-run drift (a mode's first run is its slowest).", "",
+           "| mode | settings | tokens/s | x first | prompt steps | prompt s | decode steps | decode s | preemptions "
+           "| deferred steps | mean batch |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    again = {r["mode"]: r for r in d["rows"] if r["variant"].endswith("(again)")}
+    for r in d["rows"]:
+        if r["variant"].endswith("(again)"):
+            continue
+        first = r is next(x for x in d["rows"] if x["mode"] == r["mode"])
+        tps = f"{r['tokens_per_s']:.0f}"
+        if first and r["mode"] in again:
+            tps += f" (again, last: {again[r['mode']]['tokens_per_s']:.0f})"
+        out.append(f"| {r['mode']} | {r['resolved']} | {tps} | {r['vs_first']:.2f} | "
+                   f"{r['prompt_steps']} | {r['prompt_seconds']:.2f} | {r['decode_steps']} | "
+                   f"{r['decode_seconds']:.2f} | {r['preemptions']} | {r['deferred_steps']} | {r['mean_batch']:.1f} |")
+    return out + [""]
+
+
 def vllm_section() -> list[str]:
     """Our engine beside vLLM on the same workload, one device command (scripts/device/vllm_compare.sh)."""
     lines: list[str] = []
@@ -574,11 +566,12 @@ def render_performance() -> str:
              "`--smoke` mode on CPU.", ""]
     for i, name in enumerate(THROUGHPUT_AT_ACCURACY_RUNS):  # the headline: tokens/s per KV mode at its accuracy
         lines += throughput_accuracy_section(name, header=i == 0)
+    lines += prompt_batching_section()
     lines += vllm_section()
     lines += decode_step_profile_section()
     lines += pool_trace_section()
     lines += attention_section() + kernel_ab_section()
-    for section in (throughput_section, step_breakdown_section, memory_manager_section, serve_sweep_section,
+    for section in (step_breakdown_section, memory_manager_section, serve_sweep_section,
                     tensor_parallel_section):
         lines += section()
     return "\n".join(lines)
@@ -586,8 +579,8 @@ def render_performance() -> str:
 
 def render_index() -> str:
     """benchmarks/results/README.md: every recorded file, what it measures, where, when."""
-    shown = [ATTENTION, KERNEL_AB, *THROUGHPUT_AT_ACCURACY_RUNS, *VLLM_RUNS, DECODE_STEP_PROFILE, THROUGHPUT_TRACE,
-             THROUGHPUT, THROUGHPUT_REPEAT, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER, SERVE_SWEEP, TENSOR_PARALLEL]
+    shown = [ATTENTION, KERNEL_AB, *THROUGHPUT_AT_ACCURACY_RUNS, PROMPT_BATCHING, *VLLM_RUNS, DECODE_STEP_PROFILE,
+             THROUGHPUT_TRACE, *STEP_BREAKDOWN_RUNS, MEMORY_MANAGER, SERVE_SWEEP, TENSOR_PARALLEL]
     lines = ["# Recorded results", "",
              "The runs behind [docs/PERFORMANCE.md](../../docs/PERFORMANCE.md), which shows them with their commands "
              "(`python benchmarks/summarize_results.py` writes both pages). A `.json.gz` file is the JSON its command "
@@ -609,34 +602,6 @@ def render() -> tuple[str, str]:
     return render_index(), render_performance()
 
 
-def trace_plot(path: Path) -> bool:
-    """The throughput run's --trace: running batch and share of the page pool held over time, per KV mode."""
-    d = load(THROUGHPUT)
-    runs = [r for r in (d or {}).get("rows", []) if "trace" in r]
-    if not runs:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        f = r["trace"]["fields"]
-        cols = list(zip(*r["trace"]["samples"]))
-        t = cols[f.index("seconds")]
-        ax1.plot(t, cols[f.index("num_running")], label=r["mode"])
-        ax2.plot(t, [p / r["pages_total"] for p in cols[f.index("pages_used")]], label=r["mode"])
-    ax1.set(xlabel="seconds", ylabel="running sequences", title="batch")
-    ax2.set(xlabel="seconds", ylabel="fraction of the page pool held", title="pages", ylim=(0, 1.05))
-    ax1.legend()
-    fig.suptitle(f"{d['model']}, {d['device']}, {d.get('date', '')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
-
-
 def serve_sweep_plot(path: Path) -> bool:
     """The per-token latency / TTFT figure of the recorded serve sweep (loadtest/sweep.py's plot_per_token)."""
     s = load(SERVE_SWEEP)
@@ -650,7 +615,6 @@ def main() -> None:
     index, performance = render()
     (RESULTS / "README.md").write_text(index)
     (DOCS / "PERFORMANCE.md").write_text(performance)
-    trace_plot(DOCS / trace_png_name())
     serve_sweep_plot(DOCS / f"{Path(SERVE_SWEEP).stem}.png")
     print(f"wrote {RESULTS / 'README.md'}, {DOCS / 'PERFORMANCE.md'} and its plots")
 

@@ -193,7 +193,7 @@ def test_recorded_results_docs_are_generated_not_typed():
     index, performance = mod.render()
     assert (ROOT / "benchmarks" / "results" / "README.md").read_text() == index
     assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == performance
-    assert "vs fp16" in performance and "`python benchmarks/throughput.py" in performance
+    assert "vs fp16" in performance and "`python benchmarks/throughput_qwen.py" in performance
     assert len(performance.splitlines()) <= 250 and "/root/" not in performance
 
 
@@ -576,3 +576,30 @@ def test_step_breakdown_names_every_decode_attention_kernel():
     assert sb.kernel_category("_score_kernel") == "policy"
     assert sb.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") is None
     assert sb.kernel_category("decode_mma_helper") is None
+
+
+def test_prompt_batching_smoke(tmp_path):
+    """Each mode's engine runs every variant (scheduler settings swapped in) and the first again; rows record the
+    settings as resolved and what the prompt steps cost."""
+    out = tmp_path / "pb.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prompt_batching.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    d = json.loads(out.read_text())
+    assert [(r["mode"], r["resolved"]) for r in d["rows"]] == [
+        (m, s) for m in ("int4", "diffkv")
+        for s in ("k=1,delay=16,w=0", "k=3,delay=4,w=0.05", "k=1,delay=16,w=0")]
+    for r in d["rows"]:
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and not r["cut"] and r["prompt_steps"] >= 1
+        assert r["steps"] == r["prompt_steps"] + r["decode_steps"] and r["deferred_steps"] >= 0
+    assert all(r["deferred_steps"] == 0 for r in d["rows"] if r["resolved"].startswith("k=1,"))
+
+
+def test_prompt_batching_variants_name_bad_settings():
+    pb = _load_script("prompt_batching")
+    assert pb.parse_variant("k=8,delay=16,w=0.01") == {"prefill_min_prompts": 8, "prefill_max_delay_steps": 16,
+                                                       "prefill_watermark": 0.01}
+    assert pb.parse_variant("prefill_min_prompts=2") == {"prefill_min_prompts": 2}
+    with pytest.raises(ValueError, match="not k="):
+        pb.parse_variant("batch=3")
+    with pytest.raises(ValueError, match="prefill_watermark"):
+        pb.parse_variant("w=1.5")
