@@ -18,6 +18,7 @@ Frontier points beyond these are named on the command line (parse_config): `unif
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from diffkv_serve.engine.config import CacheConfig, parse_precision, parse_settings
 
@@ -33,6 +34,15 @@ class KVConfig:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(**self.cache)
+
+
+def is_uniform_diffkv(cache: Mapping[str, Any]) -> bool:
+    """A diffkv cache (its fields, or its describe()) with one precision and both alphas 0 under the threshold policy:
+    how the evals run a uniform KxVy that has no kv_mode of its own (K8V4, K4V2, K2V2). Every token stays high, so
+    it is that uniform cache, bytes included (no score or position rows: they never change what is stored)."""
+    return (cache.get("kv_mode") == "diffkv" and cache.get("policy", "thresholds") == "thresholds"
+            and parse_precision(cache["high"], "high") == parse_precision(cache["low"], "low")
+            and cache.get("alpha_high") == 0 and cache.get("alpha_low") == 0)
 
 
 def _uniform(name: str, precision: str, family: str = "uniform") -> KVConfig:

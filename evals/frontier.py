@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from evals.configs import is_uniform_diffkv
+
 FP16_FAMILY = "fp16"
 
 
@@ -29,7 +31,7 @@ def family(name: str, row: dict) -> str:
         return "uniform"
     if cache["kv_mode"] == "fp16":
         return FP16_FAMILY
-    if cache["high"] == cache["low"] and cache["alpha_high"] == 0 and cache["alpha_low"] == 0:
+    if is_uniform_diffkv(cache):
         return "uniform"
     return "diffkv"
 

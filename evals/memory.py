@@ -9,6 +9,7 @@ fp32). The fp16 reference is 2 bytes x (K + V) x head_dim per token and KV head,
 from __future__ import annotations
 
 from diffkv_serve.engine.config import CacheConfig
+from evals.configs import is_uniform_diffkv
 from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for
 
 HALF = 2  # bytes of a 16-bit element
@@ -34,11 +35,9 @@ def memory_fraction(cache: CacheConfig, head_dim: int, tokens_high: int, tokens_
     if total <= 0:
         raise ValueError("memory_fraction: no tokens")
     high, low = cache.precisions()
-    # A diffkv cache with one precision and both alphas 0 is how the evals run a uniform KxVy that has no kv_mode
-    # (K8V4, K4V2, K2V2): every token stays high. Its bytes are a single-precision cache's (no score or position
-    # rows, which never change what is stored): the alternative DiffKV is measured against, not DiffKV's own.
-    tracked = cache.tracks_tokens() and not (high == low and cache.policy == "thresholds"
-                                             and cache.alpha_high == cache.alpha_low == 0)
+    # A uniform KxVy run as diffkv costs a single-precision cache's bytes: the alternative DiffKV is measured
+    # against, not DiffKV's own.
+    tracked = cache.tracks_tokens() and not is_uniform_diffkv(cache.model_dump())
     used = tokens_high * token_bytes(*high, head_dim, cache.block_size, tracked)
     if tokens_low:
         used += tokens_low * token_bytes(*low, head_dim, cache.block_size, tracked, cache.tracks_low_tokens())
