@@ -41,6 +41,13 @@ _FLAGS: dict[str, tuple[Optional[str], dict[str, Any]]] = {
                                                                                "0.5 GiB on CPU, "
                                                                                "gpu_memory_utilization on CUDA)"}),
     "max_num_seqs": ("scheduler.max_num_seqs", {"type": int, "help": "largest batch of running requests"}),
+    "prefill_min_prompts": ("scheduler.prefill_min_prompts", {"type": int, "help": "prompts a prompt step waits "
+                                                                                 "for while sequences run; 1: none"}),
+    "prefill_max_delay_steps": ("scheduler.prefill_max_delay_steps", {"type": int, "help": "decode steps a "
+                                                                                           "fitting prompt waits at "
+                                                                                           "most"}),
+    "prefill_watermark": ("scheduler.prefill_watermark", {"type": float, "help": "share of the pool prompts may "
+                                                                                 "not take while sequences run"}),
     "tensor_parallel_size": ("tensor_parallel_size", {"type": int, "help": "ranks (Ray worker actors) the model "
                                                                            "is split over"}),
     "engine_seed": ("seed", {"type": int, "help": "the engine's torch seed (random weights, unseeded sampling)"}),
