@@ -81,6 +81,9 @@ def parse_args(argv):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reservation", choices=("worst_case", "learned"), default="worst_case")
     ap.add_argument("--stats-every", type=int, default=16)
+    ap.add_argument("--warmup", choices=("short", "full"), default="short",
+                    help="as throughput_qwen.py's: 'full' runs the workload once untimed (under the first variant) "
+                         "before the first timed run")
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds: runs that would pass it are skipped")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path")
@@ -155,6 +158,7 @@ def main(argv=None) -> int:
     rows, skipped = [], []
     for mode in args.modes:
         eng = tq.build_engine(ckpt, mode, args)
+        eng.scheduler.config = SchedulerConfig(**{**eng.config.scheduler.model_dump(), **args.parsed[0]})
         tq.warm_up(eng, prompts, seq_tokens, args)
         cache = eng.config.cache.describe()
         last = None
