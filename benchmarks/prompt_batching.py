@@ -69,21 +69,8 @@ def parse_args(argv):
                     help="scheduler settings per run: k (prefill_min_prompts), delay (prefill_max_delay_steps), w "
                          "(prefill_watermark), the defaults for what is not given; the first is the baseline, run "
                          "again last")
-    ap.add_argument("--tasks", nargs="+", default=["gsm_symbolic"])
-    ap.add_argument("--num-prompts", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=1024)
+    tq.add_workload_flags(ap, num_prompts=1024, max_tokens=1024)
     ap.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens")
-    ap.add_argument("--kv-memory-gb", type=float, default=None,
-                    help="the pool, for every mode (default: what --fp16-seqs sequences take in fp16)")
-    ap.add_argument("--fp16-seqs", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--reservation", choices=("worst_case", "learned"), default="worst_case")
-    ap.add_argument("--stats-every", type=int, default=16)
-    ap.add_argument("--warmup", choices=("short", "full"), default="short",
-                    help="as throughput_qwen.py's: 'full' runs the workload once untimed (under the first variant) "
-                         "before the first timed run")
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds: runs that would pass it are skipped")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path")

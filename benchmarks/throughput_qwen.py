@@ -279,26 +279,15 @@ def print_table(rows: list[dict], best: dict | None, args) -> None:
             print(f"  {r['mode']}: {r['accuracy']['why']}")
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(ap, only=("model", "max_model_len", "device", "dtype"),
-                     defaults={"model": "qwen2.5-coder-1.5b", "device": "auto", "dtype": "auto"})
-    ap.add_argument("--modes", nargs="+", default=None, help=f"default: {' '.join(MODE_ORDER)} (those this engine has)")
+def add_workload_flags(ap: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
+    """The workload and the engine's pool and scheduling: what prompt_batching.py shares with this script."""
     ap.add_argument("--tasks", nargs="+", default=["gsm_symbolic"], help="eval tasks the prompts come from "
                     "(gsm_symbolic, chain_sum, basic_arithmetic), taken in turn")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=2048)
-    ap.add_argument("--natural-stop", action="store_true", help="stop at EOS instead of ignore_eos")
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--fp16-seqs", type=int, default=16,
                     help="size the pool to hold this many sequences of the longest prompt + max_tokens in fp16")
     ap.add_argument("--kv-memory-gb", type=float, default=None, help="the pool, for every mode (overrides --fp16-seqs)")
-    ap.add_argument("--repeats", type=int, default=2, help="passes over the modes, every other one reversed")
-    ap.add_argument("--time-limit", type=float, default=480.0,
-                    help="seconds from the start after which no run starts or goes on (the JSON is still written)")
-    ap.add_argument("--study", default=None, help="accuracy study summary (default: the one of this model)")
-    ap.add_argument("--accuracy-task", default="gsm_symbolic")
-    ap.add_argument("--within", type=float, default=1.0, help="accuracy points below fp16 a mode may be and "
-                    "still count as fp16's accuracy (the 'x best' column)")
     ap.add_argument("--reservation", choices=("worst_case", "learned"), default="worst_case",
                     help="diffkv prompt page reservation rule (SchedulerConfig.reservation)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
@@ -309,6 +298,22 @@ def parse_args(argv):
                     help="untimed warm-up per mode: the prompts' prefills and every decode graph, or also the whole "
                          "workload once (compiles every kernel variant the run meets, so no run pays for it)")
     ap.add_argument("--stats-every", type=int, default=16, help="steps between batch / compression samples")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(ap, only=("model", "max_model_len", "device", "dtype"),
+                     defaults={"model": "qwen2.5-coder-1.5b", "device": "auto", "dtype": "auto"})
+    ap.add_argument("--modes", nargs="+", default=None, help=f"default: {' '.join(MODE_ORDER)} (those this engine has)")
+    add_workload_flags(ap, num_prompts=32, max_tokens=2048)
+    ap.add_argument("--natural-stop", action="store_true", help="stop at EOS instead of ignore_eos")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the modes, every other one reversed")
+    ap.add_argument("--time-limit", type=float, default=480.0,
+                    help="seconds from the start after which no run starts or goes on (the JSON is still written)")
+    ap.add_argument("--study", default=None, help="accuracy study summary (default: the one of this model)")
+    ap.add_argument("--accuracy-task", default="gsm_symbolic")
+    ap.add_argument("--within", type=float, default=1.0, help="accuracy points below fp16 a mode may be and "
+                    "still count as fp16's accuracy (the 'x best' column)")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--annotate", default=None, metavar="JSON",
                     help="no run: refresh a recorded result's accuracy columns and ratios from the current study "
