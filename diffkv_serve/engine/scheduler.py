@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from itertools import islice
 from typing import Optional, Protocol
 
 from diffkv_serve.engine.config import SchedulerConfig
@@ -172,7 +173,7 @@ class Scheduler:
         want = min(k, max(1, len(self.running) // k), len(self.waiting), cfg.max_num_seqs - len(self.running),
                    self.mm.num_free_slots)
         room, budget, fit = free - demand - self._headroom(), cfg.max_num_batched_tokens, 0
-        for seq in list(self.waiting)[:want]:
+        for seq in islice(self.waiting, want):  # not a copy of the queue: this runs every step
             if seq.rows_in_flight:
                 break
             if fit and seq.num_tokens > budget:  # the token budget is full: this step is as large as it gets
