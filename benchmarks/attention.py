@@ -479,14 +479,13 @@ def floor_probe(args, device, cuda) -> dict | None:
 
 
 def derive(rows: list[dict], args, graphs: bool) -> None:
-    """Per-row bandwidth, share of --bandwidth and speedups (same head layout, batch and seq)."""
+    """Per-row bandwidth, speedups (same head layout, batch and seq) and the timing the targets judge."""
     by = {(r["heads"], r["precision"], r["batch"], r["seq"]): r for r in rows}
     for r in rows:
         r["graph_us"] = statistics.median(r["graph_runs_us"]) if r["graph_runs_us"] else None
         r["graph_worst_us"] = max(r["graph_runs_us"]) if r["graph_runs_us"] else None
     for r in rows:
         r["gb_s"] = r["bytes"] / r["time_us"] / 1e3
-        r["frac_bw"] = r["bytes"] / (r["time_us"] * 1e-6) / args.bandwidth
         if r["graph_us"]:
             r["graph_gb_s"] = r["bytes"] / r["graph_us"] / 1e3
         key = (r["heads"], r["batch"], r["seq"])
@@ -498,9 +497,14 @@ def derive(rows: list[dict], args, graphs: bool) -> None:
               if (key[0], f"sdpa-{m}", *key[1:]) in by]
         r["speedup_vs_sdpa"] = min(sd) / r["time_us"] if sd else None  # vs the faster SDPA variant
         # What the targets judge: the slowest CUDA-graph timing where there are graphs, else do_bench's.
-        judged = r["graph_worst_us"] if graphs else r["time_us"]
-        r["judged_us"] = judged
-        r["judged_frac_bw"] = r["bytes"] / (judged * 1e-6) / args.bandwidth
+        r["judged_us"] = r["graph_worst_us"] if graphs else r["time_us"]
+
+
+def share_of_bandwidth(rows: list[dict], bandwidth: float) -> None:
+    """Each row's share of `bandwidth` (bytes/s), by do_bench's time and by the judged one."""
+    for r in rows:
+        r["frac_bw"] = r["bytes"] / (r["time_us"] * 1e-6) / bandwidth
+        r["judged_frac_bw"] = r["bytes"] / (r["judged_us"] * 1e-6) / bandwidth
 
 
 def floor_of(rows: list[dict], probe: dict | None, graphs: bool) -> dict | None:
@@ -591,16 +595,13 @@ def print_tables(rows: list[dict], args, floor: dict | None) -> None:
 def judge(rows: list[dict], args, probe: dict | None) -> tuple[dict | None, dict]:
     """Derived columns, the floor and the verdict of timed rows; prints the tables and the verdict."""
     graphs = bool(rows) and all(r["graph_runs_us"] for r in rows)
-    by_floor = args.bandwidth == "floor"
-    if by_floor:  # the floor's fit reads only times: derive the columns once it is known
-        args.bandwidth = 1.0
     derive(rows, args, graphs)
     floor = floor_of(rows, probe, graphs)
-    if by_floor:
+    if args.bandwidth == "floor":
         if floor is None:
             raise SystemExit("--bandwidth floor: no floor was fitted (it needs SDPA rows timed on a GPU)")
         args.bandwidth = floor["bw"]
-        derive(rows, args, graphs)
+    share_of_bandwidth(rows, args.bandwidth)
     targets = verdict(rows, floor, args)
     targets["timing"] = f"CUDA-graph, slowest of {args.repeats}" if graphs else "do_bench"
     print_tables(rows, args, floor)
