@@ -96,9 +96,14 @@ def parse_args(argv):
     return args
 
 
+def use_settings(eng, variant: dict) -> None:
+    """Swap the engine's scheduler settings: its own, with `variant`'s fields replaced (validated)."""
+    eng.scheduler.config = SchedulerConfig(**{**eng.config.scheduler.model_dump(), **variant})
+
+
 def run_row(eng, prompts, args, mode: str, spec: str, variant: dict, deadline: float) -> dict:
     """One timed pass of the workload under `variant` (the engine's scheduler settings, swapped in)."""
-    eng.scheduler.config = SchedulerConfig(**{**eng.config.scheduler.model_dump(), **variant})
+    use_settings(eng, variant)
     deferred = eng.scheduler.num_deferred_steps
     r = tq.timed_run(eng, prompts, args, f"{mode}-{spec}", deadline)
     ph = r["phases"]
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
     rows, skipped = [], []
     for mode in args.modes:
         eng = tq.build_engine(ckpt, mode, args)
-        eng.scheduler.config = SchedulerConfig(**{**eng.config.scheduler.model_dump(), **args.parsed[0]})
+        use_settings(eng, args.parsed[0])  # a full warm-up runs under the first variant
         tq.warm_up(eng, prompts, seq_tokens, args)
         cache = eng.config.cache.describe()
         last = None
