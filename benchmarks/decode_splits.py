@@ -1,9 +1,10 @@
 """Decode attention time vs split count (num_splits) at a model's head shape, inside a CUDA graph.
 
-The split count decides how many programs stream one (sequence, KV head)'s tokens. `choose_num_splits` picks
-it from the batch, the KV heads and the SM count; this sweep times every split count of --splits beside the
-automatic choice, per precision and (batch, seq), so the heuristic can be checked at small head shapes
-(SmolLM2: 9 query / 3 KV heads, head_dim 64), where batch * KV heads alone leaves most SMs idle.
+The split count decides how many programs stream one (sequence, KV head)'s tokens. The dispatcher picks it per
+kernel from the batch, the KV heads and the SM count (dispatch.planned_splits); this sweep times every split count
+of --splits beside that automatic choice, per precision and (batch, seq), so the rules can be checked at any head
+shape: SmolLM2's (9 query / 3 KV heads, head_dim 64), where batch * KV heads alone leaves most SMs idle, or the
+Llama-3-8B / Qwen2.5-1.5B heads the CUDA kernel serves (--hq 32 --hkv 8 --head-dim 128).
 Times are do_bench_cudagraph medians (a graph of back-to-back calls rotating among cache copies, as in a
 CUDA-graph decode step); diffkv rows also write per-token logits and the lse, as the engine's decode does,
 and (--score-splits) time the score update that reads them (diffkv_serve/kernels/score_update.py) per split count.
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record_sweep  # noqa: E402
 from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
 
-from diffkv_serve.kernels.decode_attention import choose_num_splits, launch_config, paged_decode_attention  # noqa: E402
+from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel, planned_splits  # noqa: E402
 from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 from diffkv_serve.kernels.score_update import BLOCK_N as SCORE_BLOCK_N  # noqa: E402
 from diffkv_serve.kernels.score_update import accumulate_scores_ref, accumulate_scores_triton, choose_score_splits  # noqa: E402
@@ -107,8 +109,8 @@ def main(argv=None) -> int:
                 logits = torch.empty(B, args.hq, S, dtype=torch.float32, device=dev) if diffkv else None
                 lse = torch.empty(B, args.hq, dtype=torch.float32, device=dev) if diffkv else None
                 out = torch.empty_like(q)
-                cfg = launch_config(fmt_hi, fmt_lo)
-                auto = choose_num_splits(B, args.hkv, S, dev, cfg.block_n, cfg.num_warps, D) if cuda else 1
+                kernel = pick_kernel(fmt_hi, fmt_lo, q, args.hq // args.hkv) if cuda else None
+                auto = planned_splits(kernel, fmt_hi, fmt_lo, B, args.hkv, S, dev, D) if cuda else 1
                 ref = None
                 times = {}
                 for splits in args.splits:
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
                         times[splits] = 1e6 * (time.perf_counter() - t0)
                 best = min(times, key=times.get)
                 gbs = (kv_bytes + qo) / (times[best] * 1e-6) / 1e9
-                rows.append({"precision": prec, "batch": B, "seq": S, "auto_splits": auto,
+                rows.append({"precision": prec, "kernel": kernel, "batch": B, "seq": S, "auto_splits": auto,
                              "us": {str(k): v for k, v in times.items()}, "best_splits": best,
                              "auto_us": times.get(auto), "best_us": times[best], "kv_bytes": kv_bytes,
                              "best_pct_bw": 100 * (kv_bytes + qo) / (times[best] * 1e-6) / args.bandwidth})

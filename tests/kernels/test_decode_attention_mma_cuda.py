@@ -124,6 +124,27 @@ def test_variants_fit_the_sm():
     assert mma_cuda.Variant(4, 4, 4, 2, 3, False, True).min_programs == 8
 
 
+def test_split_count_rule():
+    """K8V8 (6 resident programs an SM) takes half the quartered kernel's one-warp split count, a power of two; two
+    splits where the unsplit grid overfills the SMs by more than a wave and each half is long; other precisions
+    keep the one-warp count."""
+    from diffkv_serve.kernels.decode_attention.launch import choose_num_splits
+    dev = torch.device("cpu")  # num_sms: 132 off a GPU
+    k8v8, k4v2, e4m3 = (formats(s, 128, 2)[0] for s in ("K8V8", "K4V2", "K8V8-e4m3"))
+    for B, Hkv, S in ((32, 8, 1024), (8, 8, 4096), (8, 2, 4096), (32, 2, 16384), (128, 8, 1024)):
+        one_warp = choose_num_splits(B, Hkv, S, dev, mma_cuda.TILE, 1, 128)
+        assert mma_cuda.num_splits(k4v2, None, B, Hkv, S, dev) == one_warp
+        half = choose_num_splits(B, Hkv, S, dev, mma_cuda.TILE, 2, 128)
+        want = 1 << (half.bit_length() - 1)
+        assert mma_cuda.num_splits(k8v8, None, B, Hkv, S, dev) == mma_cuda.num_splits(e4m3, None, B, Hkv, S, dev) == want
+    assert mma_cuda.num_splits(k8v8, None, 32, 8, 1024, dev) == 2
+    assert mma_cuda.num_splits(k8v8, None, 8, 2, 4096, dev) == 32  # 33 for two warps, rounded down
+    # 1,024 (sequence, KV head) pairs overfill 132 SMs x 6 programs: 4,096 tokens split in two, 1,024 not
+    assert mma_cuda.num_splits(k8v8, None, 128, 8, 4096, dev) == 2
+    assert mma_cuda.num_splits(k8v8, None, 128, 8, 1024, dev) == 1
+    assert mma_cuda.num_splits(k4v2, None, 128, 8, 4096, dev) == 1  # 12 programs an SM hold them in one wave
+
+
 # (spec, Hq, Hkv, high lengths per slot and KV head, low lengths or None, splits)
 CASES = [
     ("K4V2", 8, 2, [[1000, 777], [64, 0]], None, 1),          # GQA 4: partial last tile, a head without tokens
@@ -207,8 +228,7 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
     if CUDA:  # the Triton kernel beside it
         fmt, low, q, pool, pt, len_hi, len_lo, slots, scale = call
         assert mma_cuda.usable(fmt, low, q, Hq // Hkv) is None
-        want_pick = "q8" if spec.startswith("K8V8") and low is None else "mma_cuda"  # K8V8: q8 until timed
-        assert pick_kernel(fmt, low, q, Hq // Hkv) == want_pick
+        assert pick_kernel(fmt, low, q, Hq // Hkv) == "mma_cuda"
         triton_kernel = decode_kernel(fmt, low)  # quartered, or q8 for K8V8; none serves e4m3 keys with int values
         if not (fmt.float8 and triton_kernel == "quartered"):
             tri = paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale,

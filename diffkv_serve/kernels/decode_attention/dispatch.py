@@ -1,7 +1,7 @@
 """The entry point of paged decode attention: paged_decode_attention picks the Triton kernels (CUDA tensors, or
 impl="triton") or the torch reference (reference.py); paged_decode_attention_triton validates the call, picks the
 kernel (launch.decode_kernel: f16.py, q8.py or quartered.py; mma_cuda.py's CUDA kernel where it can serve a call
-of the quartered kernel), its launch parameters and split count (launch.py), launches it and merges the splits
+of the quartered or q8 kernel), its launch parameters and split count (launch.py), launches it and merges the splits
 (merge.py).
 
 Kernel 1 runs one program per (batch entry, KV head, split): all query heads of the GQA group share each
@@ -32,9 +32,8 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
                                   fmt_low=None, len_low=None, logits_out=None, lse_out=None,
                                   num_warps=None, num_stages=None, kernel=None, config=None,
                                   alpha_low_by_slot=None):
-    """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: decode_kernel's pick, or
-    "mma_cuda" where that is "quartered" and mma_cuda.usable allows it ("quartered" forces the Triton kernel
-    there); "mma_cuda" may be forced wherever mma_cuda.usable allows it (K8V8 pages too).
+    """kernel: force one of KERNELS (tests, benchmarks; it must support the pages); None: pick_kernel's choice
+    ("quartered" or "q8" force the Triton kernel where the CUDA one would serve).
     config: a LaunchConfig in place of launch_config's (tests, benchmarks); block_n / num_warps / num_stages
     override either."""
     check_supported(fmt, cache_dtype, for_triton=True)
@@ -56,10 +55,11 @@ def paged_decode_attention_triton(q, pool, fmt: PageFormat, cache_dtype, page_ta
         return out
     pc = pool.view(cache_dtype)
     picked = pick_kernel(fmt, fmt_low if has_low else None, q, Hq // Hkv)
+    triton_pick = decode_kernel(fmt, fmt_low if has_low else None)  # may be forced where the CUDA kernel is picked
     kernel = kernel or picked
     forced_cuda = kernel == "mma_cuda" and picked != "mma_cuda"  # usable, already asked by pick_kernel otherwise
     why_not_cuda = mma_cuda.usable(fmt, fmt_low if has_low else None, q, Hq // Hkv) if forced_cuda else None
-    if kernel not in (picked, "quartered") and not (forced_cuda and why_not_cuda is None):
+    if kernel not in (picked, triton_pick, "quartered") and not (forced_cuda and why_not_cuda is None):
         low_note = " with a low section" if has_low else ""
         cuda_note = f" (mma_cuda: {why_not_cuda})" if kernel == "mma_cuda" else ""
         raise ValueError(f"kernel={kernel!r} cannot serve {fmt.name} pages{low_note}{cuda_note}")
@@ -114,19 +114,31 @@ def _split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, t
 
 def pick_kernel(fmt: PageFormat, fmt_low: PageFormat | None, q, group: int) -> str:
     """The kernel paged_decode_attention_triton launches for a call (one of KERNELS): decode_kernel's pick, or
-    "mma_cuda" where that is "quartered" and the CUDA kernel can serve the call (group: query heads per KV head)."""
+    "mma_cuda" where that is "quartered" or "q8" and the CUDA kernel can serve the call (group: query heads per KV
+    head)."""
     picked = decode_kernel(fmt, fmt_low)
-    if picked == "quartered" and mma_cuda.usable(fmt, fmt_low, q, group) is None:
+    if picked in ("quartered", "q8") and mma_cuda.usable(fmt, fmt_low, q, group) is None:
         return "mma_cuda"
     return picked
 
 
+def planned_splits(kernel: str, fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads: int,
+                   max_len: int, device: torch.device, head_dim: int) -> int:
+    """The split count paged_decode_attention_triton gives `kernel` when the call names none (benchmarks)."""
+    if kernel == "mma_cuda":
+        return mma_cuda.num_splits(fmt, fmt_low, batch, kv_heads, max_len, device)
+    if kernel == "q8":
+        return q8_launch(batch, kv_heads, max_len, device, head_dim)[1]
+    cfg = launch_config(fmt, fmt_low, kernel)
+    return choose_num_splits(batch, kv_heads, max_len, device, cfg.block_n, cfg.num_warps, head_dim)
+
+
 def _launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, layer, scale, num_splits, max_len, out,
                 logits_out, lse_out, alpha_low_by_slot=None):
-    """The CUDA kernel's call: one-warp programs, so the split count targets warps as the quartered kernel's do."""
-    B, _, D = q.shape
+    """The CUDA kernel's call, split as mma_cuda.num_splits says."""
+    B = q.shape[0]
     if num_splits is None:
-        num_splits = choose_num_splits(B, page_table.shape[2], max_len, q.device, mma_cuda.TILE, 1, D)
+        num_splits = mma_cuda.num_splits(fmt, fmt_low, B, page_table.shape[2], max_len, q.device)
     mid_acc, mid_ml = _split_partials(out, num_splits)
     mma_cuda.launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, out, mid_acc, mid_ml, logits_out,
                         lse_out, layer, scale * LOG2E, num_splits, alpha_low_by_slot=alpha_low_by_slot)

@@ -5,10 +5,11 @@ per-token logits / lse outputs DiffKV's significance update reads: when it serve
 compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched (launch_mma).
 
 It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
-the quartered Triton kernel wherever it can serve the call (dispatch.pick_kernel; 1.05-1.37x faster on an H100,
-benchmarks/results/decode_mma_vs_triton_H100.json); K8V8 pages (integer or e4m3) stay with the q8 kernel, which is
-faster there (the CUDA kernel takes 0.81-0.96x its speed), unless a caller forces kernel="mma_cuda". With several
-splits the partials are merged by merge.py's kernel.
+the quartered and q8 Triton kernels wherever it can serve the call (dispatch.pick_kernel): 1.05-1.37x faster than
+quartered.py on an H100 (benchmarks/results/decode_mma_vs_triton_H100.json), and on K8V8 pages (integer or e4m3),
+split as num_splits says, 1.05-1.31x faster than q8.py on an H200 (benchmarks/results/decode_splits_mma_cuda_H200.json;
+with the quartered kernel's split rule it had been 0.81-0.96x q8's speed on an H100). With several splits the
+partials are merged by merge.py's kernel.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from diffkv_serve.kernels._common import num_sms
+from diffkv_serve.kernels.decode_attention.launch import WIDE_SPLIT_TOKENS, choose_num_splits
 from diffkv_serve.kernels.page_layout import PageFormat
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,27 @@ class Variant(NamedTuple):
                  STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
                  F8_HI=int(self.f8))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
+
+
+def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads: int, max_len: int,
+               device: torch.device) -> int:
+    """Splits per (sequence, KV head) of a call (max_len: a bound on a head's tokens). The quartered kernel's rule
+    (launch.choose_num_splits for one-warp programs: about 8 programs per SM) for every variant but K8V8, which
+    holds 6 programs per SM (shared memory) and runs fastest at about 4: half the splits, rounded down to a power
+    of two. Where the unsplit grid alone overfills the resident programs by more than a wave and each half stays
+    WIDE_SPLIT_TOKENS long, two splits shorten the last wave. Measured on an H200 at 1-64 splits, Llama-3-8B and
+    Qwen2.5-1.5B heads, batch 8-128 x 1,024-16,384 tokens (benchmarks/decode_splits.py,
+    benchmarks/results/decode_splits_mma_cuda_H200.json): the pick is the fastest count for K8V8 (the quartered
+    kernel's rule was 12-16% slower there) and within 6% of it for the other precisions."""
+    var = variant(fmt, fmt_low, False, False)
+    k8v8 = var.kb_hi == var.vb_hi == 8 and not var.kb_lo
+    splits = choose_num_splits(batch, kv_heads, max_len, device, TILE, 2 if k8v8 else 1, HEAD_DIM)
+    if k8v8:
+        splits = 1 << (splits.bit_length() - 1)
+    overfull = batch * kv_heads > num_sms(device) * var.min_programs
+    if splits == 1 and overfull and max_len >= 2 * WIDE_SPLIT_TOKENS:
+        return 2
+    return splits
 
 
 def _format_reason(fmt: PageFormat, which: str) -> str | None:
