@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DOCS = ROOT / "docs"
 
-ATTENTION = "attention_H100.json"  # the GPU the floor targets were set on
-KERNEL_AB = "decode_mma_vs_triton_H100.json"  # the CUDA decode kernel against the Triton kernel it replaces
+ATTENTION = "attention_H200.json"  # the current kernels, judged against the GPU's own floor
+KERNEL_AB = "decode_mma_vs_triton_H200.json"  # the CUDA decode kernel against the Triton kernels it replaces
 DECODE_THROUGHPUT = "decode_throughput_llama3_8b_H100.json"
 # int4 beside diffkv at the Qwen settings (alpha_low 0: low scores unread), one GPU, one run
 STEP_BREAKDOWN_RUNS = ("step_breakdown_int4_diffkv_qwen2.5-1.5b_H100.json",)
@@ -44,10 +44,16 @@ MEASURED_ALTERNATIVES = {
     "prompt_batching_ignore_eos_qwen2.5-1.5b_H200.json": "prompt_batching.py at 128 x 2,048 (ignore_eos, 0.98 GiB): "
         "prompt batching defers nothing there (every prompt is admitted at the start): int4 29.5-29.9k, diffkv "
         "28.1-28.2k tokens/s with and without it (diffkv's first run 24.8k: a first-run cost)",
-    "attention_H200.json": "benchmarks/attention.py on an H200, judged against its own floor (7.2 us + bytes / 4.64 "
-                           "TB/s, SDPA's) with --bandwidth floor: of the floor 0.66-1.09, big reads 60-100% of 4.64 "
-                           "TB/s; the quantized kernels do not keep up with the H200's bandwidth (K8V8 / fp8 0.68-0.83, "
-                           "K4V2 0.69-0.74 at 16,384 tokens)",
+    "attention_H100.json.gz": "benchmarks/attention.py on an H100 (floor 7 us + bytes / 3.1 TB/s) with the kernels "
+                              "of 2026-11-28 morning (K8V8 on the q8 Triton kernel): of the floor min 0.76, big reads "
+                              "min 82% of 3.0 TB/s",
+    "decode_mma_vs_triton_H100.json": "decode_kernel_ab.py on an H100 before K8V8 moved to the CUDA kernel: 1.05-1.38x "
+                                      "the quartered kernel; K8V8 under the quartered kernel's split rule 0.81-0.96x q8",
+    "decode_splits_mma_cuda_llama3_8b_H200.json": "decode_splits.py, the CUDA kernel on K8V8 / fp8 pages at 1-32 "
+                                                  "splits, Llama-3-8B heads: the automatic count (mma_cuda.num_splits) "
+                                                  "is the fastest at every shape",
+    "decode_splits_mma_cuda_qwen2.5_1.5b_H200.json": "the same at Qwen2.5-1.5B's heads: the automatic count is the "
+                                                     "fastest at every shape",
     "throughput_smollm2_H100.json.gz": "benchmarks/throughput.py on SmolLM2-135M (H100, 2026-11-22, an engine "
                                        "several scheduler and kernel changes ago): tokens/s per KV mode with a "
                                        "per-step trace",
@@ -105,7 +111,6 @@ MEASURED_ALTERNATIVES = {
     "attention_triton_kernels_H100.json": "benchmarks/attention.py on an H100 with the quartered Triton kernel serving K8V4, K4V2 and "
                            "mix (before decode_mma.cu): of the floor K8V4 0.72-1.01, K4V2 0.65-1.02, mix 0.66-0.80",
     "decode_variants_H100.json": "decode-attention kernel variants tried for diffkv_serve/kernels/decode_attention/launch.py launch_config",
-    "decode_mma_vs_triton_H200.json": "an earlier decode_mma.cu against the Triton kernels on an H200: 1.02-1.32x",
     "decode_kernel_variants_H200.json": "element-wise against quartered PTX unpacking in the decode kernel",
     "decode_splits_H200.json": "decode attention time per split count (diffkv_serve/kernels/decode_attention/launch.py)",
     "decode_splits_gqa6_H100.json": "decode attention time per split count at Qwen2.5-1.5B's heads (GQA 6): the "
@@ -201,8 +206,8 @@ def kernel_ab_section() -> list[str]:
            "Triton kernel the dispatcher picks otherwise (`quartered`, or `q8` for K8V8 pages) in one run, "
            "CUDA-graph microseconds per call (CUDA / Triton, and the speedup), head_dim 128, 16-token fp16 page "
            "size. `K8V4+K4V2` is DiffKV's call (half the tokens in each section); `+logits` adds the per-token "
-           "logits and lse its significance update reads. K8V8 pages stay with `q8` by default (the CUDA kernel is "
-           "slower there); the CUDA kernel takes the quartered kernel's calls.", "",
+           "logits and lse its significance update reads. The dispatcher gives the CUDA kernel both Triton kernels' "
+           "calls wherever it can serve them (K8V8 split by `mma_cuda.num_splits`).", "",
            "| heads | pages | " + " | ".join(f"B{b} S{s}" for b, s in shapes) + " |",
            "|---|---|" + "---:|" * len(shapes)]
     cells = {(r["heads"], r["spec"], r["B"], r["S"]): r for r in d["rows"]}

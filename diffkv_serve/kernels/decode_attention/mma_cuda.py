@@ -5,11 +5,11 @@ per-token logits / lse outputs DiffKV's significance update reads: when it serve
 compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched (launch_mma).
 
 It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
-the quartered and q8 Triton kernels wherever it can serve the call (dispatch.pick_kernel): 1.05-1.37x faster than
-quartered.py on an H100 (benchmarks/results/decode_mma_vs_triton_H100.json), and on K8V8 pages (integer or e4m3),
-split as num_splits says, 1.05-1.31x faster than q8.py on an H200 (benchmarks/results/decode_splits_mma_cuda_H200.json;
-with the quartered kernel's split rule it had been 0.81-0.96x q8's speed on an H100). With several splits the
-partials are merged by merge.py's kernel.
+the quartered and q8 Triton kernels wherever it can serve the call (dispatch.pick_kernel). On an H200
+(benchmarks/results/decode_mma_vs_triton_H200.json) it runs 1.10-1.49x quartered.py's speed, and on K8V8 pages
+(integer or e4m3), split as num_splits says, 1.07-1.35x q8.py's (under the quartered kernel's split rule it had been
+0.81-0.96x q8's speed on an H100, decode_mma_vs_triton_H100.json). With several splits the partials are merged by
+merge.py's kernel.
 """
 from __future__ import annotations
 
@@ -84,10 +84,11 @@ def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads
     (launch.choose_num_splits for one-warp programs: about 8 programs per SM) for every variant but K8V8, which
     holds 6 programs per SM (shared memory) and runs fastest at about 4: half the splits, rounded down to a power
     of two. Where the unsplit grid alone overfills the resident programs by more than a wave and each half stays
-    WIDE_SPLIT_TOKENS long, two splits shorten the last wave. Measured on an H200 at 1-64 splits, Llama-3-8B and
-    Qwen2.5-1.5B heads, batch 8-128 x 1,024-16,384 tokens (benchmarks/decode_splits.py,
-    benchmarks/results/decode_splits_mma_cuda_H200.json): the pick is the fastest count for K8V8 (the quartered
-    kernel's rule was 12-16% slower there) and within 6% of it for the other precisions."""
+    WIDE_SPLIT_TOKENS long, two splits shorten the last wave. Measured on an H200 at 1-32 splits, Llama-3-8B and
+    Qwen2.5-1.5B heads, batch 8-128 x 1,024-4,096 tokens (benchmarks/decode_splits.py; decode_splits_mma_cuda_*_H200.json
+    in benchmarks/results): the pick is the fastest count for K8V8 and fp8 pages at every shape, where the one-warp
+    rule's count was up to 23% slower. For int4, K8V4, K4V2 and DiffKV's two sections the one-warp pick was within 6% of the
+    fastest of 1-64 splits up to 16,384 tokens (the same sweep on random pages, not recorded)."""
     var = variant(fmt, fmt_low, False, False)
     k8v8 = var.kb_hi == var.vb_hi == 8 and not var.kb_lo
     splits = choose_num_splits(batch, kv_heads, max_len, device, TILE, 2 if k8v8 else 1, HEAD_DIM)
