@@ -80,20 +80,21 @@ class Variant(NamedTuple):
 
 def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads: int, max_len: int,
                device: torch.device) -> int:
-    """Splits per (sequence, KV head) of a call (max_len: a bound on a head's tokens). The quartered kernel's rule
-    (launch.choose_num_splits for one-warp programs: about 8 programs per SM) for every variant but K8V8, which
-    holds 6 programs per SM (shared memory) and runs fastest at about 4: half the splits, rounded down to a power
-    of two. Where the unsplit grid alone overfills the resident programs by more than a wave and each half stays
-    WIDE_SPLIT_TOKENS long, two splits shorten the last wave. Measured on an H200 at 1-32 splits, Llama-3-8B and
-    Qwen2.5-1.5B heads, batch 8-128 x 1,024-4,096 tokens (benchmarks/decode_splits.py; decode_splits_mma_cuda_*_H200.json
-    in benchmarks/results): the pick is the fastest count for K8V8 and fp8 pages at every shape, where the one-warp
-    rule's count was up to 23% slower. For int4, K8V4, K4V2 and DiffKV's two sections the one-warp pick was within 6% of the
-    fastest of 1-64 splits up to 16,384 tokens (the same sweep on random pages, not recorded)."""
+    """Splits per (sequence, KV head) of a call (max_len: a bound on a head's tokens). Every variant but K8V8 takes
+    the quartered kernel's rule (launch.choose_num_splits for one-warp programs: about 8 programs per SM). K8V8's
+    tiles leave 6 programs per SM, which run fastest at about 4: half the splits, rounded down to a power of two,
+    and two splits where the unsplit grid alone overfills the resident programs and each half stays
+    WIDE_SPLIT_TOKENS long (a shorter last wave).
+    Measured on an H200 at 1-32 splits, Llama-3-8B and Qwen2.5-1.5B heads, batch 8-128 x 1,024-4,096 tokens
+    (benchmarks/decode_splits.py; decode_splits_mma_cuda_*_H200.json in benchmarks/results): the pick is the
+    fastest count for K8V8 and fp8 pages at every shape, where the one-warp rule's count was up to 23% slower. For
+    int4, K8V4, K4V2 and DiffKV's two sections the one-warp pick was within 6% of the fastest of 1-64 splits up to
+    16,384 tokens (the same sweep on random pages, not recorded)."""
     var = variant(fmt, fmt_low, False, False)
-    k8v8 = var.kb_hi == var.vb_hi == 8 and not var.kb_lo
-    splits = choose_num_splits(batch, kv_heads, max_len, device, TILE, 2 if k8v8 else 1, HEAD_DIM)
-    if k8v8:
-        splits = 1 << (splits.bit_length() - 1)
+    if not (var.kb_hi == var.vb_hi == 8 and not var.kb_lo):
+        return choose_num_splits(batch, kv_heads, max_len, device, TILE, 1, HEAD_DIM)
+    splits = choose_num_splits(batch, kv_heads, max_len, device, TILE, 2, HEAD_DIM)
+    splits = 1 << (splits.bit_length() - 1)
     overfull = batch * kv_heads > num_sms(device) * var.min_programs
     if splits == 1 and overfull and max_len >= 2 * WIDE_SPLIT_TOKENS:
         return 2
