@@ -167,7 +167,7 @@ def attention_section() -> list[str]:
     out = ["## Decode attention: bandwidth and the floor per KV precision", "", *provenance(a),
            "One decode step's attention over the paged cache, head_dim 128, timed as CUDA-graph replays (each row "
            f"timed {a['config']['repeats']} times, the slowest kept). Cells: microseconds per call, the share of "
-           f"{bw:.1f} TB/s that the bytes read represent (quantized data + scales + q + output), and the speed as a "
+           f"{bw:.2f} TB/s that the bytes read represent (quantized data + scales + q + output), and the speed as a "
            f"fraction of the floor t0 + bytes / BW, fitted to torch SDPA in the same run: t0 = {fl['t0_us']:.1f} us, "
            f"BW = {fl['bw'] / 1e12:.2f} TB/s (largest SDPA residual {100 * fl['max_rel_residual']:.0f}%). `mix` is "
            "half K8V4, half K4V2 tokens; `sdpa-gqa` is torch SDPA on a contiguous fp16 cache.", ""]
@@ -193,7 +193,7 @@ def attention_section() -> list[str]:
     below = sorted({tuple(x[:2]) for x in f["failing"]})
     out += [f"Targets: every compressed precision at >= {f['target']} of the floor where batch x tokens >= "
             f"{f['min_tokens']}: {'met' if f['pass'] else 'not met'} (lowest {f['min']:.2f}; below it: "
-            + ", ".join(f"{p} ({h})" for h, p in below) + f"); >= {100 * big['target']:.0f}% of {bw:.1f} TB/s where a "
+            + ", ".join(f"{p} ({h})" for h, p in below) + f"); >= {100 * big['target']:.0f}% of {bw:.2f} TB/s where a "
             f"call reads >= {big['min_bytes'] / 1e6:.0f} MB: {'met' if big['pass'] else 'not met'} (lowest "
             f"{100 * big['min']:.0f}%).", ""]
     return out
