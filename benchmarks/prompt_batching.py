@@ -43,7 +43,7 @@ DEFAULT_VARIANTS = ["k=1,w=0", "k=4,delay=8,w=0", "k=8,delay=16,w=0", "k=16,dela
 
 def label(cfg: SchedulerConfig) -> str:
     """A variant as its resolved settings (what was not given is the default)."""
-    return f"k={cfg.prefill_min_prompts},delay={cfg.prefill_max_delay_steps},w={cfg.prefill_watermark:g}"
+    return ",".join(f"{short}={getattr(cfg, field):g}" for short, field in KNOBS.items())
 
 
 def parse_variant(spec: str) -> dict:
