@@ -193,7 +193,7 @@ LENGTHS = [6 + 5 * (i % 5) for i in range(12)]
 
 
 @pytest.mark.parametrize("mode, pool_gb", [("int4", 0.004), ("diffkv", 0.006)])
-def test_engine_generates_the_same_tokens_with_prompt_batching_and_gives_every_page_back(mode, pool_gb):
+def test_engine_serves_every_request_to_its_length_with_prompt_batching_and_gives_every_page_back(mode, pool_gb):
     """A pool of about five sequences and twelve prompts of staggered lengths, so pages come back a sequence at a
     time: batching prompts and keeping headroom admit in fewer prompt steps, serve every request to its length and
     give every page back. Greedy tokens are not compared: a different decode batch moves the CPU GEMMs' rounding,
