@@ -4,7 +4,7 @@ over the dequantized cache: on the CPU through the warp emulation (_cuda_emu.py,
 dispatcher (kernel="mma_cuda"). Cases: K4V2, K4V4, K8V4, K8V2, K8V8, K4V8, e4m3 K8V8 / K8V4 pages, DiffKV's
 K8V4 + K4V2 sections, GQA groups 1-8, one and many splits, partial tiles, tiles across two, three and four pages
 (down to 21-token pages), heads without tokens, sections of which one is empty, fp16 and bf16, with and without
-the logits / lse outputs; on the CPU, each case with bulk copies (sm_90's) and with cp.async copies."""
+the logits / lse outputs."""
 import math
 import re
 
@@ -201,9 +201,8 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed):
         splits = num_splits or 3
         mid_acc = torch.empty(B, Hq, splits, 128) if splits > 1 else out
         mid_ml = torch.empty(B, Hq, splits, 2) if splits > 1 else out
-        # both ways of copying, each case once per way: bulk copies (sm_90's) at fp16, cp.async at bf16
         mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, slots, out, mid_acc, mid_ml, logits, lse, 0,
-                            scale * LOG2E, splits, compiled=_cuda_emu.compiled, bulk=dtype == torch.float16)
+                            scale * LOG2E, splits, compiled=_cuda_emu.compiled)
         if splits > 1:
             merge_splits(mid_acc, mid_ml, out, lse if lse is not None else out, splits, lse is not None)
     want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale)

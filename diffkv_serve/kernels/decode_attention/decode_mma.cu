@@ -21,10 +21,8 @@
 // tokens a page, 3 when >= 32, 4 when >= 21), STAGES (cp.async tiles in flight), MINB (programs per SM the
 // registers must allow), Q_BF16 (q / out are bf16), WRITE_LOGITS (each token's logit q.k * scale into `logits`,
 // stored straight from the C fragments), F8_HI (the high section's 8-bit sides hold e4m3 codes, zero point 0:
-// converted to fp16 by cvt, no bias; sm_89+), BULK (sm_90+: the operands read in plain token order -- 4- and 2-bit
-// keys, 2-bit values behind 4-bit keys -- arrive by bulk copies, one per page they span, instead of 16-byte
-// cp.async copies whose address work was a fifth of a K4V2 tile's instructions). With several splits the kernel
-// writes each split's partials and kernels/decode_attention/merge.py's kernel combines them.
+// converted to fp16 by cvt, no bias; sm_89+). With several splits the kernel writes each split's partials and
+// kernels/decode_attention/merge.py's kernel combines them.
 typedef unsigned int u32;
 struct __attribute__((aligned(16))) U4 { u32 x, y, z, w; };
 struct __attribute__((aligned(8))) U2 { u32 x, y; };
@@ -61,9 +59,6 @@ struct __attribute__((aligned(8))) U2 { u32 x, y; };
 #endif
 #ifndef WRITE_LOGITS
 #define WRITE_LOGITS 0
-#endif
-#ifndef BULK
-#define BULK 0
 #endif
 #define TILE 64
 #define D 128
@@ -151,27 +146,6 @@ __device__ __forceinline__ void cp4(u32 dst, const void* src, bool ok) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-#if BULK
-// Bulk copies (sm_90's TMA unit, one instruction per run of bytes) and the transaction barriers that count them in.
-__device__ __forceinline__ void mbar_init(u32 bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar)); }
-__device__ __forceinline__ void mbar_fence_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect(u32 bar, int bytes) {  // the stage's one arrival, with its byte count
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  u32 done;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, int bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-#endif
 #endif
 
 __device__ __forceinline__ float q_elem(unsigned short x) {  // one element of q (fp16 or bf16) as float
@@ -200,24 +174,6 @@ __device__ __forceinline__ unsigned short out_elem(float v) {
 #define STAGE_BYTES STAGE_OF(KB_HI, VB_HI)
 #endif
 
-// Which tile row holds the token at mma position r of a 16-token block (r: the k index of p.v, the row of the q.k
-// C fragment). K4V2 sections read their 2-bit values unswizzled, as bulk copies leave them: in this order the four
-// tokens a p.v read takes from each parity class fall in four banks, where in plain order two would share one; their
-// 4-bit key reads stay conflict-free (rows 2i and 2i + 1 keep distinct parities).
-template <bool PERM>
-__device__ __forceinline__ int row_of(int r) {
-  return PERM ? (r & 8) | (((r >> 1) & 1) << 2) | (((r >> 2) & 1) << 1) | ((r ^ (r >> 1)) & 1) : r;
-}
-
-// A section's operands in shared memory: keys unswizzled but 8-bit ones (SWZ 1), values swizzled but K4V2's 2-bit
-// ones (in row_of's order); with BULK the unswizzled rows arrive by bulk copy.
-template <int KB, int VB>
-struct Operands {
-  static constexpr bool PERM = KB == 4 && VB == 2;
-  static constexpr int KSWZ = KB == 8 ? 1 : 0, VSWZ = VB == 8 ? 2 : VB == 4 ? 3 : PERM ? 0 : 4;
-  static constexpr bool KBULK = BULK && KSWZ == 0, VBULK = BULK && VSWZ == 0;
-};
-
 // Where a section's pages are: page j of the section at pt[pstep * j] (the low section runs backwards from the
 // table's column P - 1), `tokens` rows each.
 struct Section {
@@ -226,13 +182,11 @@ struct Section {
 };
 
 // The softmax state of one split: out^T rows (dims) x columns (members 2 t4, 2 t4 + 1) per 16-dim M tile, in units
-// of the last tile's top value scale; log2-domain max m, sum l, and sum of p * value zero point z per member;
-// bit s of phase: the parity of stage s's barrier's next phase (BULK; the sections share the stages).
+// of the last tile's top value scale; log2-domain max m, sum l, and sum of p * value zero point z per member.
 struct State {
   float acc[8][4];
   float m[2], l[2], z[2];
   float top;
-  u32 phase;
 };
 
 // The <= MAXPAGES pages a tile of a section touches: page k starts at section token first[k], at pool byte base[k]
@@ -300,35 +254,11 @@ __device__ __forceinline__ void copy_words(u32 dst, const unsigned char* pool, c
   }
 }
 
-#if BULK
-// The bulk-copied rows (Operands) of tokens [t0, min(t0 + TILE, hi)): lane k copies the keys' run in the tile's
-// k-th page, lane 8 + k the values'; the stage's barrier `bar` completes once every byte has landed. Rows past hi
-// stay stale: their logits are masked and their value scales zero-filled (copy_words), so they weigh 0, and codes
-// turn into finite fp16 whatever bits they hold.
-template <int KB, int VB>
-__device__ __forceinline__ void bulk_rows(u32 sbase, const unsigned char* pool, const Section& sec, int t0, int hi,
-                                          int page_bytes, int lane, u32 bar) {
-  using O = Operands<KB, VB>;
-  const int end = min(t0 + TILE, hi), T = sec.tokens;
-  if (lane == 0) mbar_expect(bar, (end - t0) * ((O::KBULK ? KROW(KB) : 0) + (O::VBULK ? VROW(VB) : 0)));
-  __syncwarp();  // the barrier expects the bytes before any lands
-  const int k = lane & 7, values = lane >> 3, page = t0 / T + k;
-  const int a = max(page * T, t0), b = min(page * T + T, end);
-  if (k < MAXPAGES && a < b && (values == 0 ? O::KBULK : values == 1 && O::VBULK)) {
-    const int rowb = values ? VROW(VB) : KROW(KB);
-    const long long src = (long long)sec.pt[sec.pstep * page] * page_bytes + (values ? sec.v_off : sec.k_off) +
-                          (long long)(a - page * T) * rowb;
-    bulk_copy(sbase + (values ? TILE * KROW(KB) : 0) + (a - t0) * rowb, pool + src, (b - a) * rowb, bar);
-  }
-}
-#endif
-
 // Tokens [t0, t0 + TILE) of a section into a stage buffer: [keys TILE x KROW][values TILE x VROW][key (scale,
-// zero) TILE x 4][value (scale, zero) TILE x 4]. bar: the stage's barrier (BULK).
+// zero) TILE x 4][value (scale, zero) TILE x 4].
 template <int KB, int VB>
 __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec, int t0,
-                                          int hi, int page_bytes, int lane, u32 bar) {
-  using O = Operands<KB, VB>;
+                                          int hi, int page_bytes, int lane) {
   const int T = sec.tokens, p0 = t0 / T;
   TilePages tp;
   tp.tokens = T;
@@ -338,11 +268,9 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
     tp.base[k] = k == 0 || tp.first[k] < hi ? (long long)sec.pt[sec.pstep * (p0 + k)] * page_bytes : tp.base[0];
   }
   const u32 sbase = smem_addr(buf);
-#if BULK
-  if (O::KBULK || O::VBULK) bulk_rows<KB, VB>(sbase, pool, sec, t0, hi, page_bytes, lane, bar);
-#endif
-  if (!O::KBULK) copy_rows<KROW(KB), O::KSWZ>(sbase, pool, tp, t0, hi, sec.k_off, lane);
-  if (!O::VBULK) copy_rows<VROW(VB), O::VSWZ>(sbase + TILE * KROW(KB), pool, tp, t0, hi, sec.v_off, lane);
+  constexpr int KSWZ = KB == 8 ? 1 : 0, VSWZ = VB == 8 ? 2 : VB == 4 ? 3 : 4;
+  copy_rows<KROW(KB), KSWZ>(sbase, pool, tp, t0, hi, sec.k_off, lane);
+  copy_rows<VROW(VB), VSWZ>(sbase + TILE * KROW(KB), pool, tp, t0, hi, sec.v_off, lane);
   copy_words(sbase + TILE * (KROW(KB) + VROW(VB)), pool, tp, t0, hi, sec.k_meta, lane);
   copy_words(sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi, sec.v_meta, lane);
 }
@@ -358,16 +286,13 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
                                        const unsigned char* pool, const Section& sec, int lo, int hi,
                                        int page_bytes, unsigned char* smem, float* logits0, float* logits1,
                                        int logit_off, int lane) {
-  using O = Operands<KB, VB>;
   const int gi = lane >> 2, t4 = lane & 3;
-  const u32 bars = smem_addr(smem + STAGES * STAGE_BYTES);  // stage s's barrier at bars + 8 s
   // The first tiles' copies go out before the query's loads and preparation, which they overlap (lo < hi: the
   // first tile is unconditional, so that the compiler does not hoist the query's work above its branch).
   const int ntiles = (hi - lo + TILE - 1) / TILE;
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {
-    if (j == 0 || j < ntiles)
-      load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, lo + j * TILE, hi, page_bytes, lane, bars + 8 * j);
+    if (j == 0 || j < ntiles) load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, lo + j * TILE, hi, page_bytes, lane);
     cp_commit();
   }
   // This lane's 32 query elements in four 16-byte loads (the launcher aligns q rows to 16 bytes): local element
@@ -421,22 +346,13 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
   kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
 
-  const int rg = row_of<O::PERM>(gi);  // the tile row of this lane's q.k rows gi (and gi + 8: rg + 8)
   for (int j = 0; j < ntiles; ++j) {
     cp_wait<STAGES - 2>();
-#if BULK
-    if (O::KBULK || O::VBULK) {
-      const int sj = j % STAGES;
-      mbar_wait(bars + 8 * sj, (st.phase >> sj) & 1);
-      st.phase ^= 1u << sj;
-    }
-#endif
     __syncwarp();
     {
       const int jn = j + STAGES - 1;
       if (jn < ntiles)
-        load_tile<KB, VB>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, lo + jn * TILE, hi, page_bytes, lane,
-                          bars + 8 * (jn % STAGES));
+        load_tile<KB, VB>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, lo + jn * TILE, hi, page_bytes, lane);
       cp_commit();
     }
     const unsigned char* buf = smem + (j % STAGES) * STAGE_BYTES;
@@ -454,8 +370,8 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       s[blk][0] = s[blk][2] = (F8 && KB == 8) ? 0.f : -kb[0];
       s[blk][1] = s[blk][3] = (F8 && KB == 8) ? 0.f : -kb[1];
       if (KB == 4) {
-        const U4 ka = *(const U4*)(kbuf + (blk * 16 + rg) * KROW(KB) + 16 * t4);
-        const U4 kc = *(const U4*)(kbuf + (blk * 16 + rg + 8) * KROW(KB) + 16 * t4);
+        const U4 ka = *(const U4*)(kbuf + (blk * 16 + gi) * KROW(KB) + 16 * t4);
+        const U4 kc = *(const U4*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 16 * t4);
         const u32 wa[4] = {ka.x, ka.y, ka.z, ka.w}, wc[4] = {kc.x, kc.y, kc.z, kc.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -473,8 +389,8 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       } else if (KB == 2) {
         // 2-bit keys: lane t4 holds bytes 8 t4 .. 8 t4 + 7 of rows gi and gi + 8 (32-byte rows: a half-warp's
         // loads cover 128 contiguous bytes, conflict-free unswizzled)
-        const U2 ka = *(const U2*)(kbuf + (blk * 16 + rg) * KROW(KB) + 8 * t4);
-        const U2 kc = *(const U2*)(kbuf + (blk * 16 + rg + 8) * KROW(KB) + 8 * t4);
+        const U2 ka = *(const U2*)(kbuf + (blk * 16 + gi) * KROW(KB) + 8 * t4);
+        const U2 kc = *(const U2*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 8 * t4);
         const u32 wa[2] = {ka.x, ka.y}, wc[2] = {kc.x, kc.y};
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
@@ -492,8 +408,8 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       } else {
         // 8-bit keys: lane t4 holds chunks 2 t4, 2 t4 + 1 of a row (stored swapped on odd rows); a prmt puts two
         // codes under 0x64 exponent bytes.
-        const int sw = rg & 1;
-        const unsigned char* ra = kbuf + (blk * 16 + rg) * KROW(KB);
+        const int sw = gi & 1;
+        const unsigned char* ra = kbuf + (blk * 16 + gi) * KROW(KB);
         const unsigned char* rc = ra + 8 * KROW(KB);
         const U4 ka0 = *(const U4*)(ra + 16 * (2 * t4 + sw)), ka1 = *(const U4*)(ra + 16 * (2 * t4 + 1 - sw));
         const U4 kc0 = *(const U4*)(rc + 16 * (2 * t4 + sw)), kc1 = *(const U4*)(rc + 16 * (2 * t4 + 1 - sw));
@@ -510,9 +426,9 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           }
         }
       }
-      const u32 ma = kmeta[blk * 16 + rg], mc = kmeta[blk * 16 + rg + 8];
+      const u32 ma = kmeta[blk * 16 + gi], mc = kmeta[blk * 16 + gi + 8];
       const float sa = f16_lo(ma), za = f16_hi(ma), sc = f16_lo(mc), zc = f16_hi(mc);
-      const int ta = t0 + blk * 16 + rg, tc = ta + 8;
+      const int ta = t0 + blk * 16 + gi, tc = ta + 8;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         s[blk][e] = ta < hi ? sa * s[blk][e] + za * kq0[e] : __int_as_float(0xff800000);
@@ -545,7 +461,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     float vs[4][2], vz[4][2], top = 0.f;
 #pragma unroll
     for (int blk = 0; blk < 4; ++blk) {
-      const u32 ma = vmeta[blk * 16 + rg], mc = vmeta[blk * 16 + rg + 8];
+      const u32 ma = vmeta[blk * 16 + gi], mc = vmeta[blk * 16 + gi + 8];
       vs[blk][0] = f16_lo(ma);
       vz[blk][0] = f16_hi(ma);
       vs[blk][1] = f16_lo(mc);
@@ -586,8 +502,8 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     }
     // The running sum, rescaled to this tile's units, takes the tile's p.v chain directly, less 1024 * sum(p') so
     // that the codes' bias cancels inside the chain (a separate tile accumulator was up to 4% slower on an H200).
-    // The sums come from the tensor cores: -1024 times P^T in every row of one C fragment (members 2 t4, 2 t4 + 1),
-    // 4 mmas where summing the fp16 p' took 44 instructions.
+    // The tensor cores sum p': -1024 times P^T lands in every row of one C fragment (members 2 t4, 2 t4 + 1), in 4
+    // mmas where converting and summing the fp16 p' took 44 instructions (1.5-2% faster on an H200).
     float bias[4] = {0.f, 0.f, 0.f, 0.f};
     if (!(F8 && VB == 8)) {
 #pragma unroll
@@ -608,8 +524,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       const u32 pb0 = pb[blk][0], pb1 = pb[blk][1];
       // V^T as the A operand: word gi (and, 4-bit, word gi + 8) of tokens 2 t4, 2 t4 + 1 (a01 / a23) and 2 t4 + 8,
       // 2 t4 + 9 (a45 / a67), their bytes interleaved by token so every 16-bit half is one token's code of one dim.
-      const int ta = blk * 16 + row_of<O::PERM>(2 * t4 + odd);  // tile rows read first / second
-      const int tb = blk * 16 + row_of<O::PERM>(2 * t4 + 1 - odd);
+      const int ta = blk * 16 + 2 * t4 + odd, tb = blk * 16 + 2 * t4 + 1 - odd;  // tile rows read first / second
       if (VB == 8) {
         // 8-bit: word 8 w + gi of a row is plane w (dims 32 w + 4 gi + byte); a prmt takes byte mb of two tokens
         // and a lop3 puts them under 0x64 exponent bytes.
@@ -650,8 +565,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           const int chunk = 2 * w + odd;  // word gi + 8 w sits in 16-byte chunk (gi + 8 w) / 4
           u32 x[4];
           // tokens ta + 8 / tb + 8 share the swizzle of ta / tb
-          const int swa = O::VSWZ == 3 ? (ta >> 1) & 3 : O::VSWZ == 4 ? (ta >> 2) & 1 : 0;
-          const int swb = O::VSWZ == 3 ? (tb >> 1) & 3 : O::VSWZ == 4 ? (tb >> 2) & 1 : 0;
+          const int swa = VB == 4 ? (ta >> 1) & 3 : (ta >> 2) & 1, swb = VB == 4 ? (tb >> 1) & 3 : (tb >> 2) & 1;
           const unsigned char* va = vbuf + ta * VROW(VB) + 16 * (chunk ^ swa) + 4 * (gi & 3);
           const unsigned char* vb = vbuf + tb * VROW(VB) + 16 * (chunk ^ swb) + 4 * (gi & 3);
           x[0] = *(const u32*)va;
@@ -731,15 +645,6 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   st.m[0] = st.m[1] = -1.0e30f;
   st.l[0] = st.l[1] = st.z[0] = st.z[1] = 0.f;
   st.top = 1.f;
-  st.phase = 0;
-#if BULK
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(smem + STAGES * STAGE_BYTES + 8 * s));
-    mbar_fence_init();
-  }
-  __syncwarp();
-#endif
 
   if (ta < tiles_hi) {
     const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi};
@@ -747,7 +652,7 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
                                              page_bytes, smem, lg0, lg1, 0, lane);
   }
 #if KB_LO
-  if (tb > tiles_hi) {
+  if (tb > tiles_hi && ta < tb) {  // (an empty split past the last tile has ta >= tb)
     const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
     const int la = ta > tiles_hi ? ta - tiles_hi : 0;
     // gate_low: a slot decoding at alpha_low 0 never reads its low tokens' scores (score_update skips them), so

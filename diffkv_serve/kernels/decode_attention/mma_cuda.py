@@ -32,8 +32,7 @@ MAX_PAGES = 4  # pages one tile may span (decode_mma.cu's MAXPAGES): pages must 
 MIN_TOKENS = -(-(TILE - 1) // (MAX_PAGES - 1))  # 21: then TILE tokens touch at most MAX_PAGES pages
 KEY_BITS, VALUE_BITS = (2, 4, 8), (2, 4, 8)
 MAX_GROUP = 8  # query heads per KV head: the mma's N
-STAGES = 2  # tiles in flight (cp.async groups, and with bulk copies one transaction barrier each)
-BARRIER_BYTES = 8  # one mbarrier a stage, past the stage buffers
+STAGES = 2  # cp.async tiles in flight
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
 # A variant with a low section compiles two sections' loops; held to 12 programs (170 registers) it ran 6-13% slower
 # than at 8 on an H100 (K4V4+K4V4 and K4V4+K4V2 sections, batch 128 and 256, 1,088 tokens a head).
@@ -53,7 +52,6 @@ class Variant(NamedTuple):
     bf16: bool
     logits: bool  # writes each token's logit (stored from the mma fragments)
     f8: bool = False  # the high section's 8-bit sides are e4m3 codes (PageFormat.float8)
-    bulk: bool = False  # unswizzled operands arrive by bulk copy (sm_90+: cp.async.bulk, TMA)
 
     @property
     def stage_bytes(self) -> int:
@@ -64,7 +62,7 @@ class Variant(NamedTuple):
 
     @property
     def shared_bytes(self) -> int:
-        return STAGES * (self.stage_bytes + BARRIER_BYTES)
+        return STAGES * self.stage_bytes
 
     @property
     def min_programs(self) -> int:
@@ -76,7 +74,7 @@ class Variant(NamedTuple):
     def defines(self) -> str:
         d = dict(KB_HI=self.kb_hi, VB_HI=self.vb_hi, KB_LO=self.kb_lo, VB_LO=self.vb_lo, MAXPAGES=self.maxpages,
                  STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
-                 F8_HI=int(self.f8), BULK=int(self.bulk))
+                 F8_HI=int(self.f8))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -151,16 +149,11 @@ def _toolchain_reason(device: torch.device) -> str | None:
     return None
 
 
-def bulk_copies(device: torch.device) -> bool:
-    """Whether the kernel takes its unswizzled operands by bulk copy on this device (sm_90's TMA unit)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: bool, bulk: bool = False) -> Variant:
+def variant(fmt: PageFormat, fmt_low: PageFormat | None, bf16: bool, logits: bool) -> Variant:
     tokens = min(fmt.tokens, fmt_low.tokens if fmt_low else fmt.tokens)
     pages = 1 + -(-(TILE - 1) // tokens)  # most pages TILE consecutive tokens can touch
     return Variant(fmt.key_bits, fmt.value_bits, fmt_low.key_bits if fmt_low else 0,
-                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits, fmt.float8, bulk)
+                   fmt_low.value_bits if fmt_low else 2, pages, bf16, logits, fmt.float8)
 
 
 @functools.cache
@@ -172,14 +165,13 @@ def _compiled(device: torch.device, var: Variant):
 
 def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table, len_hi, len_lo, slots, out,
                mid_acc, mid_ml, logits, lse, layer: int, qk_scale: float, num_splits: int,
-               compiled=None, alpha_low_by_slot=None, bulk: bool | None = None) -> None:
+               compiled=None, alpha_low_by_slot=None) -> None:
     """One warp per (batch entry, KV head, split) over the split's tiles of the high then the low section. With
     num_splits > 1 it writes mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] (log2-domain max,
     sum) for merge.merge_splits, else the normalized output into out (and lse, when given). qk_scale is in the
     log2 domain. logits (optional, f32 [B, Hq, >= max_len]) receives each token's natural-domain logit (high
     token j at j, low token j at len_hi + j); with alpha_low_by_slot (f32 [S]) a slot's low tokens get none where
-    it is 0 (nothing reads their scores). compiled: a stand-in for _compiled (the CPU emulation in tests). bulk:
-    take the unswizzled operands by bulk copy (None: where the device has the unit, bulk_copies)."""
+    it is 0 (nothing reads their scores). compiled: a stand-in for _compiled (the CPU emulation in tests)."""
     B, Hq, _ = q.shape
     Hkv = page_table.shape[2]
     group = Hq // Hkv
@@ -187,8 +179,7 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
         raise ValueError(f"launch_mma: {group} query heads per KV head (at most {MAX_GROUP})")
     if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
         q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
-    bulk = bulk_copies(q.device) if bulk is None else bulk
-    var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None, bulk)
+    var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
     kernel = (compiled or _compiled)(q.device, var)
     lo = fmt_low or fmt
     len_lo = len_lo if fmt_low is not None else len_hi

@@ -32,8 +32,6 @@ static EmuDim3 blockIdx, threadIdx;
 static unsigned char* emu_smem_base = nullptr;
 #define DYNAMIC_SMEM(name) unsigned char* name = emu_smem_base
 
-static void emu_ptx_reset();
-
 namespace emu {
 typedef unsigned int u32;
 enum Op { RUN, SHFL, SYNC, MMA, MOVT, DONE };
@@ -126,7 +124,6 @@ static void run_block(int bx, int by, int bz, size_t smem_bytes, const std::func
   static std::vector<char> stacks(32 * (256 << 10));
   std::vector<unsigned char> smem(smem_bytes + 16, 0xAB);  // stale bytes, as shared memory holds
   emu_smem_base = smem.data();
-  emu_ptx_reset();
   blockIdx = {bx, by, bz};
   body = fn;
   for (int l = 0; l < 32; ++l) {
@@ -182,7 +179,6 @@ static inline void __syncwarp() {
   emu::wait_for_warp();
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
-static inline int max(int a, int b) { return a > b ? a : b; }
 static inline float __int_as_float(int i) {
   float f;
   std::memcpy(&f, &i, 4);
@@ -251,53 +247,4 @@ static inline void cp4(u32 dst, const void* src, bool ok) { cp_async(dst, src, 4
 static inline void cp_commit() {}
 template <int N>
 static inline void cp_wait() {}
-
-// Bulk copies land at once; each barrier counts its phases and the bytes its current phase still expects, so that a
-// wait the GPU would never see complete (bytes expected but not copied, copied but not expected, a wrong parity)
-// fails here instead of hanging there.
-struct EmuBarrier {
-  long long tx;
-  int phase;
-  bool armed;
-};
-static std::vector<std::pair<u32, EmuBarrier>> barriers;  // by shared-memory address; reset per block
-static EmuBarrier& barrier_at(u32 bar) {
-  if (bar % 8) emu::fail("mbarrier not 8-byte aligned");
-  for (auto& b : barriers)
-    if (b.first == bar) return b.second;
-  emu::fail("mbarrier used before mbarrier.init");
-  return barriers[0].second;
-}
-static inline void mbar_init(u32 bar) {
-  for (auto& b : barriers)
-    if (b.first == bar) {
-      b.second = {0, 0, false};
-      return;
-    }
-  barriers.push_back({bar, {0, 0, false}});
-}
-static inline void mbar_fence_init() {}
-static inline void settle(EmuBarrier& b) {
-  if (b.armed && b.tx == 0) b.phase += 1, b.armed = false;
-}
-static inline void mbar_expect(u32 bar, int bytes) {
-  EmuBarrier& b = barrier_at(bar);
-  if (b.armed) emu::fail("a second arrival on a one-arrival mbarrier phase");
-  b.tx += bytes, b.armed = true;
-  settle(b);
-}
-static inline void bulk_copy(u32 dst, const void* src, int bytes, u32 bar) {
-  if (dst % 16 || (uintptr_t)src % 16 || bytes % 16 || bytes <= 0) emu::fail("cp.async.bulk: not 16-byte aligned");
-  EmuBarrier& b = barrier_at(bar);
-  std::memcpy(emu_smem_base + dst, src, bytes);
-  b.tx -= bytes;
-  if (b.tx < 0 && b.armed) emu::fail("cp.async.bulk: more bytes than the barrier's phase expects");
-  settle(b);
-}
-static inline void mbar_wait(u32 bar, u32 parity) {
-  EmuBarrier& b = barrier_at(bar);
-  // try_wait.parity P returns once the phase of parity P has completed: the barrier is in the phase after it
-  if ((u32)(b.phase & 1) == parity) emu::fail("mbarrier wait on a phase that never completes");
-}
 }  // namespace emu_ptx
-static void emu_ptx_reset() { emu_ptx::barriers.clear(); }
