@@ -175,11 +175,14 @@ __device__ __forceinline__ unsigned short out_elem(float v) {
 #endif
 
 // Where a section's pages are: page j of the section at pt[pstep * j] (the low section runs backwards from the
-// table's column P - 1), `tokens` rows each.
+// table's column P - 1), `tokens` rows each; t / tokens = umulhi(t, per_page) for t < 2^32 / tokens (a division
+// cost ~30 instructions a tile).
 struct Section {
   const int* pt;
   int pstep, tokens, k_off, k_meta, v_off, v_meta;
+  u32 per_page;
 };
+__device__ __forceinline__ u32 per_page_of(int tokens) { return (u32)(((1ull << 32) + tokens - 1) / tokens); }
 
 // The softmax state of one split: out^T rows (dims) x columns (members 2 t4, 2 t4 + 1) per 16-dim M tile, in units
 // of the last tile's top value scale; log2-domain max m, sum l, and sum of p * value zero point z per member.
@@ -259,7 +262,7 @@ __device__ __forceinline__ void copy_words(u32 dst, const unsigned char* pool, c
 template <int KB, int VB>
 __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec, int t0,
                                           int hi, int page_bytes, int lane) {
-  const int T = sec.tokens, p0 = t0 / T;
+  const int T = sec.tokens, p0 = __umulhi((u32)t0, sec.per_page);
   TilePages tp;
   tp.tokens = T;
 #pragma unroll
@@ -431,8 +434,8 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       const int ta = t0 + blk * 16 + gi, tc = ta + 8;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        s[blk][e] = ta < hi ? sa * s[blk][e] + za * kq0[e] : __int_as_float(0xff800000);
-        s[blk][2 + e] = tc < hi ? sc * s[blk][2 + e] + zc * kq0[e] : __int_as_float(0xff800000);
+        s[blk][e] = sa * s[blk][e] + za * kq0[e];
+        s[blk][2 + e] = sc * s[blk][2 + e] + zc * kq0[e];
       }
       if (LOGITS) {
         if (ta < hi) {
@@ -442,6 +445,19 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
         if (tc < hi) {
           if (logits0) logits0[logit_off + tc] = s[blk][2] * LN2;
           if (logits1) logits1[logit_off + tc] = s[blk][3] * LN2;
+        }
+      }
+    }
+    // The last tile's rows past hi get no weight. A branch the warp takes together, once a section: checking every
+    // token of every tile cost 32 of a K4V2 tile's ~1,000 instructions.
+    if (t0 + TILE > hi) {
+#pragma unroll
+      for (int blk = 0; blk < 4; ++blk) {
+        const int ta = t0 + blk * 16 + gi, tc = ta + 8;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (ta >= hi) s[blk][e] = __int_as_float(0xff800000);
+          if (tc >= hi) s[blk][2 + e] = __int_as_float(0xff800000);
         }
       }
     }
@@ -647,13 +663,13 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   st.top = 1.f;
 
   if (ta < tiles_hi) {
-    const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi};
+    const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi, per_page_of(T_hi)};
     attend<KB_HI, VB_HI, F8_HI, WRITE_LOGITS>(st, qrow, real, qk_scale, pool, sec, ta * TILE, min(tb * TILE, n_hi),
                                              page_bytes, smem, lg0, lg1, 0, lane);
   }
 #if KB_LO
   if (tb > tiles_hi && ta < tb) {  // (an empty split past the last tile has ta >= tb)
-    const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo};
+    const Section sec = {pt_row + (P - 1), -1, T_lo, k_off_lo, k_meta_lo, v_off_lo, v_meta_lo, per_page_of(T_lo)};
     const int la = ta > tiles_hi ? ta - tiles_hi : 0;
     // gate_low: a slot decoding at alpha_low 0 never reads its low tokens' scores (score_update skips them), so
     // their logits are not written.

@@ -179,6 +179,7 @@ static inline void __syncwarp() {
   emu::wait_for_warp();
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
+static inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 static inline float __int_as_float(int i) {
   float f;
   std::memcpy(&f, &i, 4);
