@@ -116,6 +116,16 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ float rcp(float x) {  // 1 ulp; 1.f / x took ~12 instructions and a branch a tile
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ u32 warp_max(u32 x) {  // one instruction for a reduction over the warp (sm_80+)
+  u32 d;
+  asm("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(d) : "r"(x));
+  return d;
+}
 __device__ __forceinline__ float lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -137,11 +147,24 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
   return a;
 }
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
 __device__ __forceinline__ void cp4(u32 dst, const void* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
+}
+// BYTES (16 or 4) from b once k >= to_b, else from a; zeros once k >= to_hi (k: a constant once unrolled). Two
+// predicated copies and two compares with an immediate, where choosing between two 64-bit addresses, adding the
+// pool and comparing token indices cost ~6 integer instructions a copy (the kernel runs at an H200's power cap:
+// every instruction a tile costs clock).
+template <int BYTES>
+__device__ __forceinline__ void cp_from(u32 dst, const unsigned char* a, const unsigned char* b, int k, int to_b,
+                                        int to_hi) {
+  if (BYTES == 16)
+    asm volatile("{\n.reg .pred q, z;\nsetp.le.s32 q, %3, %5;\nsetp.le.s32 z, %4, %5;\n"
+                 "@q cp.async.cg.shared.global [%0], [%2], 16, z;\n@!q cp.async.cg.shared.global [%0], [%1], 16, z;\n}"
+                 ::"r"(dst), "l"(a), "l"(b), "r"(to_b), "r"(to_hi), "r"(k));
+  else
+    asm volatile("{\n.reg .pred q, z;\nsetp.le.s32 q, %3, %5;\nsetp.le.s32 z, %4, %5;\n"
+                 "@q cp.async.ca.shared.global [%0], [%2], 4, z;\n@!q cp.async.ca.shared.global [%0], [%1], 4, z;\n}"
+                 ::"r"(dst), "l"(a), "l"(b), "r"(to_b), "r"(to_hi), "r"(k));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -230,52 +253,85 @@ __device__ __forceinline__ void copy_rows(u32 dst, const unsigned char* pool, co
   for (int k = 1; k < MAXPAGES; ++k)
     if (t >= tp.first[k]) base_a = tp.base[k], first_a = tp.first[k], base_b = tp.base[k + 1 < MAXPAGES ? k + 1 : k];
   const int first_b = first_a + tp.tokens;
-  const long long addr_a = base_a + (long long)(t - first_a) * ROWB + off + part * 16;
-  const long long addr_b = base_b + (long long)(t - first_b) * ROWB + off + part * 16;
+  const unsigned char* a = pool + base_a + (long long)(t - first_a) * ROWB + off + part * 16;
+  const unsigned char* b = pool + base_b + (long long)(t - first_b) * ROWB + off + part * 16;
 #pragma unroll
   for (int it = 0; it < QUARTER / C; ++it) {
     const int tok = tok0 + C * it;  // the swizzle below depends on it only
-    const long long a = t + C * it >= first_b ? addr_b : addr_a;
-    const u32 d = dst + tok * ROWB + swizzled<SWZ>(part, tok) * 16;
-    cp16(d, pool + a + (long long)C * it * ROWB, t + C * it < hi);
+    cp_from<16>(dst + tok * ROWB + swizzled<SWZ>(part, tok) * 16, a + C * it * ROWB, b + C * it * ROWB, C * it,
+                first_b - t, hi - t);
   }
 }
 
-// One 4-byte (scale, zero) word a token, at segment offset `off` of its page, of tokens [t0, t0 + TILE) into
-// shared memory at dst (zero past hi): lane l copies tokens l and l + 32.
-__device__ __forceinline__ void copy_words(u32 dst, const unsigned char* pool, const TilePages& tp, int t0, int hi,
-                                           int off, int lane) {
+// One 4-byte (scale, zero) word a token, at segment offsets k_off and v_off of its page, of tokens [t0, t0 + TILE)
+// into shared memory at dk and dv (zero past hi): lane l copies tokens l and l + 32. With pages of >= 32 tokens
+// (MAXPAGES <= 3) both lie in the page of token l or the next one: one page lookup for the four copies.
+__device__ __forceinline__ void copy_words(u32 dk, u32 dv, const unsigned char* pool, const TilePages& tp, int t0,
+                                           int hi, int k_off, int v_off, int lane) {
+  const int t = t0 + lane;
+  if (MAXPAGES <= 3) {
+    long long base_a = tp.base[0], base_b = tp.base[1];
+    int first_a = tp.first[0];
+#pragma unroll
+    for (int k = 1; k < MAXPAGES; ++k)
+      if (t >= tp.first[k]) base_a = tp.base[k], first_a = tp.first[k], base_b = tp.base[k + 1 < MAXPAGES ? k + 1 : k];
+    const int first_b = first_a + tp.tokens;
+    const unsigned char* a = pool + base_a + (long long)(t - first_a) * 4;
+    const unsigned char* b = pool + base_b + (long long)(t - first_b) * 4;
+    cp_from<4>(dk + lane * 4, a + k_off, b + k_off, 0, first_b - t, hi - t);
+    cp_from<4>(dk + lane * 4 + 128, a + k_off + 128, b + k_off + 128, 32, first_b - t, hi - t);
+    cp_from<4>(dv + lane * 4, a + v_off, b + v_off, 0, first_b - t, hi - t);
+    cp_from<4>(dv + lane * 4 + 128, a + v_off + 128, b + v_off + 128, 32, first_b - t, hi - t);
+    return;
+  }
 #pragma unroll
   for (int it = 0; it < TILE / 32; ++it) {
-    const int tok = it * 32 + lane, t = t0 + tok;
+    const int tok = it * 32 + lane, tt = t + it * 32;
     long long base = tp.base[0];
     int first = tp.first[0];
 #pragma unroll
     for (int k = 1; k < MAXPAGES; ++k)
-      if (t >= tp.first[k]) base = tp.base[k], first = tp.first[k];
-    cp4(dst + tok * 4, pool + base + (long long)(t - first) * 4 + off, t < hi);
+      if (tt >= tp.first[k]) base = tp.base[k], first = tp.first[k];
+    const unsigned char* src = pool + base + (long long)(tt - first) * 4;
+    cp4(dk + tok * 4, src + k_off, tt < hi);
+    cp4(dv + tok * 4, src + v_off, tt < hi);
   }
 }
 
-// Tokens [t0, t0 + TILE) of a section into a stage buffer: [keys TILE x KROW][values TILE x VROW][key (scale,
-// zero) TILE x 4][value (scale, zero) TILE x 4].
+// The pool page ids of the <= MAXPAGES pages from the one holding section token t0 (a page starting at or past hi
+// repeats the first id: never read). They are read a tile ahead of the tile's copies: loaded where they are used,
+// their latency stalled the warp before every tile's copies (~2.5% of a K4V2 call's samples).
+struct TileIds {
+  int id[MAXPAGES];
+};
+__device__ __forceinline__ TileIds tile_ids(const Section& sec, int t0, int hi) {
+  const int p0 = __umulhi((u32)t0, sec.per_page);
+  TileIds r;
+#pragma unroll
+  for (int k = 0; k < MAXPAGES; ++k)
+    r.id[k] = k == 0 || (p0 + k) * sec.tokens < hi ? sec.pt[sec.pstep * (p0 + k)] : r.id[0];
+  return r;
+}
+
+// Tokens [t0, t0 + TILE) of a section, on the pages `ids`, into a stage buffer: [keys TILE x KROW][values TILE x
+// VROW][key (scale, zero) TILE x 4][value (scale, zero) TILE x 4].
 template <int KB, int VB>
-__device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec, int t0,
-                                          int hi, int page_bytes, int lane) {
+__device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec,
+                                          const TileIds& ids, int t0, int hi, int page_bytes, int lane) {
   const int T = sec.tokens, p0 = __umulhi((u32)t0, sec.per_page);
   TilePages tp;
   tp.tokens = T;
 #pragma unroll
   for (int k = 0; k < MAXPAGES; ++k) {
     tp.first[k] = k ? tp.first[k - 1] + T : p0 * T;
-    tp.base[k] = k == 0 || tp.first[k] < hi ? (long long)sec.pt[sec.pstep * (p0 + k)] * page_bytes : tp.base[0];
+    tp.base[k] = (long long)ids.id[k] * page_bytes;
   }
   const u32 sbase = smem_addr(buf);
   constexpr int KSWZ = KB == 8 ? 1 : 0, VSWZ = VB == 8 ? 2 : VB == 4 ? 3 : 4;
   copy_rows<KROW(KB), KSWZ>(sbase, pool, tp, t0, hi, sec.k_off, lane);
   copy_rows<VROW(VB), VSWZ>(sbase + TILE * KROW(KB), pool, tp, t0, hi, sec.v_off, lane);
-  copy_words(sbase + TILE * (KROW(KB) + VROW(VB)), pool, tp, t0, hi, sec.k_meta, lane);
-  copy_words(sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi, sec.v_meta, lane);
+  copy_words(sbase + TILE * (KROW(KB) + VROW(VB)), sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi,
+             sec.k_meta, sec.v_meta, lane);
 }
 
 // Tokens [lo, hi) of one section (lo < hi) into the split's state. qrow: member gi's query row (gi < group; zeros
@@ -293,9 +349,13 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   // The first tiles' copies go out before the query's loads and preparation, which they overlap (lo < hi: the
   // first tile is unconditional, so that the compiler does not hoist the query's work above its branch).
   const int ntiles = (hi - lo + TILE - 1) / TILE;
+  TileIds ids = tile_ids(sec, lo, hi);  // the pages of the next tile to copy
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {
-    if (j == 0 || j < ntiles) load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, lo + j * TILE, hi, page_bytes, lane);
+    if (j == 0 || j < ntiles) {
+      load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, ids, lo + j * TILE, hi, page_bytes, lane);
+      if (j + 1 < ntiles) ids = tile_ids(sec, lo + (j + 1) * TILE, hi);
+    }
     cp_commit();
   }
   // This lane's 32 query elements in four 16-byte loads (the launcher aligns q rows to 16 bytes): local element
@@ -354,8 +414,10 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     __syncwarp();
     {
       const int jn = j + STAGES - 1;
-      if (jn < ntiles)
-        load_tile<KB, VB>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, lo + jn * TILE, hi, page_bytes, lane);
+      if (jn < ntiles) {
+        load_tile<KB, VB>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, ids, lo + jn * TILE, hi, page_bytes, lane);
+        if (jn + 1 < ntiles) ids = tile_ids(sec, lo + (jn + 1) * TILE, hi);
+      }
       cp_commit();
     }
     const unsigned char* buf = smem + (j % STAGES) * STAGE_BYTES;
@@ -484,10 +546,10 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       vz[blk][1] = f16_hi(mc);
       top = fmaxf(top, fmaxf(vs[blk][0], vs[blk][1]));
     }
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+    // scales are >= 0: their bits order as unsigned integers do
+    top = __uint_as_float(warp_max(__float_as_uint(top)));
     top = top > 0.f ? top : 1.f;
-    const float rtop = 1.f / top;
+    const float rtop = rcp(top);
     float rescale[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {

@@ -185,6 +185,11 @@ static inline float __int_as_float(int i) {
   std::memcpy(&f, &i, 4);
   return f;
 }
+static inline unsigned __float_as_uint(float f) {
+  unsigned i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
 static inline float __uint_as_float(unsigned i) {
   float f;
   std::memcpy(&f, &i, 4);
@@ -220,6 +225,14 @@ static inline u32 e4m3x2_f16x2(u32 x) {  // cvt.rn.f16x2.e4m3x2: byte 0 -> low h
 }
 static inline float ex2(float x) { return std::exp2(x); }
 static inline float lg2(float x) { return std::log2(x); }
+static inline float rcp(float x) { return 1.f / x; }
+static inline u32 warp_max(u32 x) {  // redux.sync.max.u32 over the warp
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 y = __float_as_uint(__shfl_xor_sync(0xffffffff, __uint_as_float(x), o));
+    x = y > x ? y : x;
+  }
+  return x;
+}
 static inline u32 movtrans(u32 a) {
   emu::slots[emu::cur] = {};
   emu::slots[emu::cur].op = emu::MOVT;
@@ -245,6 +258,10 @@ static inline void cp_async(u32 dst, const void* src, int bytes, bool ok) {  // 
 }
 static inline void cp16(u32 dst, const void* src, bool ok) { cp_async(dst, src, 16, ok); }
 static inline void cp4(u32 dst, const void* src, bool ok) { cp_async(dst, src, 4, ok); }
+template <int BYTES>  // BYTES from b once k >= to_b, else from a; zeros once k >= to_hi
+static inline void cp_from(u32 dst, const unsigned char* a, const unsigned char* b, int k, int to_b, int to_hi) {
+  cp_async(dst, k >= to_b ? b : a, BYTES, k < to_hi);
+}
 static inline void cp_commit() {}
 template <int N>
 static inline void cp_wait() {}
