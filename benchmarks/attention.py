@@ -38,6 +38,8 @@ triton.testing.do_bench_cudagraph median over a graph of back-to-back calls that
 launch gaps and no L2 flush (closer to a CUDA-graph decode step); --repeats N takes it N times per row and the
 verdict judges the slowest. do_bench's time at small shapes is mostly the Python launch of two Triton kernels
 (~120-160 us per call on an H100 with Triton 3.6), which a decode step never pays; it stays in the JSON.
+Each row also records the SM clock and power nvidia-smi reported while it was timed (benchmarks/_gpu_power.py):
+an H200 runs the quantized kernels at its 700 W power cap, below its full clock.
 
 Usage (GPU):  python benchmarks/attention.py [--heads llama3-8b qwen2.5-1.5b] [--batches 8 32 128]
                   [--seqs 1024 4096 16384] [--repeats 2] [--out PATH]
@@ -46,6 +48,7 @@ Smoke (CPU):  python benchmarks/attention.py --smoke --out /tmp/attention.json  
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -61,6 +64,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _gpu_power import PowerMonitor  # noqa: E402
 from _results import write_result  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa: E402
@@ -374,7 +378,15 @@ def parse_args(argv):
 SMOKE_HEADS = (8, 2, 128)  # GQA 4 at head_dim 128 on a CPU: few heads keep the smoke run to seconds
 
 
-def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dict]]:
+def timed(call, args, cuda: bool, power: PowerMonitor | None) -> tuple[float, list[float], dict]:
+    """time_us, and the GPU's clock and power while it ran ({"gpu": ...} where they were sampled)."""
+    t0 = time.monotonic()
+    t, tg = time_us(call, args, cuda)
+    state = power.window(t0, time.monotonic()) if power is not None else None
+    return t, tg, ({"gpu": state} if state else {})
+
+
+def measure_heads(args, heads, device, impl, cuda, power=None) -> tuple[list[dict], list[dict]]:
     """Times SDPA and every precision at every (batch, seq) of one head layout: (rows, skipped)."""
     name, (Hq, Hkv, D) = heads
     dt, isz = torch.float16, 2
@@ -408,14 +420,16 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
             for m in args.sdpa:
                 try:
                     sdpa_out[m] = sdpa(q, K, V, m)
-                    t, tg = time_us(rotating(lambda k, m=m: sdpa(q, Ks[k], Vs[k], m), n_kv), args, cuda)
+                    t, tg, gpu_state = timed(rotating(lambda k, m=m: sdpa(q, Ks[k], Vs[k], m), n_kv), args,
+                                             cuda, power)
                 except torch.cuda.OutOfMemoryError as e:
                     print(f"skip {name} sdpa-{m} B={B} S={S}: OOM")
                     skipped.append({"heads": name, "precision": f"sdpa-{m}", "batch": B, "seq": S,
                                     "reason": f"OOM: {e}"[:200]})
                     continue
                 rows.append(dict(base, precision=f"sdpa-{m}", kv_bytes=kv_contig, bytes=kv_contig + qo,
-                                 footprint_bytes=kv_contig, copies=n_kv, time_us=t, graph_runs_us=tg))
+                                 footprint_bytes=kv_contig, copies=n_kv, time_us=t, graph_runs_us=tg,
+                                 **gpu_state))
             del Ks, Vs
             for prec in args.precisions:
                 fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), D, page_bytes, isz)
@@ -443,7 +457,7 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
                             errs[m] = float((res.float() - want.float()).abs().max())
                     if not torch.isfinite(res).all():
                         raise Mismatch(f"{name} {prec} B={B} S={S}: non-finite output")
-                    t, tg = time_us(rotating(run, n), args, cuda)
+                    t, tg, gpu_state = timed(rotating(run, n), args, cuda, power)
                 except torch.cuda.OutOfMemoryError as e:
                     print(f"skip {name} {prec} B={B} S={S}: OOM")
                     skipped.append({"heads": name, "precision": prec, "batch": B, "seq": S,
@@ -456,7 +470,7 @@ def measure_heads(args, heads, device, impl, cuda) -> tuple[list[dict], list[dic
                 kernel = pick_kernel(fmt_hi, fmt_lo, q, Hq // Hkv) if impl == "triton" else impl
                 rows.append(dict(base, precision=prec, spec=PRECISIONS.get(prec, prec), kernel=kernel, kv_bytes=kv,
                                  bytes=kv + qo,
-                                 footprint_bytes=footprint, copies=n, time_us=t, graph_runs_us=tg,
+                                 footprint_bytes=footprint, copies=n, time_us=t, graph_runs_us=tg, **gpu_state,
                                  **{f"max_abs_err_vs_sdpa_{m}": e for m, e in errs.items()}))
             del K, V, sdpa_out
             if cuda:
@@ -624,6 +638,29 @@ def judge(rows: list[dict], args, probe: dict | None) -> tuple[dict | None, dict
     return floor, targets
 
 
+def gpu_state_summary(rows: list[dict]) -> dict | None:
+    """Per precision: the median SM clock over its rows' timings and the share of samples at the power cap
+    (rows timed on a GPU with nvidia-smi only); printed and recorded beside the floor."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("gpu"):
+            by.setdefault(r["precision"], []).append(r["gpu"])
+    if not by:
+        return None
+    out = {}
+    for prec, states in by.items():
+        n = sum(s["samples"] for s in states)
+        out[prec] = {"sm_mhz": statistics.median(s["sm_mhz"] for s in states),
+                     "sm_mhz_min": min(s["sm_mhz_min"] for s in states),
+                     "power_w_max": max(s["power_w_max"] for s in states),
+                     "power_limit_w": states[-1]["power_limit_w"],
+                     "power_capped": sum(s["power_capped"] * s["samples"] for s in states) / n}
+    print("\nGPU while timing (nvidia-smi): " + "; ".join(
+        f"{p} {v['sm_mhz']:.0f} MHz, {100 * v['power_capped']:.0f}% at the {v['power_limit_w']:.0f} W cap"
+        for p, v in out.items()))
+    return out
+
+
 def rejudge(args) -> int:
     """--from-json: the floor, tables and verdict of a recorded run, from its rows' timings."""
     path = Path(args.from_json)
@@ -660,18 +697,20 @@ def main(argv=None) -> int:
           + ", ".join(f"{n} ({hq}/{hkv}, D {d})" for n, (hq, hkv, d) in args.head_layouts) + " | fp16 cache")
 
     rows, skipped, checks = [], [], []
-    for heads in args.head_layouts:
-        page_bytes = page_bytes_for(args.block_size, heads[1][2], 2)
-        print(f"correctness ({heads[0]}, small shape, B={args.check_shape[0]} S={args.check_shape[1]}):")
-        try:
-            checks += check_small(args, heads, device, impl, page_bytes)
-            r, sk = measure_heads(args, heads, device, impl, cuda)
-        except Mismatch as e:
-            print(f"\n!!! CORRECTNESS MISMATCH: {e}\n!!! aborting", file=sys.stderr)
-            return 2
-        rows += r
-        skipped += sk
+    with PowerMonitor(gpu=device.index or 0) if cuda else contextlib.nullcontext() as power:
+        for heads in args.head_layouts:
+            page_bytes = page_bytes_for(args.block_size, heads[1][2], 2)
+            print(f"correctness ({heads[0]}, small shape, B={args.check_shape[0]} S={args.check_shape[1]}):")
+            try:
+                checks += check_small(args, heads, device, impl, page_bytes)
+                r, sk = measure_heads(args, heads, device, impl, cuda, power)
+            except Mismatch as e:
+                print(f"\n!!! CORRECTNESS MISMATCH: {e}\n!!! aborting", file=sys.stderr)
+                return 2
+            rows += r
+            skipped += sk
     floor, targets = judge(rows, args, floor_probe(args, device, cuda))
+    gpu_states = gpu_state_summary(rows)
     if skipped:
         print(f"skipped: {len(skipped)} (see JSON)")
 
@@ -690,7 +729,8 @@ def main(argv=None) -> int:
                         "do_bench_cudagraph medians (back-to-back calls in a CUDA graph), --repeats of them; both "
                         "rotate among `copies` copies of the cache when it is within 2x L2. CPU (smoke): "
                         "perf_counter median.",
-              "floor": floor, "checks": checks, "targets": targets, "rows": rows, "skipped": skipped}
+              "floor": floor, "gpu_state": gpu_states, "checks": checks, "targets": targets, "rows": rows,
+              "skipped": skipped}
     write_result(result, "attention", gpu, args.out, args.smoke)
     return 0
 
