@@ -196,7 +196,30 @@ def attention_section() -> list[str]:
             + ", ".join(f"{p} ({h})" for h, p in below) + f"); >= {100 * big['target']:.0f}% of {bw:.2f} TB/s where a "
             f"call reads >= {big['min_bytes'] / 1e6:.0f} MB: {'met' if big['pass'] else 'not met'} (lowest "
             f"{100 * big['min']:.0f}%).", ""]
+    out += gpu_state_lines(a)
     return out
+
+
+def gpu_state_lines(a: dict) -> list[str]:
+    """What nvidia-smi said while the rows were timed: the clock and how often the power cap held it down, with the
+    largest calls (the last batch and length) apart, since they are the ones that reach the cap."""
+    if not a.get("gpu_state"):
+        return []
+    b, s = max(a["config"]["batches"]), max(a["config"]["seqs"])
+    big = {}
+    for r in a["rows"]:
+        if r.get("gpu") and r["batch"] == b and r["seq"] == s:
+            big.setdefault(r["precision"], []).append(r["gpu"])
+    cells = []
+    for p, v in a["gpu_state"].items():
+        cell = f"{p} {v['sm_mhz']:.0f} MHz, {100 * v['power_capped']:.0f}% capped"
+        if big.get(p):
+            cell += (f" (batch {b} x {s}: {min(g['sm_mhz'] for g in big[p]):.0f} MHz, "
+                     f"{100 * max(g['power_capped'] for g in big[p]):.0f}%)")
+        cells.append(cell)
+    limit = next(iter(a["gpu_state"].values()))["power_limit_w"]
+    return [f"GPU while timing (nvidia-smi, median SM clock and the share of samples at the {limit:.0f} W power cap): "
+            + "; ".join(cells) + ".", ""]
 
 
 def kernel_ab_section() -> list[str]:
