@@ -108,6 +108,20 @@ def test_launcher_passes_what_the_signature_takes():
     assert named["len_lo"] is not named["len_hi"]
 
 
+def test_launcher_refuses_a_table_past_the_exact_page_lookup():
+    """The kernel divides token indices by a page's token count with a multiply-high, exact below 2^32 / T tokens:
+    a page table wide enough to hold more is refused by name before anything is launched."""
+    fmt, low = formats("K8V4+K4V2", 128, 2)
+    T = max(fmt.tokens, low.tokens)
+    q = torch.zeros(1, 4, 128, dtype=torch.float16)
+    lens = torch.zeros(1, 1, 1, dtype=torch.int32)
+    wide = torch.zeros(1, 1, 1, 1, dtype=torch.int32).expand(1, 1, 1, (1 << 32) // (T * T) + 1)
+    with pytest.raises(ValueError, match="page lookup"):
+        mma_cuda.launch_mma(q, torch.zeros(4, fmt.page_bytes, dtype=torch.uint8), fmt, low, wide, lens, lens,
+                            torch.zeros(1, dtype=torch.int32), q, q, q, None, None, 0, 0.5, 1,
+                            compiled=lambda dev, var: pytest.fail("launched"))
+
+
 def test_variants_fit_the_sm():
     """Shared memory and the register cap (MINB) of every served precision leave programs resident."""
     for kb in mma_cuda.KEY_BITS:
