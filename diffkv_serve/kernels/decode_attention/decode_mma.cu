@@ -231,6 +231,25 @@ struct TilePages {
   int tokens;
 };
 
+// The page holding section token t (pool byte base_a, from section token first_a) and the one after it (base_b,
+// from first_b).
+struct PagePair {
+  long long base_a, base_b;
+  int first_a, first_b;
+};
+__device__ __forceinline__ PagePair pages_from(const TilePages& tp, int t) {
+  PagePair pp = {tp.base[0], tp.base[1], tp.first[0], 0};
+#pragma unroll
+  for (int k = 1; k < MAXPAGES; ++k)
+    if (t >= tp.first[k]) {
+      pp.base_a = tp.base[k];
+      pp.base_b = tp.base[k + 1 < MAXPAGES ? k + 1 : k];
+      pp.first_a = tp.first[k];
+    }
+  pp.first_b = pp.first_a + tp.tokens;
+  return pp;
+}
+
 // The 16-byte chunk slot of chunk `part` of row `tok` in shared memory. Chunks are stored XOR-swizzled so that the
 // fragment reads in attend hit distinct banks: SWZ 1 (8-bit keys) by token parity, 2 (8-bit values) by
 // 2 ((token / 2) % 4), 3 (4-bit values) by (token / 2) % 4, 4 (2-bit values) by (token / 4) % 2; 0 not at all.
@@ -254,14 +273,10 @@ __device__ __forceinline__ void copy_rows(u32 dst, const unsigned char* pool, co
                                           int off, int lane) {
   constexpr int P = ROWB / 16, C = 128 / ROWB, QUARTER = TILE / 4;  // chunks a row, rows a phase
   const int w = lane & 7, part = w % P, tok0 = (lane >> 3) * QUARTER + w / P, t = t0 + tok0;
-  long long base_a = tp.base[0], base_b = tp.base[1];
-  int first_a = tp.first[0];
-#pragma unroll
-  for (int k = 1; k < MAXPAGES; ++k)
-    if (t >= tp.first[k]) base_a = tp.base[k], first_a = tp.first[k], base_b = tp.base[k + 1 < MAXPAGES ? k + 1 : k];
-  const int first_b = first_a + tp.tokens;
-  const unsigned char* a = pool + base_a + (long long)(t - first_a) * ROWB + off + part * 16;
-  const unsigned char* b = pool + base_b + (long long)(t - first_b) * ROWB + off + part * 16;
+  const PagePair pp = pages_from(tp, t);
+  const unsigned char* a = pool + pp.base_a + (long long)(t - pp.first_a) * ROWB + off + part * 16;
+  const unsigned char* b = pool + pp.base_b + (long long)(t - pp.first_b) * ROWB + off + part * 16;
+  const int first_b = pp.first_b;
 #pragma unroll
   for (int it = 0; it < QUARTER / C; ++it) {
     const int tok = tok0 + C * it;  // the swizzle below depends on it only
@@ -280,14 +295,10 @@ __device__ __forceinline__ void copy_words(u32 dk, u32 dv, const unsigned char* 
                                            int hi, int k_off, int v_off, int lane) {
   const int t = t0 + lane;
   if (MAXPAGES <= 3) {
-    long long base_a = tp.base[0], base_b = tp.base[1];
-    int first_a = tp.first[0];
-#pragma unroll
-    for (int k = 1; k < MAXPAGES; ++k)
-      if (t >= tp.first[k]) base_a = tp.base[k], first_a = tp.first[k], base_b = tp.base[k + 1 < MAXPAGES ? k + 1 : k];
-    const int first_b = first_a + tp.tokens;
-    const unsigned char* a = pool + base_a + (long long)(t - first_a) * 4;
-    const unsigned char* b = pool + base_b + (long long)(t - first_b) * 4;
+    const PagePair pp = pages_from(tp, t);
+    const int first_b = pp.first_b;
+    const unsigned char* a = pool + pp.base_a + (long long)(t - pp.first_a) * 4;
+    const unsigned char* b = pool + pp.base_b + (long long)(t - first_b) * 4;
     cp_from<4>(dk + lane * 4, a + k_off, b + k_off, 0, first_b - t, hi - t);
     cp_from<4>(dk + lane * 4 + 128, a + k_off + 128, b + k_off + 128, 32, first_b - t, hi - t);
     cp_from<4>(dv + lane * 4, a + v_off, b + v_off, 0, first_b - t, hi - t);
