@@ -1,6 +1,6 @@
 """SM clock and power of the GPU while a benchmark runs, so that a result says whether the GPU ran at its power
-cap: an H200 runs the decode-attention kernels at its 700 W cap (SM clock 1.4-1.8 GHz instead of 1.98), where a
-plain copy of the same bandwidth draws ~490 W at the full clock.
+cap: run back to back on an H200, the quantized decode-attention kernels hold it at its 700 W cap (SM clock
+1.4-1.8 GHz instead of 1.98), while a 2 GiB device copy draws ~490 W at the full clock.
 
 `PowerMonitor` polls `nvidia-smi` every `period_ms` in a background process; `window(t0, t1)` summarises the samples
 taken between two `time.monotonic()` readings. Where there is no `nvidia-smi` (CPU, CI) it records nothing and every

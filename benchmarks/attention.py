@@ -39,7 +39,7 @@ launch gaps and no L2 flush (closer to a CUDA-graph decode step); --repeats N ta
 verdict judges the slowest. do_bench's time at small shapes is mostly the Python launch of two Triton kernels
 (~120-160 us per call on an H100 with Triton 3.6), which a decode step never pays; it stays in the JSON.
 Each row also records the SM clock and power nvidia-smi reported while it was timed (benchmarks/_gpu_power.py):
-an H200 runs the quantized kernels at its 700 W power cap, below its full clock.
+on an H200 the largest calls reach the 700 W power cap and run below the full clock.
 
 Usage (GPU):  python benchmarks/attention.py [--heads llama3-8b qwen2.5-1.5b] [--batches 8 32 128]
                   [--seqs 1024 4096 16384] [--repeats 2] [--out PATH]
