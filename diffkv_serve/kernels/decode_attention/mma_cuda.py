@@ -177,12 +177,12 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
     group = Hq // Hkv
     if group > MAX_GROUP:
         raise ValueError(f"launch_mma: {group} query heads per KV head (at most {MAX_GROUP})")
-    for f in (fmt, fmt_low) if fmt_low is not None else (fmt,):
-        # The kernel finds token t's page as umulhi(t, ceil(2^32 / T)), exact while t < 2^32 / T; a section's
-        # tokens stay below (table columns) * T.
-        if page_table.shape[3] * f.tokens * f.tokens >= 1 << 32:
-            raise ValueError(f"launch_mma: page_table has {page_table.shape[3]} pages a head; at {f.tokens} tokens a "
-                             f"page the kernel's page lookup is exact below {((1 << 32) - 1) // f.tokens ** 2}")
+    # The kernel finds token t's page as umulhi(t, ceil(2^32 / T)), exact while t < 2^32 / T; a section's tokens
+    # stay below (table columns) * T, so the section with the most tokens a page bounds the table.
+    T = max(fmt.tokens, fmt_low.tokens if fmt_low is not None else 0)
+    if page_table.shape[3] * T * T >= 1 << 32:
+        raise ValueError(f"launch_mma: page_table has {page_table.shape[3]} pages a head; at {T} tokens a page the "
+                         f"kernel's page lookup is exact below {((1 << 32) - 1) // T ** 2}")
     if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
         q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
     var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
