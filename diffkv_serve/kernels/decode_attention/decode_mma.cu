@@ -7,10 +7,13 @@
 //
 // Why CUDA and not Triton: Triton puts the query group on the mma's M side (padded to 16 rows) and takes packed
 // codes to the value dot through a shared-memory transpose read byte by byte. Here tokens are the M side of q.k
-// (m16n8k16: 16 tokens x 8 query heads, no padding up to a group of 8), the logits' C fragments become p.v's B
-// operand by one movmatrix, and packed codes become A fragments in registers: a lop3 (or a prmt for 8-bit codes)
-// turns codes into fp16 1024 + c * 2^s. The codes' bias of 1024 cancels inside each mma chain, which starts from
-// -1024 * (the sum it multiplies): the tensor cores' fp32 adds truncate, so a large running bias would cost digits.
+// (16 tokens x 8 query heads, no padding up to a group of 8), the logits' C fragments become p.v's B operand by one
+// movmatrix, and packed codes become A fragments in registers. Keys go to the integer mma (m16n8k32, u8 codes
+// against q as 16-bit integers in two 8-bit parts): 8-bit codes as ldmatrix loads them, 4- and 2-bit codes after a
+// mask (and a shift); exact, and 1.5-5% faster on an H200 than turning codes into fp16 for the fp16 mma (K4V2, int4,
+// DiffKV's mix; e4m3 keys stay on the fp16 mma). Values: a lop3 (or a prmt for 8-bit codes) turns codes into fp16
+// 1024 + c * 2^s; the codes' bias of 1024 cancels inside each p.v chain, which starts from -1024 * (the sum it
+// multiplies): the tensor cores' fp32 adds truncate, so a large running bias would cost digits.
 //
 // A split covers a run of 64-token tiles of the high section followed by the low one, so both sections share the
 // split's softmax state. Value codes of every width reach the same accumulator rows (dim 32 p + 4 gi + byte for
@@ -146,6 +149,25 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+__device__ __forceinline__ void ldsm4(u32 addr, u32& d0, u32& d1, u32& d2, u32& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(addr));
+}
+// Integer mma (m16n8k32, s32 accumulators): u8 key codes (A) by q's signed high bytes (imma_s8) or unsigned low
+// bytes (imma_u8).
+__device__ __forceinline__ void imma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void imma_u8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -251,11 +273,13 @@ __device__ __forceinline__ PagePair pages_from(const TilePages& tp, int t) {
 }
 
 // The 16-byte chunk slot of chunk `part` of row `tok` in shared memory. Chunks are stored XOR-swizzled so that the
-// fragment reads in attend hit distinct banks: SWZ 1 (8-bit keys) by token parity, 2 (8-bit values) by
-// 2 ((token / 2) % 4), 3 (4-bit values) by (token / 2) % 4, 4 (2-bit values) by (token / 4) % 2; 0 not at all.
+// fragment reads in attend hit distinct banks: SWZ 1 (e4m3 keys) by token parity, 5 (integer 8-bit keys, read by
+// ldmatrix: eight rows of one chunk at a time) by token % 8, 2 (8-bit values) by 2 ((token / 2) % 4), 3 (4-bit
+// values) by (token / 2) % 4, 4 (2-bit values) by (token / 4) % 2; 0 not at all.
 template <int SWZ>
 __device__ __forceinline__ int swizzled(int part, int tok) {
   return SWZ == 1 ? part ^ (tok & 1)
+       : SWZ == 5 ? part ^ (tok & 7)
        : SWZ == 2 ? part ^ (2 * ((tok >> 1) & 3))
        : SWZ == 3 ? part ^ ((tok >> 1) & 3)
        : SWZ == 4 ? part ^ ((tok >> 2) & 1)
@@ -336,7 +360,7 @@ __device__ __forceinline__ TileIds tile_ids(const Section& sec, int t0, int hi) 
 
 // Tokens [t0, t0 + TILE) of a section, on the pages `ids`, into a stage buffer: [keys TILE x KROW][values TILE x
 // VROW][key (scale, zero) TILE x 4][value (scale, zero) TILE x 4].
-template <int KB, int VB>
+template <int KB, int VB, bool F8>
 __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned char* pool, const Section& sec,
                                           const TileIds& ids, int t0, int hi, int page_bytes, int lane) {
   const int T = sec.tokens, p0 = __umulhi((u32)t0, sec.per_page);
@@ -348,7 +372,7 @@ __device__ __forceinline__ void load_tile(unsigned char* buf, const unsigned cha
     tp.base[k] = (long long)ids.id[k] * page_bytes;
   }
   const u32 sbase = smem_addr(buf);
-  constexpr int KSWZ = KB == 8 ? 1 : 0, VSWZ = VB == 8 ? 2 : VB == 4 ? 3 : 4;
+  constexpr int KSWZ = KB == 8 ? (F8 ? 1 : 5) : 0, VSWZ = VB == 8 ? 2 : VB == 4 ? 3 : 4;
   copy_rows<KROW(KB), KSWZ>(sbase, pool, tp, t0, hi, sec.k_off, lane);
   copy_rows<VROW(VB), VSWZ>(sbase + TILE * KROW(KB), pool, tp, t0, hi, sec.v_off, lane);
   copy_words(sbase + TILE * (KROW(KB) + VROW(VB)), sbase + TILE * (KROW(KB) + VROW(VB) + 4), pool, tp, t0, hi,
@@ -374,61 +398,84 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {
     if (j == 0 || j < ntiles) {
-      load_tile<KB, VB>(smem + j * STAGE_BYTES, pool, sec, ids, lo + j * TILE, hi, page_bytes, lane);
+      load_tile<KB, VB, F8>(smem + j * STAGE_BYTES, pool, sec, ids, lo + j * TILE, hi, page_bytes, lane);
       if (j + 1 < ntiles) ids = tile_ids(sec, lo + (j + 1) * TILE, hi);
     }
     cp_commit();
   }
-  // This lane's 32 query elements in four 16-byte loads (the launcher aligns q rows to 16 bytes): local element
-  // 8 j + i of load j is dim 32 t4 + 8 j + i (8-bit keys), 64 (j / 2) + 16 t4 + 8 (j % 2) + i (4-bit keys) or
-  // 32 j + 8 t4 + i (2-bit keys: plane j of the lane's key bytes 8 t4 + i).
+  // This lane's 32 query elements in 16-byte loads (the launcher aligns q rows to 16 bytes): local element 8 j + i
+  // of load j is dim 32 t4 + 8 j + i (e4m3 keys), 64 (j / 2) + 16 t4 + 8 (j % 2) + i (4-bit keys) or 32 j + 8 t4 + i
+  // (2-bit keys: plane j of the lane's key bytes 8 t4 + i); 8-byte loads for integer 8-bit keys, which ldmatrix
+  // hands out by 4-byte column. Those are the dims of the key codes this lane holds, so q's B fragments are built
+  // from the lane's own elements.
+  constexpr bool IK = !(F8 && KB == 8);
   u32 qw[16];
+  if (IK && KB == 8) {  // integer 8-bit keys: local element 4 m + i is dim 32 (m / 2) + 16 (m % 2) + 4 t4 + i
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int dim0 = KB == 8 ? 32 * t4 + 8 * j : KB == 4 ? 64 * (j >> 1) + 16 * t4 + 8 * (j & 1) : 32 * j + 8 * t4;
-    const U4 v = *(const U4*)(qrow + dim0);
-    qw[4 * j] = v.x, qw[4 * j + 1] = v.y, qw[4 * j + 2] = v.z, qw[4 * j + 3] = v.w;
-  }
-  // q as the B operand of q.k (k rows: dims, n: member gi), in the log2 domain.
-  // 4-bit keys: slice s of lane t4 takes k-rows 2 t4 + e / 2 t4 + 8 + e from key byte 16 t4 + 4 (s >> 1) + (s & 1)
-  // + 2 e, its low nibble (dim = byte; b01) and high nibble (dim 64 + byte, read as 16 c: q scaled by 1/16; b23).
-  // 8-bit keys: slice i of lane t4 takes dims 32 t4 + 4 i + {0, 1} (b01) and + {2, 3} (b23).
-  // 2-bit keys: slice s = 4 w + 2 h + pp of lane t4 takes, from key bytes 8 t4 + 4 w + h + 2 e (e = 0, 1: bytes h
-  // and h + 2 of the lane's word w), plane 2 pp (b01) and plane 2 pp + 1 (b23): dim 32 p + byte, read as 4^p c
-  // (q scaled by 4^-p).
-  u32 qb[8][2];
-  float q1 = 0.f, q0 = 0.f;  // this lane's share of sum(fp16 q') and of sum(q * qk_scale) for member gi
+    for (int m = 0; m < 8; ++m) {
+      const U2 v = *(const U2*)(qrow + 32 * (m >> 1) + 16 * (m & 1) + 4 * t4);
+      qw[2 * m] = v.x, qw[2 * m + 1] = v.y;
+    }
+  } else {
 #pragma unroll
-  for (int s = 0; s < 8; ++s) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float v[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int plane = 2 * (s & 1) + r;  // 2-bit keys
-        const int local = KB == 8 ? 4 * s + 2 * r + e
-                        : KB == 4 ? 16 * r + 4 * (s >> 1) + (s & 1) + 2 * e
-                                  : 8 * plane + 4 * (s >> 2) + ((s >> 1) & 1) + 2 * e;
-        const unsigned short qe = (unsigned short)(qw[local >> 1] >> (16 * (local & 1)));
-        const float x = real ? q_elem(qe) * qk_scale : 0.f;
-        q0 += x;
-        v[e] = KB == 4 ? (r ? x * 0.0625f : x) : KB == 2 ? x * (1.f / (float)(1 << (2 * plane))) : x;
-      }
-      const u32 p = pack_f16x2(v[0], v[1]);
-      q1 += f16_lo(p) + f16_hi(p);
-      qb[s][r] = p;
+    for (int j = 0; j < 4; ++j) {
+      const int dim0 = KB == 8 ? 32 * t4 + 8 * j : KB == 4 ? 64 * (j >> 1) + 16 * t4 + 8 * (j & 1) : 32 * j + 8 * t4;
+      const U4 v = *(const U4*)(qrow + dim0);
+      qw[4 * j] = v.x, qw[4 * j + 1] = v.y, qw[4 * j + 2] = v.z, qw[4 * j + 3] = v.w;
     }
   }
-  q1 += __shfl_xor_sync(0xffffffff, q1, 1);
-  q1 += __shfl_xor_sync(0xffffffff, q1, 2);
+  float x[32], q0 = 0.f, amax = 0.f;  // q * qk_scale (log2 domain); q0: this lane's share of member gi's sum
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    x[i] = real ? q_elem((unsigned short)(qw[i >> 1] >> (16 * (i & 1)))) * qk_scale : 0.f;
+    q0 += x[i];
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
   q0 += __shfl_xor_sync(0xffffffff, q0, 1);
   q0 += __shfl_xor_sync(0xffffffff, q0, 2);
   // The C fragment's columns are members 2 t4, 2 t4 + 1: their sums sit at lanes 8 t4 and 8 t4 + 4.
-  float kb[2], kq0[2];
-  kb[0] = 1024.f * __shfl_sync(0xffffffff, q1, 8 * t4);
-  kb[1] = 1024.f * __shfl_sync(0xffffffff, q1, 8 * t4 + 4);
+  float kq0[2];
   kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
   kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
+  // Integer keys: q.k runs on the integer tensor cores (m16n8k32, u8 codes x 8-bit q), exact, with no dequantizing
+  // of codes into fp16 (8-bit keys go to the mma as loaded; 4- and 2-bit codes take a mask, and a shift for all but
+  // the lowest field). q is one 16-bit integer Q per element at a scale shared by the group (sq = max |q| / 32767:
+  // finer than fp16's 11 bits), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains
+  // per block, joined as 256 acc_h + acc_l (|.| < 2^31). Slab s's B fragment is local elements 8 s .. 8 s + 3 and
+  // 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys (F8) stay on the fp16 mma: qb, q as fp16, slice s of lane t4
+  // takes dims 32 t4 + 4 s + {0, 1} (b01) and + {2, 3} (b23).
+  u32 qbh[4][2], qbl[4][2], qb[8][2];
+  float sq = 1.f;
+  if (IK) {
+    amax = __uint_as_float(warp_max(__float_as_uint(amax)));  // >= 0: bits order as unsigned integers do
+    sq = amax > 0.f ? amax * (1.f / 32767.f) : 1.f;
+    const float rsq = amax > 0.f ? 32767.f / amax : 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        u32 qi[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qi[i] = (u32)__float2int_rn(x[8 * s + 4 * r + i] * rsq);
+        // bytes 1 (qh) and 0 (ql) of each 16-bit Q, four to a register
+        qbh[s][r] = prmt(prmt(qi[0], qi[1], 0x0051), prmt(qi[2], qi[3], 0x0051), 0x5410);
+        qbl[s][r] = prmt(prmt(qi[0], qi[1], 0x0040), prmt(qi[2], qi[3], 0x0040), 0x5410);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      qb[s][0] = pack_f16x2(x[4 * s], x[4 * s + 1]);
+      qb[s][1] = pack_f16x2(x[4 * s + 2], x[4 * s + 3]);
+    }
+  }
+
+  // integer 8-bit keys: ldmatrix.x4 of slab sl reads, for lane l, row (l % 8) + 8 ((l / 8) % 2) of a block, chunk
+  // 2 sl + l / 16: matrices (rows 0-7 | 8-15) x (bytes 32 sl + 0-15 | 16-31), the A fragment's four registers
+  int koff[4];
+#pragma unroll
+  for (int sl = 0; sl < 4; ++sl)
+    koff[sl] = ((lane & 7) + 8 * ((lane >> 3) & 1)) * KROW(KB) + (((2 * sl + (lane >> 4)) ^ (lane & 7)) << 4);
 
   for (int j = 0; j < ntiles; ++j) {
     cp_wait<STAGES - 2>();
@@ -436,7 +483,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     {
       const int jn = j + STAGES - 1;
       if (jn < ntiles) {
-        load_tile<KB, VB>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, ids, lo + jn * TILE, hi, page_bytes, lane);
+        load_tile<KB, VB, F8>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, ids, lo + jn * TILE, hi, page_bytes, lane);
         if (jn + 1 < ntiles) ids = tile_ids(sec, lo + (jn + 1) * TILE, hi);
       }
       cp_commit();
@@ -452,48 +499,56 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     float s[4][4];
 #pragma unroll
     for (int blk = 0; blk < 4; ++blk) {
-      // the integer codes' bias cancels inside the mma chain (its fp32 adds truncate); e4m3 codes have none
-      s[blk][0] = s[blk][2] = (F8 && KB == 8) ? 0.f : -kb[0];
-      s[blk][1] = s[blk][3] = (F8 && KB == 8) ? 0.f : -kb[1];
-      if (KB == 4) {
-        const U4 ka = *(const U4*)(kbuf + (blk * 16 + gi) * KROW(KB) + 16 * t4);
-        const U4 kc = *(const U4*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 16 * t4);
-        const u32 wa[4] = {ka.x, ka.y, ka.z, ka.w}, wc[4] = {kc.x, kc.y, kc.z, kc.w};
+      const u32 ma = kmeta[blk * 16 + gi], mc = kmeta[blk * 16 + gi + 8];
+      const float sa = f16_lo(ma), za = f16_hi(ma), sc = f16_lo(mc), zc = f16_hi(mc);
+      if (IK) {
+        // A fragments of slab sl: rows gi / gi + 8 (a0, a2 / a1, a3), four codes of consecutive k each, the dims of
+        // q's local elements 8 sl .. 8 sl + 7
+        u32 A[4][4];
+        if (KB == 8) {
+          // the codes as stored: slab sl is dims 32 sl .. 32 sl + 31, straight into the A registers by ldmatrix
+          const u32 kaddr = smem_addr(kbuf) + blk * 16 * KROW(KB);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          // word i: slice 2i takes bytes 0/2 (low, high nibble), slice 2i + 1 bytes 1/3
-          u32 a_lo = lop_or(wa[i], 0x000F000F, 0x64006400), a_hi = lop_or(wa[i], 0x00F000F0, 0x64006400);
-          u32 c_lo = lop_or(wc[i], 0x000F000F, 0x64006400), c_hi = lop_or(wc[i], 0x00F000F0, 0x64006400);
-          mma(s[blk], a_lo, c_lo, a_hi, c_hi, qb[2 * i][0], qb[2 * i][1]);
-          const u32 wa8 = wa[i] >> 8, wc8 = wc[i] >> 8;
-          a_lo = lop_or(wa8, 0x000F000F, 0x64006400);
-          a_hi = lop_or(wa8, 0x00F000F0, 0x64006400);
-          c_lo = lop_or(wc8, 0x000F000F, 0x64006400);
-          c_hi = lop_or(wc8, 0x00F000F0, 0x64006400);
-          mma(s[blk], a_lo, c_lo, a_hi, c_hi, qb[2 * i + 1][0], qb[2 * i + 1][1]);
-        }
-      } else if (KB == 2) {
-        // 2-bit keys: lane t4 holds bytes 8 t4 .. 8 t4 + 7 of rows gi and gi + 8 (32-byte rows: a half-warp's
-        // loads cover 128 contiguous bytes, conflict-free unswizzled)
-        const U2 ka = *(const U2*)(kbuf + (blk * 16 + gi) * KROW(KB) + 8 * t4);
-        const U2 kc = *(const U2*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 8 * t4);
-        const u32 wa[2] = {ka.x, ka.y}, wc[2] = {kc.x, kc.y};
+          for (int sl = 0; sl < 4; ++sl) ldsm4(kaddr + koff[sl], A[sl][0], A[sl][1], A[sl][2], A[sl][3]);
+        } else if (KB == 4) {
+          // lane t4 holds key bytes 16 t4 .. 16 t4 + 15 of rows gi and gi + 8: low nibbles are dims 16 t4 + byte
+          // (slabs 0, 1), high nibbles dims 64 + 16 t4 + byte (slabs 2, 3)
+          const U4 ka = *(const U4*)(kbuf + (blk * 16 + gi) * KROW(KB) + 16 * t4);
+          const U4 kc = *(const U4*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 16 * t4);
+          const u32 wa[4] = {ka.x, ka.y, ka.z, ka.w}, wc[4] = {kc.x, kc.y, kc.z, kc.w};
 #pragma unroll
-        for (int w = 0; w < 2; ++w) {
+          for (int sl = 0; sl < 4; ++sl) {
+            const int w = 2 * (sl & 1), sh = 4 * (sl >> 1);
+            A[sl][0] = (wa[w] >> sh) & 0x0F0F0F0Fu, A[sl][1] = (wc[w] >> sh) & 0x0F0F0F0Fu;
+            A[sl][2] = (wa[w + 1] >> sh) & 0x0F0F0F0Fu, A[sl][3] = (wc[w + 1] >> sh) & 0x0F0F0F0Fu;
+          }
+        } else {
+          // 2-bit keys: lane t4 holds bytes 8 t4 .. 8 t4 + 7 of rows gi and gi + 8 (32-byte rows: a half-warp's
+          // loads cover 128 contiguous bytes, conflict-free unswizzled); slab sl is plane sl, dims 32 sl + byte
+          const U2 ka = *(const U2*)(kbuf + (blk * 16 + gi) * KROW(KB) + 8 * t4);
+          const U2 kc = *(const U2*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 8 * t4);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const u32 a = wa[w] >> (8 * h), c = wc[w] >> (8 * h);  // bytes h, h + 2 in the halves' low bytes
-#pragma unroll
-            for (int pp = 0; pp < 2; ++pp) {
-              const u32 m01 = 0x00030003u << (4 * pp), m23 = 0x00030003u << (4 * pp + 2);
-              mma(s[blk], lop_or(a, m01, 0x64006400), lop_or(c, m01, 0x64006400), lop_or(a, m23, 0x64006400),
-                  lop_or(c, m23, 0x64006400), qb[4 * w + 2 * h + pp][0], qb[4 * w + 2 * h + pp][1]);
-            }
+          for (int sl = 0; sl < 4; ++sl) {
+            A[sl][0] = (ka.x >> (2 * sl)) & 0x03030303u, A[sl][1] = (kc.x >> (2 * sl)) & 0x03030303u;
+            A[sl][2] = (ka.y >> (2 * sl)) & 0x03030303u, A[sl][3] = (kc.y >> (2 * sl)) & 0x03030303u;
           }
         }
+        int ah[4] = {0, 0, 0, 0}, al[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int sl = 0; sl < 4; ++sl) {
+          imma_s8(ah, A[sl][0], A[sl][1], A[sl][2], A[sl][3], qbh[sl][0], qbh[sl][1]);
+          imma_u8(al, A[sl][0], A[sl][1], A[sl][2], A[sl][3], qbl[sl][0], qbl[sl][1]);
+        }
+        const float ssa = sa * sq, ssc = sc * sq;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[blk][e] = ssa * (float)((ah[e] << 8) + al[e]) + za * kq0[e];
+          s[blk][2 + e] = ssc * (float)((ah[2 + e] << 8) + al[2 + e]) + zc * kq0[e];
+        }
       } else {
-        // 8-bit keys: lane t4 holds chunks 2 t4, 2 t4 + 1 of a row (stored swapped on odd rows); a prmt puts two
-        // codes under 0x64 exponent bytes.
+        // e4m3 keys: lane t4 holds chunks 2 t4, 2 t4 + 1 of a row (stored swapped on odd rows); cvt turns two codes
+        // into two fp16
+        s[blk][0] = s[blk][1] = s[blk][2] = s[blk][3] = 0.f;
         const int sw = gi & 1;
         const unsigned char* ra = kbuf + (blk * 16 + gi) * KROW(KB);
         const unsigned char* rc = ra + 8 * KROW(KB);
@@ -502,25 +557,17 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
         const u32 wa[8] = {ka0.x, ka0.y, ka0.z, ka0.w, ka1.x, ka1.y, ka1.z, ka1.w};
         const u32 wc[8] = {kc0.x, kc0.y, kc0.z, kc0.w, kc1.x, kc1.y, kc1.z, kc1.w};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (F8) {
-            mma(s[blk], e4m3x2_f16x2(wa[i]), e4m3x2_f16x2(wc[i]), e4m3x2_f16x2(wa[i] >> 16),
-                e4m3x2_f16x2(wc[i] >> 16), qb[i][0], qb[i][1]);
-          } else {
-            mma(s[blk], prmt(wa[i], 0x64646464, 0x4140), prmt(wc[i], 0x64646464, 0x4140),
-                prmt(wa[i], 0x64646464, 0x4342), prmt(wc[i], 0x64646464, 0x4342), qb[i][0], qb[i][1]);
-          }
+        for (int i = 0; i < 8; ++i)
+          mma(s[blk], e4m3x2_f16x2(wa[i]), e4m3x2_f16x2(wc[i]), e4m3x2_f16x2(wa[i] >> 16),
+              e4m3x2_f16x2(wc[i] >> 16), qb[i][0], qb[i][1]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[blk][e] = sa * s[blk][e] + za * kq0[e];
+          s[blk][2 + e] = sc * s[blk][2 + e] + zc * kq0[e];
         }
       }
-      const u32 ma = kmeta[blk * 16 + gi], mc = kmeta[blk * 16 + gi + 8];
-      const float sa = f16_lo(ma), za = f16_hi(ma), sc = f16_lo(mc), zc = f16_hi(mc);
-      const int ta = t0 + blk * 16 + gi, tc = ta + 8;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[blk][e] = sa * s[blk][e] + za * kq0[e];
-        s[blk][2 + e] = sc * s[blk][2 + e] + zc * kq0[e];
-      }
       if (LOGITS) {
+        const int ta = t0 + blk * 16 + gi, tc = ta + 8;
         if (ta < hi) {
           if (logits0) logits0[logit_off + ta] = s[blk][0] * LN2;
           if (logits1) logits1[logit_off + ta] = s[blk][1] * LN2;

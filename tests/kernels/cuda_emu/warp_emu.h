@@ -34,13 +34,15 @@ static unsigned char* emu_smem_base = nullptr;
 
 namespace emu {
 typedef unsigned int u32;
-enum Op { RUN, SHFL, SYNC, MMA, MOVT, DONE };
+enum Op { RUN, SHFL, SYNC, MMA, IMMA, MOVT, LDSM, DONE };
 struct Slot {
   Op op;
   float f;
   int src;
   u32 a[4], b[2];
   float c[4];
+  int ci[4];
+  bool b_signed;  // IMMA: B's bytes are s8 (else u8)
   u32 m;
 };
 static Slot slots[32];
@@ -82,6 +84,13 @@ static void collective() {
       m[l >> 2][2 * (l & 3) + 1] = slots[l].m >> 16;
     }
     for (int l = 0; l < 32; ++l) slots[l].m = m[2 * (l & 3)][l >> 2] | ((u32)m[2 * (l & 3) + 1][l >> 2] << 16);
+  } else if (op == LDSM) {  // ldmatrix x4 b16: lane 8 j + r gives row r of matrix j; lane l gets row l / 4,
+    // columns 2 (l % 4) + {0, 1} of each matrix
+    u32 m[4][8][4];
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < 8; ++r) std::memcpy(m[j][r], emu_smem_base + slots[8 * j + r].m, 16);
+    for (int l = 0; l < 32; ++l)
+      for (int j = 0; j < 4; ++j) slots[l].a[j] = m[j][l >> 2][l & 3];
   } else if (op == MMA) {  // m16n8k16, A row-major 16 x 16, B col-major 16 x 8, C / D 16 x 8 fp32
     float A[16][16], B[16][8], C[16][8];
     for (int l = 0; l < 32; ++l) {
@@ -108,6 +117,39 @@ static void collective() {
       for (int e = 0; e < 2; ++e) {
         slots[l].c[e] = C[g][2 * t + e];
         slots[l].c[2 + e] = C[g + 8][2 * t + e];
+      }
+    }
+  } else if (op == IMMA) {  // m16n8k32, A row-major 16 x 32 u8, B col-major 32 x 8 (s8 or u8), C / D s32
+    int A[16][32], B[32][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int e = 0; e < 4; ++e) {
+        A[g][4 * t + e] = (slots[l].a[0] >> (8 * e)) & 0xff;
+        A[g + 8][4 * t + e] = (slots[l].a[1] >> (8 * e)) & 0xff;
+        A[g][4 * t + 16 + e] = (slots[l].a[2] >> (8 * e)) & 0xff;
+        A[g + 8][4 * t + 16 + e] = (slots[l].a[3] >> (8 * e)) & 0xff;
+        for (int r = 0; r < 2; ++r) {
+          const int byte = (slots[l].b[r] >> (8 * e)) & 0xff;
+          B[4 * t + 16 * r + e][g] = slots[l].b_signed ? (int)(signed char)byte : byte;
+        }
+      }
+      for (int e = 0; e < 2; ++e) {
+        C[g][2 * t + e] = slots[l].ci[e];
+        C[g + 8][2 * t + e] = slots[l].ci[2 + e];
+      }
+    }
+    for (int r = 0; r < 16; ++r)
+      for (int n = 0; n < 8; ++n) {
+        long long s = C[r][n];
+        for (int k = 0; k < 32; ++k) s += (long long)A[r][k] * B[k][n];
+        if (s > INT32_MAX || s < INT32_MIN) fail("integer mma overflows s32");
+        C[r][n] = (int)s;
+      }
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int e = 0; e < 2; ++e) {
+        slots[l].ci[e] = C[g][2 * t + e];
+        slots[l].ci[2 + e] = C[g + 8][2 * t + e];
       }
     }
   }
@@ -185,6 +227,7 @@ static inline float __int_as_float(int i) {
   std::memcpy(&f, &i, 4);
   return f;
 }
+static inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // round to nearest even
 static inline unsigned __float_as_uint(float f) {
   unsigned i;
   std::memcpy(&i, &f, 4);
@@ -248,6 +291,32 @@ static inline void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
   for (int i = 0; i < 4; ++i) s.c[i] = c[i];
   emu::wait_for_warp();
   for (int i = 0; i < 4; ++i) c[i] = emu::slots[emu::cur].c[i];
+}
+static inline void imma(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool b_signed) {
+  emu::Slot& s = emu::slots[emu::cur];
+  s = {};
+  s.op = emu::IMMA;
+  s.b_signed = b_signed;
+  s.a[0] = a0, s.a[1] = a1, s.a[2] = a2, s.a[3] = a3, s.b[0] = b0, s.b[1] = b1;
+  for (int i = 0; i < 4; ++i) s.ci[i] = c[i];
+  emu::wait_for_warp();
+  for (int i = 0; i < 4; ++i) c[i] = emu::slots[emu::cur].ci[i];
+}
+static inline void ldsm4(u32 addr, u32& d0, u32& d1, u32& d2, u32& d3) {
+  emu::Slot& s = emu::slots[emu::cur];
+  s = {};
+  s.op = emu::LDSM;
+  if (addr & 15) emu::fail("ldmatrix row address not 16-byte aligned");
+  s.m = addr;
+  emu::wait_for_warp();
+  d0 = emu::slots[emu::cur].a[0], d1 = emu::slots[emu::cur].a[1], d2 = emu::slots[emu::cur].a[2],
+  d3 = emu::slots[emu::cur].a[3];
+}
+static inline void imma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  imma(c, a0, a1, a2, a3, b0, b1, true);
+}
+static inline void imma_u8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  imma(c, a0, a1, a2, a3, b0, b1, false);
 }
 static inline u32 smem_addr(const void* p) { return (u32)((const unsigned char*)p - emu_smem_base); }
 static inline void cp_async(u32 dst, const void* src, int bytes, bool ok) {  // zero-fills when !ok, as src-size 0
