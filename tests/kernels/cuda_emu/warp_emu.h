@@ -1,7 +1,7 @@
 // A CPU emulation of one-warp CUDA programs, for testing the hand-written decode kernel (and the like) without a
 // GPU: g++ -DDIFFKV_WARP_EMU -include warp_emu.h compiles the .cu as C++, and emu_grid runs its blocks one after
-// another, each as 32 lanes on ucontext stacks. A lane runs until it reaches a warp-collective operation (mma, integer mma, ldmatrix,
-// movmatrix, shuffles, __syncwarp), then the next lane runs; once all 32 wait at the same operation, it is done for
+// another, each as 32 lanes on ucontext stacks. A lane runs until it reaches a warp-collective operation (mma,
+// integer mma, ldmatrix, movmatrix, shuffles, __syncwarp), then the next lane runs; once all 32 wait at the same operation, it is done for
 // the whole warp with the PTX fragment layouts, and the lanes go on. cp.async copies at once (a __syncwarp orders
 // them, as on the GPU); mma accumulates in fp32 in the PTX order of k (the tensor cores' truncating adds are not
 // modelled, so the emulation is a little more exact than the hardware).
