@@ -11,9 +11,11 @@
 // movmatrix, and packed codes become A fragments in registers. Keys go to the integer mma (m16n8k32, u8 codes
 // against q as 16-bit integers in two 8-bit parts): 8-bit codes as ldmatrix loads them, 4- and 2-bit codes after a
 // mask (and a shift); exact, and 1.5-5% faster on an H200 than turning codes into fp16 for the fp16 mma (K4V2, int4,
-// DiffKV's mix; e4m3 keys stay on the fp16 mma). Values: a lop3 (or a prmt for 8-bit codes) turns codes into fp16
-// 1024 + c * 2^s; the codes' bias of 1024 cancels inside each p.v chain, which starts from -1024 * (the sum it
-// multiplies): the tensor cores' fp32 adds truncate, so a large running bias would cost digits.
+// DiffKV's mix; e4m3 keys stay on the fp16 mma). Values: a mask (after a prmt for 8-bit codes) leaves c * 2^s in
+// the low bits of each fp16 half, the subnormal c * 2^(s - 24), which the fp16 mma multiplies exactly: no bias to
+// cancel, and the running sum is touched only where the softmax max or the top value scale grows. (Codes as fp16
+// 1024 + c * 2^s had needed a bias term and a rescale of the sum every tile: on an H200 up to 2% slower for int4,
+// 0-1% for K4V2, K8V4 and DiffKV's mix.)
 //
 // A split covers a run of 64-token tiles of the high section followed by the low one, so both sections share the
 // split's softmax state. Value codes of every width reach the same accumulator rows (dim 32 p + 4 gi + byte for
@@ -69,7 +71,7 @@ struct __attribute__((aligned(8))) U2 { u32 x, y; };
 #define SELECT_ROWS (MAXPAGES == 3)
 #define TILE 64
 #define D 128
-#define NEG1024 0xE400E400u  // fp16 -1024 in both halves
+#define CODE_UNIT 16777216.f  // 2^24: integer value codes reach the mma as fp16 subnormals, c * 2^-24
 #define LN2 0.6931471805599453f
 
 #ifdef DIFFKV_WARP_EMU
@@ -133,6 +135,7 @@ __device__ __forceinline__ u32 warp_max(u32 x) {  // one instruction for a reduc
   asm("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(d) : "r"(x));
   return d;
 }
+__device__ __forceinline__ bool warp_any(bool p) { return __any_sync(0xffffffff, p); }
 __device__ __forceinline__ float lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -241,7 +244,8 @@ __device__ __forceinline__ u32 per_page_of(int tokens) { return (u32)(((1ull << 
 struct State {
   float acc[8][4];
   float m[2], l[2], z[2];
-  float top;
+  float top;   // the largest value scale so far: acc is in units of it
+  float unit;  // what one unit of acc is worth (CODE_UNIT for integer value codes, 1 for e4m3 values)
 };
 
 // The <= MAXPAGES pages a tile of a section touches: page k starts at section token first[k], at pool byte base[k]
@@ -391,6 +395,15 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
                                        int page_bytes, unsigned char* smem, float* logits0, float* logits1,
                                        int logit_off, int lane) {
   const int gi = lane >> 2, t4 = lane & 3;
+  // A section of e4m3 values sums real fp16 values; one of integer codes sums c * 2^-24. A split that goes from one
+  // to the other (an e4m3 high section and an integer low one) brings its sums to the new unit.
+  constexpr float UNIT = (F8 && VB == 8) ? 1.f : CODE_UNIT;
+  if (st.unit != UNIT) {
+    const float f = st.unit * (1.f / UNIT);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) st.acc[m][0] *= f, st.acc[m][1] *= f, st.acc[m][2] *= f, st.acc[m][3] *= f;
+    st.unit = UNIT;
+  }
   // The first tiles' copies go out before the query's loads and preparation, which they overlap (lo < hi: the
   // first tile is unconditional, so that the compiler does not hoist the query's work above its branch).
   const int ntiles = (hi - lo + TILE - 1) / TILE;
@@ -603,7 +616,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffff, mx[0], o));
       mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffff, mx[1], o));
     }
-    // value scales of this lane's tokens and the tile's top one (p * scale / top reaches the mma in fp16)
+    // value scales of this lane's tokens and the top one so far (p * scale / top <= 1 reaches the mma in fp16)
     float vs[4][2], vz[4][2], top = 0.f;
 #pragma unroll
     for (int blk = 0; blk < 4; ++blk) {
@@ -615,19 +628,31 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       top = fmaxf(top, fmaxf(vs[blk][0], vs[blk][1]));
     }
     // scales are >= 0: their bits order as unsigned integers do
-    top = __uint_as_float(warp_max(__float_as_uint(top)));
-    top = top > 0.f ? top : 1.f;
-    const float rtop = rcp(top);
-    float rescale[2];
+    top = fmaxf(st.top, __uint_as_float(warp_max(__float_as_uint(top))));
+    // The running sum is rescaled only in a tile where a member's max or the top scale grows: a branch the warp
+    // takes together, which most tiles of a long sequence skip (the codes carry no bias to cancel: nothing else
+    // touches acc outside the p.v chain).
+    if (warp_any(mx[0] > st.m[0] || mx[1] > st.m[1] || top > st.top)) {
+      const float r = top > 0.f ? st.top * rcp(top) : 0.f;  // (top 0: no scale yet, acc is 0)
+      float rescale[2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float alpha = ex2(st.m[e] - mx[e]);
-      rescale[e] = alpha * st.top * rtop;  // acc is kept in units of the tile's top scale
-      st.m[e] = mx[e];
-      st.l[e] *= alpha;
-      st.z[e] *= alpha;
+      for (int e = 0; e < 2; ++e) {
+        const float alpha = ex2(st.m[e] - mx[e]);
+        rescale[e] = alpha * r;
+        st.m[e] = mx[e];
+        st.l[e] *= alpha;
+        st.z[e] *= alpha;
+      }
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        st.acc[m][0] *= rescale[0];
+        st.acc[m][1] *= rescale[1];
+        st.acc[m][2] *= rescale[0];
+        st.acc[m][3] *= rescale[1];
+      }
+      st.top = top;
     }
-    st.top = top;
+    const float rtop = st.top > 0.f ? rcp(st.top) : 0.f;
     // p, and p' = p * scale / top in fp16 as the C fragments of P^T (token gi / gi + 8, members 2 t4, 2 t4 + 1),
     // transposed into the B operands of p.v (k: tokens 2 t4, 2 t4 + 1 / + 8, n: member gi)
     u32 pb[4][2];
@@ -646,22 +671,6 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       pb[blk][0] = movtrans(pack_f16x2(pw[0], pw[1]));
       pb[blk][1] = movtrans(pack_f16x2(pw[2], pw[3]));
     }
-    // The running sum, rescaled to this tile's units, takes the tile's p.v chain directly, less 1024 * sum(p') so
-    // that the codes' bias cancels inside the chain (a separate tile accumulator was up to 4% slower on an H200).
-    // The tensor cores sum p': -1024 times P^T lands in every row of one C fragment (members 2 t4, 2 t4 + 1), in 4
-    // mmas where converting and summing the fp16 p' took 44 instructions (1.5-2% faster on an H200).
-    float bias[4] = {0.f, 0.f, 0.f, 0.f};
-    if (!(F8 && VB == 8)) {
-#pragma unroll
-      for (int blk = 0; blk < 4; ++blk) mma(bias, NEG1024, NEG1024, NEG1024, NEG1024, pb[blk][0], pb[blk][1]);
-    }
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      st.acc[m][0] = st.acc[m][0] * rescale[0] + bias[0];
-      st.acc[m][1] = st.acc[m][1] * rescale[1] + bias[1];
-      st.acc[m][2] = st.acc[m][2] * rescale[0] + bias[2];
-      st.acc[m][3] = st.acc[m][3] * rescale[1] + bias[3];
-    }
     // Lanes gi >= 4 read the odd token of each pair first (bank-conflict-free); the prmt selectors undo it.
     const int odd = gi >> 2;
     const u32 sel_lo = odd ? 0x1054 : 0x5410, sel_hi = odd ? 0x3276 : 0x7632;
@@ -673,7 +682,7 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       const int ta = blk * 16 + 2 * t4 + odd, tb = blk * 16 + 2 * t4 + 1 - odd;  // tile rows read first / second
       if (VB == 8) {
         // 8-bit: word 8 w + gi of a row is plane w (dims 32 w + 4 gi + byte); a prmt takes byte mb of two tokens
-        // and a lop3 puts them under 0x64 exponent bytes.
+        // and a mask leaves each in the low byte of an fp16 half (integer codes), or cvt converts them (e4m3).
         u32 x[4][4];  // [plane][token: first, second of the pair, + 8]
         const int swa = 2 * ((ta >> 1) & 3), swb = 2 * ((tb >> 1) & 3);  // tokens + 8 share them
 #pragma unroll
@@ -697,10 +706,10 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
                   e4m3x2_f16x2(prmt(x[2 * ph][2], x[2 * ph][3], sel8)),
                   e4m3x2_f16x2(prmt(x[2 * ph + 1][2], x[2 * ph + 1][3], sel8)), pb0, pb1);
             } else {
-              mma(st.acc[2 * mb + ph], lop_or(prmt(x[2 * ph][0], x[2 * ph][1], sel), 0x00FF00FF, 0x64006400),
-                  lop_or(prmt(x[2 * ph + 1][0], x[2 * ph + 1][1], sel), 0x00FF00FF, 0x64006400),
-                  lop_or(prmt(x[2 * ph][2], x[2 * ph][3], sel), 0x00FF00FF, 0x64006400),
-                  lop_or(prmt(x[2 * ph + 1][2], x[2 * ph + 1][3], sel), 0x00FF00FF, 0x64006400), pb0, pb1);
+              mma(st.acc[2 * mb + ph], prmt(x[2 * ph][0], x[2 * ph][1], sel) & 0x00FF00FFu,
+                  prmt(x[2 * ph + 1][0], x[2 * ph + 1][1], sel) & 0x00FF00FFu,
+                  prmt(x[2 * ph][2], x[2 * ph][3], sel) & 0x00FF00FFu,
+                  prmt(x[2 * ph + 1][2], x[2 * ph + 1][3], sel) & 0x00FF00FFu, pb0, pb1);
             }
           }
         }
@@ -723,8 +732,8 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           y[w][0][1] = prmt(x[2], x[3], sel_lo);
           y[w][1][1] = prmt(x[2], x[3], sel_hi);
         }
-        // M tile 2 mb + ph: byte mb of the word; rows gi hold plane 2 ph, rows gi + 8 plane 2 ph + 1, as 1024 +
-        // c * 4^plane. 2-bit: planes 2 ph, 2 ph + 1 are bits 4 ph and 4 ph + 2 of the byte. 4-bit: plane 2 ph is
+        // M tile 2 mb + ph: byte mb of the word; rows gi hold plane 2 ph, rows gi + 8 plane 2 ph + 1, as
+        // c * 4^plane (in units of 2^-24). 2-bit: planes 2 ph, 2 ph + 1 are bits 4 ph and 4 ph + 2 of the byte. 4-bit: plane 2 ph is
         // word gi's nibble ph, plane 2 ph + 1 word gi + 8's nibble ph, shifted up by 2 bits for the factor 4.
 #pragma unroll
         for (int mb = 0; mb < 4; ++mb) {
@@ -734,14 +743,12 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           for (int ph = 0; ph < 2; ++ph) {
             if (VB == 2) {
               const u32 m0 = 0x00030003u << (4 * ph), m1 = 0x000C000Cu << (4 * ph);
-              mma(st.acc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya, m1, 0x64006400),
-                  lop_or(yc, m0, 0x64006400), lop_or(yc, m1, 0x64006400), pb0, pb1);
+              mma(st.acc[2 * mb + ph], ya & m0, ya & m1, yc & m0, yc & m1, pb0, pb1);
             } else {
               const u32 ya8 = ((mb & 1) ? y[1][mb >> 1][0] >> 8 : y[1][mb >> 1][0]) << 2;
               const u32 yc8 = ((mb & 1) ? y[1][mb >> 1][1] >> 8 : y[1][mb >> 1][1]) << 2;
               const u32 m0 = 0x000F000Fu << (4 * ph), m1 = 0x003C003Cu << (4 * ph);
-              mma(st.acc[2 * mb + ph], lop_or(ya, m0, 0x64006400), lop_or(ya8, m1, 0x64006400),
-                  lop_or(yc, m0, 0x64006400), lop_or(yc8, m1, 0x64006400), pb0, pb1);
+              mma(st.acc[2 * mb + ph], ya & m0, ya8 & m1, yc & m0, yc8 & m1, pb0, pb1);
             }
           }
         }
@@ -790,7 +797,8 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
   for (int m = 0; m < 8; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
   st.m[0] = st.m[1] = -1.0e30f;
   st.l[0] = st.l[1] = st.z[0] = st.z[1] = 0.f;
-  st.top = 1.f;
+  st.top = 0.f;
+  st.unit = (F8_HI && VB_HI == 8) ? 1.f : CODE_UNIT;
 
   if (ta < tiles_hi) {
     const Section sec = {pt_row, 1, T_hi, k_off_hi, k_meta_hi, v_off_hi, v_meta_hi, per_page_of(T_hi)};
@@ -838,7 +846,7 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
       const int plane = 2 * (m & 1) + (c >> 1);
       const int dim = 32 * plane + 4 * gi + (m >> 1);
       const float f = VB_HI == 8 ? 1.f : 1.f / (float)(1 << (2 * plane));  // codes' factor 4^plane (2/4-bit)
-      const float v = (st.acc[m][c] * st.top * f + st.z[c & 1]) * inv;
+      const float v = (st.acc[m][c] * (st.top * st.unit) * f + st.z[c & 1]) * inv;
       if (single) {
         out[(long long)b * stride_ob + (long long)hq * stride_oh + dim] = out_elem(v);
       } else {

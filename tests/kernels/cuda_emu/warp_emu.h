@@ -276,6 +276,11 @@ static inline u32 warp_max(u32 x) {  // redux.sync.max.u32 over the warp
   }
   return x;
 }
+static inline bool warp_any(bool p) {  // __any_sync over the warp
+  float v = p ? 1.f : 0.f;
+  for (int o = 1; o < 32; o <<= 1) v = std::fmax(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v > 0.f;
+}
 static inline u32 movtrans(u32 a) {
   emu::slots[emu::cur] = {};
   emu::slots[emu::cur].op = emu::MOVT;
