@@ -176,6 +176,7 @@ CASES = [
     ("K8V8", 12, 2, [[520, 81], [130, 1]], None, 3),
     ("K4V8", 4, 1, [[150], [64]], None, 2),
     ("K8V8+K4V8", 8, 1, [[100], [70]], [[90], [0]], 2),
+    ("K8V8-e4m3+K8V8", 8, 1, [[100], [70]], [[90], [40]], 1),  # a split from e4m3 values to integer codes
     ("K8V8-e4m3", 8, 2, [[300, 77], [33, 0]], None, 1),       # kv_mode fp8: e4m3 codes, no zero point
     ("K8V8-e4m3", 12, 2, [[520, 81], [130, 1]], None, 3),
     ("K8V8-e4m3/u", 8, 2, [[300, 62], [31, 0]], None, 2),     # kv_mode fp8's untracked 31-token pages
