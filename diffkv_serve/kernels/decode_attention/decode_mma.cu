@@ -770,6 +770,11 @@ extern "C" __global__ void __launch_bounds__(32, MINB) decode_mma(
     int stride_eh, int layer, double qk_scale_d, int Hq, int group, int num_splits, int page_bytes, int T_hi,
     int k_off_hi, int k_meta_hi, int v_off_hi, int v_meta_hi, int T_lo, int k_off_lo, int k_meta_lo,
     int v_off_lo, int v_meta_lo) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // the split merge (merge.py) is launched as a programmatic dependent: its programs may start once every program
+  // of this grid has (and wait in gdc_wait for this grid's results)
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const float qk_scale = (float)qk_scale_d;
   DYNAMIC_SMEM(smem);
   const int lane = threadIdx.x, gi = lane >> 2, t4 = lane & 3;

@@ -143,7 +143,8 @@ def _launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, laye
     mma_cuda.launch_mma(q, pool, fmt, fmt_low, page_table, lengths, len_low, slots, out, mid_acc, mid_ml, logits_out,
                         lse_out, layer, scale * LOG2E, num_splits, alpha_low_by_slot=alpha_low_by_slot)
     if num_splits > 1:
-        merge_splits(mid_acc, mid_ml, out, lse_out if lse_out is not None else out, num_splits, lse_out is not None)
+        merge_splits(mid_acc, mid_ml, out, lse_out if lse_out is not None else out, num_splits, lse_out is not None,
+                     after_trigger=True)
     return out
 
 
