@@ -452,17 +452,21 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
   // Integer keys: q.k runs on the integer tensor cores (m16n8k32, u8 codes x 8-bit q), exact, with no dequantizing
   // of codes into fp16 (8-bit keys go to the mma as loaded; 4- and 2-bit codes take a mask, and a shift for all but
-  // the lowest field). q is one 16-bit integer Q per element at a scale shared by the group (sq = max |q| / 32767:
-  // finer than fp16's 11 bits), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains
-  // per block, joined as 256 acc_h + acc_l (|.| < 2^31). Slab s's B fragment is local elements 8 s .. 8 s + 3 and
+  // the lowest field). q is one 16-bit integer Q per element at its member's own scale (sq = max |q| / 32767: finer
+  // than fp16's 11 bits; one scale for the whole group lost the precision of members 10^4 times smaller than
+  // another), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains per block, joined as
+  // 256 acc_h + acc_l (|.| < 2^31). Slab s's B fragment is local elements 8 s .. 8 s + 3 and
   // 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys (F8) stay on the fp16 mma: qb, q as fp16, slice s of lane t4
   // takes dims 32 t4 + 4 s + {0, 1} (b01) and + {2, 3} (b23).
   u32 qbh[4][2], qbl[4][2], qb[8][2];
-  float sq = 1.f;
+  float sq[2] = {1.f, 1.f};  // the scales of members 2 t4, 2 t4 + 1 (the C fragment's columns)
   if (IK) {
-    amax = __uint_as_float(warp_max(__float_as_uint(amax)));  // >= 0: bits order as unsigned integers do
-    sq = amax > 0.f ? amax * (1.f / 32767.f) : 1.f;
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));  // member gi's lanes 4 gi .. 4 gi + 3
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
     const float rsq = amax > 0.f ? 32767.f / amax : 0.f;
+    const float own = amax > 0.f ? amax * (1.f / 32767.f) : 1.f;
+    sq[0] = __shfl_sync(0xffffffff, own, 8 * t4);
+    sq[1] = __shfl_sync(0xffffffff, own, 8 * t4 + 4);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
 #pragma unroll
@@ -552,11 +556,10 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           imma_s8(ah, A[sl][0], A[sl][1], A[sl][2], A[sl][3], qbh[sl][0], qbh[sl][1]);
           imma_u8(al, A[sl][0], A[sl][1], A[sl][2], A[sl][3], qbl[sl][0], qbl[sl][1]);
         }
-        const float ssa = sa * sq, ssc = sc * sq;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          s[blk][e] = ssa * (float)((ah[e] << 8) + al[e]) + za * kq0[e];
-          s[blk][2 + e] = ssc * (float)((ah[2 + e] << 8) + al[2 + e]) + zc * kq0[e];
+          s[blk][e] = (sa * sq[e]) * (float)((ah[e] << 8) + al[e]) + za * kq0[e];
+          s[blk][2 + e] = (sc * sq[e]) * (float)((ah[2 + e] << 8) + al[2 + e]) + zc * kq0[e];
         }
       } else {
         // e4m3 keys: lane t4 holds chunks 2 t4, 2 t4 + 1 of a row (stored swapped on odd rows); cvt turns two codes
