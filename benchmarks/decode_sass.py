@@ -5,7 +5,8 @@ calls diffkv_serve/kernels/decode_attention/dispatch.py's launcher on small CPU 
 each kernel it would have launched the way Triton's runtime does (same argument specialization), and counts
 the instructions of the kernel's main loop (its longest backward branch): per tile and per token
 (x warps / tile), by opcode, and the instructions laid out before that loop (a program's setup: what a short
-split pays besides its tiles). Register moves (IMAD.MOV / MOV), tensor-core mmas (HMMA) and shared-memory loads
+split pays besides its tiles). Register moves (IMAD.MOV / MOV), tensor-core mmas (HMMA, and IMMA: the CUDA
+kernel's integer q.k) and shared-memory loads
 are what the ncu profiles of the decode kernels pointed at. Use it to compare kernel variants before spending
 GPU time; times still need the GPU (benchmarks/attention.py).
 
@@ -146,8 +147,13 @@ def analyze(prec: str, args, min_rows: int | None) -> dict:
     return dict(precision=prec, kernel=name, min_rows=cfg.min_rows, block_n=block_n, num_warps=warps,
                 num_stages=cfg.num_stages, registers=regs, shared_bytes=ck.metadata.shared,
                 sass_total=len(ins), before_loop=before_main_loop(ins), loop=len(loop), loop_per_token=per_token,
-                hmma=ops.get("HMMA.16816.F32", 0),
+                hmma=ops.get("HMMA.16816.F32", 0), imma=_imma(ops),
                 moves=sum(ops.get(m, 0) for m in MOVES), opcodes=dict(ops.most_common()))
+
+
+def _imma(ops: collections.Counter) -> int:
+    """Integer mmas of a loop (IMMA.16832.U8.S8 / .U8.U8: the CUDA kernel's q.k)."""
+    return sum(v for k, v in ops.items() if k.startswith("IMMA"))
 
 
 def nvrtc():
@@ -205,7 +211,7 @@ def analyze_cuda(lib, prec: str, args) -> dict:
                 num_stages=mma_cuda.STAGES, registers=regs, shared_bytes=var.shared_bytes, sass_total=len(ins),
                 before_loop=before_main_loop(ins),
                 loop=len(main), loop_per_token=len(main) / mma_cuda.TILE, loop_low=len(low) or None,
-                hmma=ops.get("HMMA.16816.F32", 0), moves=sum(ops.get(m, 0) for m in MOVES),
+                hmma=ops.get("HMMA.16816.F32", 0), imma=_imma(ops), moves=sum(ops.get(m, 0) for m in MOVES),
                 opcodes=dict(ops.most_common()))
 
 
@@ -235,13 +241,13 @@ def main(argv=None) -> None:
             if not any(reasons):  # the CUDA kernel serves these pages
                 rows.append(analyze_cuda(lib, p, args))
     print(f"sm_90 SASS, Hq {args.hq} Hkv {args.hkv} D {args.head_dim}, batch {args.batch}, max_len {args.max_len}")
-    print(f"{'precision':>10} {'kernel':>22} {'rows':>4} {'regs':>4} {'smem':>6} {'loop':>5} {'/token':>6} "
-          f"{'HMMA':>4} {'moves':>5}  top opcodes of the loop")
+    print(f"{'precision':>10} {'kernel':>22} {'rows':>4} {'regs':>4} {'smem':>6} {'setup':>5} {'loop':>5} {'/token':>6} "
+          f"{'HMMA':>4} {'IMMA':>4} {'moves':>5}  top opcodes of the loop")
     for r in rows:
         top = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:6])
         print(f"{r['precision']:>10} {r['kernel']:>22} {str(r['min_rows'] or '-'):>4} {r['registers']:>4} "
               f"{r['shared_bytes']:>6} {r['before_loop']:>5} "
-              f"{r['loop']:>5} {r['loop_per_token']:>6.1f} {r['hmma']:>4} {r['moves']:>5}  {top}")
+              f"{r['loop']:>5} {r['loop_per_token']:>6.1f} {r['hmma']:>4} {r['imma']:>4} {r['moves']:>5}  {top}")
     if args.out:
         command = " ".join(["python", "benchmarks/decode_sass.py", *(argv if argv is not None else sys.argv[1:])])
         Path(args.out).write_text(json.dumps(dict(command=command, target="sm_90", triton=triton.__version__,
