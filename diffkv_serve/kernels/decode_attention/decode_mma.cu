@@ -78,11 +78,6 @@ struct __attribute__((aligned(8))) U2 { u32 x, y; };
 using namespace emu_ptx;
 #else
 #define DYNAMIC_SMEM(name) extern __shared__ __attribute__((aligned(16))) unsigned char name[]
-__device__ __forceinline__ u32 lop_or(u32 a, u32 mask, u32 c) {  // (a & mask) | c
-  u32 d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(c));
-  return d;
-}
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));

@@ -241,7 +241,6 @@ static inline float __uint_as_float(unsigned i) {
 
 namespace emu_ptx {
 typedef unsigned int u32;
-static inline u32 lop_or(u32 a, u32 mask, u32 c) { return (a & mask) | c; }
 static inline u32 prmt(u32 a, u32 b, u32 sel) {
   const unsigned long long src = (unsigned long long)a | ((unsigned long long)b << 32);
   u32 d = 0;
@@ -276,11 +275,7 @@ static inline u32 warp_max(u32 x) {  // redux.sync.max.u32 over the warp
   }
   return x;
 }
-static inline bool warp_any(bool p) {  // __any_sync over the warp
-  float v = p ? 1.f : 0.f;
-  for (int o = 1; o < 32; o <<= 1) v = std::fmax(v, __shfl_xor_sync(0xffffffff, v, o));
-  return v > 0.f;
-}
+static inline bool warp_any(bool p) { return warp_max(p ? 1u : 0u) != 0; }  // __any_sync over the warp
 static inline u32 movtrans(u32 a) {
   emu::slots[emu::cur] = {};
   emu::slots[emu::cur].op = emu::MOVT;
