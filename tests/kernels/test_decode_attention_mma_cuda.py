@@ -195,14 +195,16 @@ CASES = [
 ]
 
 
-def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed):
+def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed, q_norms=None):
+    """q_norms: [Hq, 1] factors on the random queries (None: unit normal)."""
     isz = torch.empty((), dtype=dtype).element_size()
     fmt, low = formats(spec, 128, isz)
     pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, dtype, Hkv, lens, lens_lo, DEVICE, seed)
     B = len(lens)
     slots = torch.arange(B, dtype=torch.int32, device=DEVICE).flip(0)
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, 128, generator=g).to(DEVICE, dtype)
+    q = torch.randn(B, Hq, 128, generator=g)
+    q = (q if q_norms is None else q * q_norms).to(DEVICE, dtype)
     scale = 1 / math.sqrt(128)
     total = len_hi + (len_lo if len_lo is not None else 0)
     out = torch.full_like(q, float("nan"))
@@ -224,6 +226,14 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed):
     return (fmt, low, q, pool, pt, len_hi, len_lo, slots, scale), (out, logits, lse), (want, want_logits, want_lse)
 
 
+def _expected_logits(shape, want_logits) -> torch.Tensor:
+    """naive_sections' logits ({(b, hq, token): value}) laid out as logits_out: NaN where nothing is written."""
+    expect = torch.full(shape, float("nan"), dtype=torch.float64)
+    for (b, hq, i), x in want_logits.items():
+        expect[b, hq, i] = x
+    return expect
+
+
 @pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("spec,Hq,Hkv,lens,lens_lo,num_splits", CASES)
@@ -236,11 +246,9 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
     torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
     if outputs:
         torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)  # -inf where no token
-        expect = torch.full(logits.shape, float("nan"), dtype=torch.float64)
-        for (b, hq, i), x in want_logits.items():
-            expect[b, hq, i] = x
         # logits are fp32 from tensor-core dots over q rounded to 16-bit integers (fp16 for e4m3 keys)
-        torch.testing.assert_close(logits.double().cpu(), expect, atol=tol, rtol=tol, equal_nan=True)
+        torch.testing.assert_close(logits.double().cpu(), _expected_logits(logits.shape, want_logits), atol=tol,
+                                   rtol=tol, equal_nan=True)
     if CUDA:  # the Triton kernel beside it
         fmt, low, q, pool, pt, len_hi, len_lo, slots, scale = call
         assert mma_cuda.usable(fmt, low, q, Hq // Hkv) is None
@@ -334,30 +342,11 @@ def test_alpha_low_zero_slots_get_no_low_logits(num_splits):
 def test_group_members_of_very_different_norms(spec):
     """q reaches the integer mma as 16-bit integers at each member's own scale: a member whose query is 10^4 times
     smaller than another's of the same KV group keeps its precision (logits and output within the fp16 tolerance)."""
-    dtype, Hq, Hkv = torch.float16, 8, 2
     lens, lens_lo = [[300, 77], [64, 5]], ([[100, 5], [0, 70]] if "+" in spec else None)
-    fmt, low = formats(spec, 128, 2)
-    pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, dtype, Hkv, lens, lens_lo, DEVICE, 5)
-    B = len(lens)
-    slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
-    g = torch.Generator().manual_seed(5)
-    norms = torch.tensor([30.0, 0.003, 1.0, 0.1]).repeat(Hkv)[:, None]  # per query head, within each KV group
-    q = (torch.randn(B, Hq, 128, generator=g) * norms).to(DEVICE, dtype)
-    scale = 1 / math.sqrt(128)
-    total = len_hi + (len_lo if len_lo is not None else 0)
-    out = torch.full_like(q, float("nan"))
-    logits = torch.full((B, Hq, int(total.max()) + NMAX_PAD), float("nan"), device=DEVICE)
-    lse = torch.full((B, Hq), float("nan"), device=DEVICE)
-    if CUDA:
-        paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale, num_splits=1, out=out,
-                                      fmt_low=low, len_low=len_lo, logits_out=logits, lse_out=lse, kernel="mma_cuda")
-    else:
-        mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, slots, out, out, out, logits, lse, 0,
-                            scale * LOG2E, 1, compiled=_cuda_emu.compiled)
-    want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale)
-    tol = QTOL[dtype]
+    norms = torch.tensor([30.0, 0.003, 1.0, 0.1]).repeat(2)[:, None]  # per query head, within each of 2 KV groups
+    _, (out, logits, _), (want, want_logits, _) = _run(spec, 8, 2, lens, lens_lo, 1, torch.float16, True, 5,
+                                                       q_norms=norms)
+    tol = QTOL[torch.float16]
     torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
-    expect = torch.full(logits.shape, float("nan"), dtype=torch.float64)
-    for (b, hq, i), x in want_logits.items():
-        expect[b, hq, i] = x
-    torch.testing.assert_close(logits.double().cpu(), expect, atol=tol, rtol=tol, equal_nan=True)
+    torch.testing.assert_close(logits.double().cpu(), _expected_logits(logits.shape, want_logits), atol=tol,
+                               rtol=tol, equal_nan=True)
