@@ -1,6 +1,6 @@
 """The split merge of decode attention on its own (diffkv_serve/kernels/decode_attention/merge.py): CUDA-graph
-microseconds per call at the engine's decode shapes, with the rows per program it picks (rows_per_program) beside
-one (sequence, query head) row a program, and the error against its torch reference.
+microseconds per call at the engine's decode shapes, with the launch it picks (merge_launch: slices of head_dim)
+beside whole rows a program (4 warps, 4,096 elements), and the error against its torch reference.
 
 Usage (GPU):  python benchmarks/decode_merge.py [--shapes 128x12x4 32x12x16 ...]
 Smoke (CPU):  python benchmarks/decode_merge.py --smoke
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import record_sweep  # noqa: E402
 
-from diffkv_serve.kernels.decode_attention.merge import merge_splits, merge_splits_ref, rows_per_program  # noqa: E402
+from diffkv_serve.kernels._common import next_pow2  # noqa: E402
+from diffkv_serve.kernels.decode_attention.merge import MergeLaunch, merge_launch, merge_splits, merge_splits_ref  # noqa: E402
 
 # batch x query heads x splits: Qwen2.5-1.5B's 12 heads at the split counts choose_num_splits gives its batches,
 # and Llama-3-8B's 32
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.shapes, args.head_dim = ["2x3x4", "1x2x64"], 32
     rows_out = []
-    print(f"{'B':>4} {'Hq':>3} {'splits':>6} {'rows':>4} {'us':>8} {'us (1 row)':>10} {'max err':>9}")
+    print(f"{'B':>4} {'Hq':>3} {'splits':>6} {'launch':>14} {'us':>8} {'us (whole rows)':>15} {'max err':>9}")
     for shape in args.shapes:
         B, Hq, S = (int(x) for x in shape.split("x"))
         D = args.head_dim
@@ -57,24 +58,27 @@ def main(argv=None) -> int:
                           torch.rand(B, Hq, S, device=dev, generator=g) + 0.5], -1)
         out = torch.empty(B, Hq, D, device=dev, dtype=torch.float16)
         lse = torch.empty(B, Hq, device=dev)
-        rows = rows_per_program(S, D)
+        launch = merge_launch(S, D)
+        whole = MergeLaunch(max(1, min(16, 4096 // (next_pow2(S) * next_pow2(D)))), next_pow2(D), 4)
         merge_splits(acc, ml, out, lse, S, True)
         want, _ = merge_splits_ref(acc.cpu(), ml.cpu())
         err = float((out.float().cpu() - want).abs().max())
         times = {}
-        for r in (rows, 1):
-            def call(r=r):
-                merge_splits(acc, ml, out, lse, S, True, rows=r)
+        for name, how in (("launch", launch), ("whole", whole)):
+            def call(how=how):
+                merge_splits(acc, ml, out, lse, S, True, launch=how)
             if cuda:
                 import triton.testing
-                times[r] = 1e3 * triton.testing.do_bench_cudagraph(call, rep=args.rep, return_mode="median")
+                times[name] = 1e3 * triton.testing.do_bench_cudagraph(call, rep=args.rep, return_mode="median")
             else:
                 t0 = time.perf_counter()
                 call()
-                times[r] = 1e6 * (time.perf_counter() - t0)
-        rows_out.append({"batch": B, "heads": Hq, "splits": S, "head_dim": D, "rows": rows, "us": times[rows],
-                         "us_one_row": times[1], "max_err": err, "acc_bytes": acc.numel() * 4})
-        print(f"{B:>4} {Hq:>3} {S:>6} {rows:>4} {times[rows]:8.2f} {times[1]:10.2f} {err:9.1e}", flush=True)
+                times[name] = 1e6 * (time.perf_counter() - t0)
+        rows_out.append({"batch": B, "heads": Hq, "splits": S, "head_dim": D, "rows": launch.rows,
+                         "chunk": launch.chunk, "warps": launch.warps, "us": times["launch"],
+                         "us_whole_rows": times["whole"], "max_err": err, "acc_bytes": acc.numel() * 4})
+        desc = f"{launch.rows}r/{launch.chunk}d/{launch.warps}w"
+        print(f"{B:>4} {Hq:>3} {S:>6} {desc:>14} {times['launch']:8.2f} {times['whole']:15.2f} {err:9.1e}", flush=True)
     record_sweep("decode_merge", argv, args, rows_out, cuda)
     return 0
 

@@ -71,8 +71,9 @@ def test_decode_merge_smoke(tmp_path):
                    check=True, cwd=ROOT, timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["heads"], r["splits"]) for r in rows] == [(2, 3, 4), (1, 2, 64)]
-    assert [r["rows"] for r in rows] == [16, 2]  # 4 and 64 splits of 32 dims
-    assert all(r["max_err"] < 2e-3 and r["us"] > 0 and r["us_one_row"] > 0 for r in rows)  # fp16 output
+    # head_dim 32 in one slice: 4 splits fill 4 warps' 4,096 elements at 32 rows (16, the cap); 64 splits, 1 warp: 1
+    assert [(r["rows"], r["chunk"], r["warps"]) for r in rows] == [(16, 32, 4), (1, 32, 1)]
+    assert all(r["max_err"] < 2e-3 and r["us"] > 0 and r["us_whole_rows"] > 0 for r in rows)  # fp16 output
 
 
 def test_decode_sass_smoke(tmp_path):

@@ -140,12 +140,12 @@ def test_variants_fit_the_sm():
 
 def test_split_count_rule():
     """K8V8 (6 resident programs an SM) takes half the quartered kernel's one-warp split count, a power of two, and
-    two splits where the unsplit grid overfills the SMs and each half is long; other precisions keep the one-warp
-    count."""
+    two splits where the unsplit grid overfills the SMs and each half is long (512 tokens with integer keys, 1,024
+    with e4m3); other precisions keep the one-warp count."""
     from diffkv_serve.kernels.decode_attention.launch import choose_num_splits
     dev = torch.device("cpu")  # num_sms: 132 off a GPU
     k8v8, k4v2, e4m3 = (formats(s, 128, 2)[0] for s in ("K8V8", "K4V2", "K8V8-e4m3"))
-    for B, Hkv, S in ((32, 8, 1024), (8, 8, 4096), (8, 2, 4096), (32, 2, 16384), (128, 8, 1024)):
+    for B, Hkv, S in ((32, 8, 1024), (8, 8, 4096), (8, 2, 4096), (32, 2, 16384), (128, 8, 512)):
         one_warp = choose_num_splits(B, Hkv, S, dev, mma_cuda.TILE, 1, 128)
         assert mma_cuda.num_splits(k4v2, None, B, Hkv, S, dev) == one_warp
         half = choose_num_splits(B, Hkv, S, dev, mma_cuda.TILE, 2, 128)
@@ -154,9 +154,13 @@ def test_split_count_rule():
         assert mma_cuda.num_splits(e4m3, None, B, Hkv, S, dev) == want
     assert mma_cuda.num_splits(k8v8, None, 32, 8, 1024, dev) == 2
     assert mma_cuda.num_splits(k8v8, None, 8, 2, 4096, dev) == 32  # 33 for two warps, rounded down
-    # 1,024 (sequence, KV head) pairs overfill 132 SMs x 6 programs: 4,096 tokens split in two, 1,024 not
+    # 1,024 (sequence, KV head) pairs overfill 132 SMs x 6 programs: 4,096 tokens split in two; 1,024 split in two
+    # halves of 512 with integer keys, not with e4m3 ones; 512 tokens never
     assert mma_cuda.num_splits(k8v8, None, 128, 8, 4096, dev) == 2
-    assert mma_cuda.num_splits(k8v8, None, 128, 8, 1024, dev) == 1
+    assert mma_cuda.num_splits(e4m3, None, 128, 8, 4096, dev) == 2
+    assert mma_cuda.num_splits(k8v8, None, 128, 8, 1024, dev) == 2
+    assert mma_cuda.num_splits(e4m3, None, 128, 8, 1024, dev) == 1
+    assert mma_cuda.num_splits(k8v8, None, 128, 8, 512, dev) == 1
     assert mma_cuda.num_splits(k4v2, None, 256, 8, 4096, dev) == 1  # the one-warp rule's count, overfull or not
 
 

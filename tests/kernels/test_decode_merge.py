@@ -6,24 +6,26 @@ import os
 import pytest
 import torch
 
-from diffkv_serve.kernels.decode_attention.merge import merge_splits, merge_splits_ref, rows_per_program
+from diffkv_serve.kernels.decode_attention.merge import MergeLaunch, merge_launch, merge_splits, merge_splits_ref
 
 DEVICE = os.environ.get("DIFFKV_TEST_DEVICE", "cpu")
 
 
-def test_rows_per_program():
-    assert rows_per_program(4, 128) == 8  # 4 splits x 128 dims: 8 rows fill 4,096 elements
-    assert rows_per_program(2, 128) == 16
-    assert rows_per_program(3, 128) == 8  # 3 splits pad to 4
-    assert rows_per_program(64, 128) == 1
-    assert rows_per_program(2, 64) == 16  # at most MAX_ROWS
-    assert rows_per_program(64, 64) == 1
+def test_merge_launch():
+    assert merge_launch(4, 128) == MergeLaunch(rows=16, chunk=32, warps=4)  # 4 splits x 32 dims: 32 rows, capped
+    assert merge_launch(8, 128) == MergeLaunch(rows=16, chunk=32, warps=4)
+    assert merge_launch(16, 128) == MergeLaunch(rows=2, chunk=32, warps=1)  # 1,024 elements: 16 x 32 x 2 rows
+    assert merge_launch(3, 128) == MergeLaunch(rows=16, chunk=32, warps=4)  # 3 splits pad to 4
+    assert merge_launch(64, 128) == MergeLaunch(rows=1, chunk=32, warps=1)
+    assert merge_launch(64, 16) == MergeLaunch(rows=1, chunk=16, warps=1)  # a slice is never wider than head_dim
+    assert merge_launch(48, 64).rows == 1  # 48 splits pad to 64
 
 
 @pytest.mark.parametrize("B,Hq,splits,D,dtype", [
     (3, 5, 4, 64, torch.float16),  # 15 rows in one program of 16: its last row is past the end
     (5, 7, 3, 32, torch.bfloat16),  # split count not a power of two; 35 rows over three programs of 16
-    (1, 3, 64, 64, torch.float32),  # one row a program (the 2D path)
+    (1, 3, 64, 64, torch.float32),  # one row a program, two slices of head_dim
+    (2, 3, 5, 48, torch.float16),  # head_dim not a power of two: the second slice is half masked
 ])
 def test_merge_matches_reference(B, Hq, splits, D, dtype):
     g = torch.Generator().manual_seed(B * 100 + splits)
@@ -58,16 +60,20 @@ def test_merge_without_lse_leaves_it_alone():
     assert torch.all(lse == 7.0)
 
 
-def test_forced_rows_give_the_same_merge():
-    """merge_splits(rows=) (benchmarks time one row a program against the default) changes only the launch."""
-    acc = torch.randn(3, 4, 4, 32)
+def test_forced_launches_give_the_same_merge():
+    """merge_splits(launch=) (benchmarks time whole rows a program against the default) changes only the launch."""
+    acc = torch.randn(3, 4, 4, 64)
     ml = torch.stack([torch.randn(3, 4, 4), torch.rand(3, 4, 4) + 0.5], -1)
     outs = []
-    for rows in (1, 4, None):
-        out = torch.empty(3, 4, 32, device=DEVICE)
-        merge_splits(acc.to(DEVICE), ml.to(DEVICE), out, out, 4, False, rows=rows)
-        outs.append(out.cpu())
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(outs[0], outs[2], atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="rows=3"):
-        merge_splits(acc.to(DEVICE), ml.to(DEVICE), outs[0].to(DEVICE), outs[0].to(DEVICE), 4, False, rows=3)
+    for launch in (MergeLaunch(1, 64, 4), MergeLaunch(4, 16, 1), MergeLaunch(2, 128, 2), None):
+        out = torch.empty(3, 4, 64, device=DEVICE)
+        lse = torch.empty(3, 4, device=DEVICE)
+        merge_splits(acc.to(DEVICE), ml.to(DEVICE), out, lse, 4, True, launch=launch)
+        outs.append((out.cpu(), lse.cpu()))
+    for out, lse in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse, outs[0][1], atol=1e-6, rtol=1e-6)
+    for bad in (MergeLaunch(3, 32, 4), MergeLaunch(1, 24, 4)):
+        with pytest.raises(ValueError, match="is not a power of two"):
+            merge_splits(acc.to(DEVICE), ml.to(DEVICE), outs[0][0].to(DEVICE), outs[0][0].to(DEVICE), 4, False,
+                         launch=bad)

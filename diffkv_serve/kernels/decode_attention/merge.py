@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,18 +21,30 @@ from triton.language.extra.cuda import gdc_wait
 from diffkv_serve.kernels._common import next_pow2
 from diffkv_serve.kernels.decode_attention.tiles import natural_lse
 
-# Elements of acc one program reduces (4 warps: 32 fp32 registers a thread). One (sequence, query head) row per
-# program made 1,536 programs of 2 KB at batch 128, 12 query heads, 4 splits, and cost 5.7 us on an H100 for 3 MB,
-# where 384 programs of 8 KB (batch 32, 16 splits) took 3.0 us: the block launches, not the bytes, set the time.
-# So a program takes as many rows as fit this many elements, at most MAX_ROWS (benchmarks/decode_merge.py times both).
-ELEMENTS_PER_PROGRAM = 4096
+# A merge program covers a few (sequence, query head) rows and one CHUNK-wide slice of head_dim; the grid's second
+# axis covers the other slices. Whole rows a program (up to 16 of them, 4 warps) left a batch-8 call with 64 splits
+# to 96 programs of 32 KB each, latency-bound. On an H200, whole decode calls of the CUDA kernel (14-60 us, 2-64
+# splits, Qwen2.5-1.5B and Llama-3-8B heads) took 0.1-1.3 us less with slices of 32 (benchmarks/decode_merge.py
+# times the merge alone). Up to 8 splits keep 4 warps a program; more run best at one warp (0.2-0.6 us less than
+# two, 0.3-0.8 us less than four): the same elements a warp, in four times the programs.
+CHUNK = 32
+ELEMENTS_PER_WARP = 1024
 MAX_ROWS = 16
 
 
-def rows_per_program(num_splits: int, head_dim: int) -> int:
-    """(sequence, query head) rows one merge program combines: a power of two, 1..MAX_ROWS."""
-    per_row = next_pow2(num_splits) * max(16, next_pow2(head_dim))
-    return max(1, min(MAX_ROWS, ELEMENTS_PER_PROGRAM // per_row))
+@dataclass(frozen=True)
+class MergeLaunch:
+    rows: int  # (sequence, query head) rows a program combines: a power of two, 1..MAX_ROWS
+    chunk: int  # head_dim elements a program covers
+    warps: int
+
+
+def merge_launch(num_splits: int, head_dim: int) -> MergeLaunch:
+    """The merge's launch for a call's split count and head size."""
+    chunk = min(CHUNK, max(16, next_pow2(head_dim)))
+    warps = 4 if num_splits <= 8 else 1
+    per_row = next_pow2(num_splits) * chunk
+    return MergeLaunch(max(1, min(MAX_ROWS, ELEMENTS_PER_WARP * warps // per_row)), chunk, warps)
 
 
 @triton.jit(do_not_specialize=["num_splits", "n_rows"])  # one variant whatever the split count and batch
@@ -42,14 +55,11 @@ def _decode_reduce_kernel(
 ):
     if PDL:  # launched as a programmatic dependent: the attention kernel's partials are complete past this wait
         gdc_wait()
-    if ROWS == 1:  # many splits: one row's [splits, D] tile (2D tiles ran 20% faster than [1, splits, D] here)
-        _reduce_one_row(mid_acc, mid_ml, o_ptr, stride_ob, stride_oh, Hq, D, num_splits, BLOCK_S, BLOCK_D,
-                        lse_ptr, stride_eb, stride_eh, WRITE_LSE)
-        return
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # row = b * Hq + hq
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask = row < n_rows
+    dmask = d < D
     smask = rmask[:, None] & (s[None, :] < num_splits)
     idx = row[:, None] * num_splits + s[None, :]  # [ROWS, BLOCK_S]
     m = tl.load(mid_ml + idx * 2, mask=smask, other=-1.0e30)
@@ -57,36 +67,15 @@ def _decode_reduce_kernel(
     m_max = tl.max(m, 1)
     w = tl.exp2(m - m_max[:, None])  # empty splits have l = 0 and acc = 0, so any weight is harmless
     total = tl.sum(w * l, 1)
-    dmask = d[None, None, :] < D
-    acc = tl.load(mid_acc + idx[:, :, None] * D + d[None, None, :], mask=smask[:, :, None] & dmask, other=0.0)
+    acc = tl.load(mid_acc + idx[:, :, None] * D + d[None, None, :], mask=smask[:, :, None] & dmask[None, None, :],
+                  other=0.0)
     out = tl.sum(w[:, :, None] * acc, 1) / tl.where(total > 0, total, 1.0)[:, None]
     b, hq = row // Hq, row % Hq
     o = o_ptr + b[:, None] * stride_ob + hq[:, None] * stride_oh + d[None, :]
-    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & (d[None, :] < D))
+    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
     if WRITE_LSE:
-        tl.store(lse_ptr + b * stride_eb + hq * stride_eh, natural_lse(m_max, total), mask=rmask)
-
-
-@triton.jit
-def _reduce_one_row(mid_acc, mid_ml, o_ptr, stride_ob, stride_oh, Hq, D, num_splits,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, lse_ptr, stride_eb, stride_eh,
-                    WRITE_LSE: tl.constexpr):
-    row = tl.program_id(0)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    smask = s < num_splits
-    idx = row * num_splits + s
-    m = tl.load(mid_ml + idx * 2, mask=smask, other=-1.0e30)
-    l = tl.load(mid_ml + idx * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)
-    total = tl.sum(w * l, 0)
-    acc = tl.load(mid_acc + idx[:, None] * D + d[None, :], mask=smask[:, None] & (d[None, :] < D), other=0.0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
-    b, hq = row // Hq, row % Hq
-    tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
-    if WRITE_LSE:
-        tl.store(lse_ptr + b * stride_eb + hq * stride_eh, natural_lse(m_max, total))
+        if tl.program_id(1) == 0:  # every slice computes the same lse; the first one stores it
+            tl.store(lse_ptr + b * stride_eb + hq * stride_eh, natural_lse(m_max, total), mask=rmask)
 
 
 @functools.cache
@@ -94,25 +83,27 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def merge_splits(mid_acc, mid_ml, out, lse, num_splits: int, write_lse: bool, rows: int | None = None,
+def merge_splits(mid_acc, mid_ml, out, lse, num_splits: int, write_lse: bool, launch: MergeLaunch | None = None,
                  after_trigger: bool = False) -> None:
     """Merges mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] into out [B, Hq, D] (and lse [B, Hq]
-    with write_lse). rows: rows a program takes (a power of two; default rows_per_program's; benchmarks).
+    with write_lse). launch: the program layout (default merge_launch's; benchmarks and tests pass others).
     after_trigger: the attention kernel before it triggers its dependents early (griddepcontrol.launch_dependents,
     as decode_mma.cu does), so on sm_90+ this launch is a programmatic dependent: its programs take the SMs the
     attention kernel's last programs free and wait for its results in gdc_wait, where a plain launch waits for the
     whole grid to end first. Measured on an H200 (CUDA graphs, 8-128 sequences x 1,024-4,096 tokens): 0.1-0.7 us
     off calls of 8-22 us; without the trigger it was 0.1-0.4 us slower, so the Triton kernels' merges stay plain."""
     B, Hq, D = out.shape
-    rows = rows or rows_per_program(num_splits, D)
-    if rows & (rows - 1):
-        raise ValueError(f"merge_splits: rows={rows} is not a power of two")
+    launch = launch or merge_launch(num_splits, D)
+    for name in ("rows", "chunk"):
+        v = getattr(launch, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"merge_splits: launch.{name}={v} is not a power of two")
     pdl = after_trigger and _pdl_capable(out.device)
-    _decode_reduce_kernel[(triton.cdiv(B * Hq, rows),)](
+    _decode_reduce_kernel[(triton.cdiv(B * Hq, launch.rows), triton.cdiv(D, launch.chunk))](
         mid_acc, mid_ml, out, out.stride(0), out.stride(1), Hq, D, num_splits, B * Hq,
-        ROWS=rows, BLOCK_S=next_pow2(num_splits), BLOCK_D=max(16, next_pow2(D)),
+        ROWS=launch.rows, BLOCK_S=next_pow2(num_splits), BLOCK_D=launch.chunk,
         lse_ptr=lse, stride_eb=lse.stride(0), stride_eh=lse.stride(1), WRITE_LSE=write_lse, PDL=pdl,
-        num_warps=4, launch_pdl=pdl,
+        num_warps=launch.warps, launch_pdl=pdl,
     )
 
 

@@ -84,7 +84,7 @@ def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads
     the quartered kernel's rule (launch.choose_num_splits for one-warp programs: about 8 programs per SM). K8V8's
     tiles leave 6 programs per SM, which run fastest at about 4: half the splits, rounded down to a power of two,
     and two splits where the unsplit grid alone overfills the resident programs and each half stays
-    WIDE_SPLIT_TOKENS long (a shorter last wave).
+    WIDE_SPLIT_TOKENS long (half that with integer keys): a shorter last wave.
     Measured on an H200 at 1-32 splits, Llama-3-8B and Qwen2.5-1.5B heads, batch 8-128 x 1,024-4,096 tokens
     (benchmarks/decode_splits.py; decode_splits_mma_cuda_*_H200.json in benchmarks/results): the pick is the
     fastest count for K8V8 and fp8 pages at every shape, where the one-warp rule's count was up to 23% slower. For
@@ -96,7 +96,10 @@ def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads
     splits = choose_num_splits(batch, kv_heads, max_len, device, TILE, 2, HEAD_DIM)
     splits = 1 << (splits.bit_length() - 1)
     overfull = batch * kv_heads > num_sms(device) * var.min_programs
-    if splits == 1 and overfull and max_len >= 2 * WIDE_SPLIT_TOKENS:
+    # Integer keys lose more to that last wave than e4m3 ones: Llama-3-8B heads, batch 128 x 1,024 tokens took 86.1 us
+    # unsplit against 80.3 in two splits of 512 on an H200, where e4m3 pages took 80.0 against 80.8.
+    half = WIDE_SPLIT_TOKENS if var.f8 else WIDE_SPLIT_TOKENS // 2
+    if splits == 1 and overfull and max_len >= 2 * half:
         return 2
     return splits
 
