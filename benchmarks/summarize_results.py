@@ -121,6 +121,8 @@ MEASURED_ALTERNATIVES = {
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
     "tune_decode_attention_q8_H100.json": "the q8 kernel's tile size / warps / split count sweep behind "
                                           "launch.q8_launch (benchmarks/tune_decode_attention.py --graph)",
+    "decode_merge_H200.json": "benchmarks/decode_merge.py: the split merge alone (CUDA graph), merge_launch's "
+                              "32-wide slices of head_dim against whole rows a program: 1.6-2.1 us against 2.5-3.4",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90 (the Triton "
                              "kernels and the CUDA kernel, decode_mma)",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",
