@@ -602,20 +602,15 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
         }
       }
     }
-    // online softmax per member (column): the tile's max over its 64 tokens
+    // online softmax per member (column): this lane's max over its 16 tokens of the tile
     float mx[2] = {st.m[0], st.m[1]};
 #pragma unroll
     for (int blk = 0; blk < 4; ++blk) {
       mx[0] = fmaxf(mx[0], fmaxf(s[blk][0], s[blk][2]));
       mx[1] = fmaxf(mx[1], fmaxf(s[blk][1], s[blk][3]));
     }
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffff, mx[0], o));
-      mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffff, mx[1], o));
-    }
-    // value scales of this lane's tokens and the top one so far (p * scale / top <= 1 reaches the mma in fp16)
-    float vs[4][2], vz[4][2], top = 0.f;
+    // value scales of this lane's tokens and the largest of them (p * scale / top <= 1 reaches the mma in fp16)
+    float vs[4][2], vz[4][2], top = st.top;
 #pragma unroll
     for (int blk = 0; blk < 4; ++blk) {
       const u32 ma = vmeta[blk * 16 + gi], mc = vmeta[blk * 16 + gi + 8];
@@ -625,12 +620,16 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       vz[blk][1] = f16_hi(mc);
       top = fmaxf(top, fmaxf(vs[blk][0], vs[blk][1]));
     }
-    // scales are >= 0: their bits order as unsigned integers do
-    top = fmaxf(st.top, __uint_as_float(warp_max(__float_as_uint(top))));
-    // The running sum is rescaled only in a tile where a member's max or the top scale grows: a branch the warp
-    // takes together, which most tiles of a long sequence skip (the codes carry no bias to cancel: nothing else
-    // touches acc outside the p.v chain).
+    // The running sum is rescaled only in a tile where some lane sees a member's max or the top value scale grow:
+    // a branch the warp takes together, which most tiles of a long sequence skip, and with it the reductions over
+    // the warp (the codes carry no bias to cancel: nothing else touches acc outside the p.v chain).
     if (warp_any(mx[0] > st.m[0] || mx[1] > st.m[1] || top > st.top)) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {  // over the lanes of a column (members 2 t4, 2 t4 + 1)
+        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffff, mx[0], o));
+        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffff, mx[1], o));
+      }
+      top = __uint_as_float(warp_max(__float_as_uint(top)));  // scales are >= 0: their bits order as integers do
       const float r = top > 0.f ? st.top * rcp(top) : 0.f;  // (top 0: no scale yet, acc is 0)
       float rescale[2];
 #pragma unroll
