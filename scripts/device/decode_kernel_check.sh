@@ -7,8 +7,9 @@
 #   step_breakdown  benchmarks/step_breakdown.py at the Llama-3-8B shape: int4 and diffkv beside fp16, end to end
 # The engine (step_breakdown, the dispatcher tests' conftest) needs pydantic: carry .carry/w holding its cp312
 # wheels (pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions; see the device README).
-#   run: bash scripts/device/decode_kernel_check.sh [STAGE ...]   (carry: .carry/w; no STAGE: all four, ~570 s;
-#        e.g. `tests kernel_ab` alone fits ~250 s)
+#   run: bash scripts/device/decode_kernel_check.sh [STAGE ...]   (carry: .carry/w). On an H200 tests take ~290 s,
+#        kernel_ab ~80 s, attention ~80 s, step_breakdown up to 190 s: run `tests` in one device call and the rest
+#        in the next (a call may run 600 s)
 set -uo pipefail
 STAGES=" ${*:-tests kernel_ab attention step_breakdown} "
 for s in $STAGES; do
@@ -34,7 +35,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a timeout, print its st
   tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
 
-stage tests 300 env DIFFKV_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+stage tests 420 env DIFFKV_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
   tests/kernels/test_decode_attention_mma_cuda.py tests/kernels/test_decode_attention_dispatch.py tests/kernels/test_decode_merge.py
 stage kernel_ab 100 python3 benchmarks/decode_kernel_ab.py --out "$OUT/decode_mma_vs_triton_$gpu.json"
 stage attention 130 python3 benchmarks/attention.py --repeats 2 --out "$OUT/attention_$gpu.json"
