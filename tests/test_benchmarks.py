@@ -76,6 +76,22 @@ def test_decode_merge_smoke(tmp_path):
     assert all(r["max_err"] < 2e-3 and r["us"] > 0 and r["us_whole_rows"] > 0 for r in rows)  # fp16 output
 
 
+def test_q_precision_smoke(tmp_path):
+    out = tmp_path / "q.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "q_precision.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["rotation"], r["kv"], r["q"]) for r in rows} == {
+        (rot, kv, q) for rot in ("off", "hadamard") for kv in ("K4V4", "K4V2") for q in ("fp16", "int16", "int8")}
+    by = {(r["rotation"], r["kv"], r["q"]): r for r in rows}
+    for rot in ("off", "hadamard"):
+        for kv in ("K4V4", "K4V2"):
+            assert by[rot, kv, "fp16"]["q_alone_max"] == 0 and by[rot, kv, "fp16"]["total_mean"] > 0
+            # the kernel's 16-bit q adds a small share of what 4-bit keys cost; 8 bits add more
+            assert 0 < by[rot, kv, "int16"]["share_max"] < 0.05
+            assert by[rot, kv, "int8"]["q_alone_mean"] > 10 * by[rot, kv, "int16"]["q_alone_mean"]
+
+
 def test_decode_sass_smoke(tmp_path):
     """The decode kernel compiled for sm_90 on this (GPU-less) machine: its main loop holds the tile's mmas."""
     out = tmp_path / "sass.json"

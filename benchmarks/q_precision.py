@@ -1,0 +1,158 @@
+"""How precise the query must be against low-bit keys: each layer's decode attention on a real prompt's own queries,
+keys and values, with K/V quantized as the cache stores them and the query as the CUDA decode kernel's integer
+dot takes it -- integers at each head's own scale (amax / 32767: the 16-bit q the kernel uses; amax / 127: an 8-bit
+q, one integer mma chain instead of two) -- beside fp16 q.
+
+Per layer: the last --queries prompt positions attend causally to every earlier token. Errors are relative L2 norms
+of the attention output against float64 with unquantized K/V ("total"), and of each q's output against the fp16 q's
+on the same quantized K/V ("q alone"), whose ratio to fp16's total says how much the query's rounding adds to
+what the cache's quantization already costs. With --rotation hadamard the model's queries and keys are rotated as
+the engine serves quantized caches (engine/kv_rotation.py); key centering is not applied.
+
+Usage:  python benchmarks/q_precision.py [--model qwen2.5-coder-1.5b] [--tokens 1024]   (CPU is enough; the
+        default model is the embedded SmolLM2)
+Smoke:  python benchmarks/q_precision.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result  # noqa: E402
+
+from diffkv_serve.engine import kv_rotation  # noqa: E402
+from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
+from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
+from diffkv_serve.engine.model import CausalLM  # noqa: E402
+from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E402
+
+Q_FORMATS = {"fp16": None, "int16": 32767, "int8": 127}  # q as the kernel rounds it: None = fp16, else levels
+KV_FORMATS = {"K4V4": (4, 4), "K4V2": (4, 2), "K2V2": (2, 2), "K8V8": (8, 8)}
+PROMPT = ("Solve each problem, showing every step of the arithmetic.\n" + "".join(
+    f"Problem {i}: A warehouse holds {17 * i + 3} crates of {i + 2} boxes each; {5 * i + 1} crates leave each day "
+    f"and {2 * i + 7} arrive. How many boxes are there after {i % 5 + 2} days?\n"
+    f"def step_{i}(crates, boxes):\n    return crates * boxes - {i} * (crates // {i % 3 + 2})\n" for i in range(1, 400)))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_engine_flags(ap, only=("model",))
+    ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens")
+    ap.add_argument("--queries", type=int, default=32, help="last prompt positions that attend, per layer")
+    ap.add_argument("--kv", nargs="+", default=["K4V4", "K4V2"], choices=list(KV_FORMATS))
+    ap.add_argument("--rotation", nargs="+", default=["off", "hadamard"], choices=["off", "hadamard"])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="the embedded model, 96 tokens, 8 queries")
+    return ap.parse_args(argv)
+
+
+def round_q(q: torch.Tensor, levels: int | None) -> torch.Tensor:
+    """q [..., D] float64 as the kernel multiplies it: fp16, or integers at this row's scale amax / levels."""
+    if levels is None:
+        return q.half().double()
+    amax = q.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
+    return torch.round(q / scale) * scale
+
+
+def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [..., D] through the cache's min-max quantization per (token, head) and back, float64."""
+    if bits == 16:
+        return x.half().double()
+    packed, scale, zero = quantize_ref(x.float(), bits)
+    return dequantize_ref(packed, scale, zero, bits, x.shape[-1]).double()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """q [P, Hq, D] at prompt positions pos, k/v [N, Hkv, D] -> [P, Hq, D], causal, GQA, float64."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [N, Hq, D]
+    logits = torch.einsum("phd,nhd->hpn", q, kk) * q.shape[-1] ** -0.5
+    logits = logits.masked_fill(torch.arange(k.shape[0])[None, None, :] > pos[None, :, None], float("-inf"))
+    return torch.einsum("hpn,nhd->phd", logits.softmax(-1), vv)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| per (position, head), averaged."""
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).mean())
+
+
+class Capture:
+    """An attention backend for one plain forward: keeps each layer's q (last positions), k and v, and returns
+    causal SDPA so the forward runs as the model's own."""
+
+    def __init__(self, queries: int):
+        self.queries = queries
+        self.layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.layers.append((q[-self.queries:].double(), k.double(), v.double()))
+        group = q.shape[1] // k.shape[1]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+            v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True)
+        return o.transpose(0, 1)
+
+
+@torch.no_grad()
+def capture(ckpt, ids: torch.Tensor, rotation: str, queries: int) -> Capture:
+    model = CausalLM(ckpt.arch, ids.numel())
+    model.load_weights(ckpt.weights)
+    kv_rotation.install(model.eval(), rotation)
+    cap = Capture(queries)
+    model(ids, torch.arange(ids.numel()), cap)
+    return cap
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        args.model, args.tokens, args.queries = None, 96, 8
+    ckpt = load_checkpoint(args.model)
+    ids = torch.tensor(ckpt.tokenizer.encode(PROMPT)[: args.tokens], dtype=torch.long)
+    if ids.numel() < args.tokens:
+        raise ValueError(f"--tokens {args.tokens}: the prompt has {ids.numel()} tokens with this tokenizer")
+    pos = torch.arange(args.tokens - args.queries, args.tokens)
+    rows = []
+    print(f"{ckpt.name}, {args.tokens} prompt tokens, last {args.queries} attend; relative L2 of the attention output,"
+          " mean over layers (max)")
+    print(f"{'rotation':>9} {'kv':>5} {'q':>6} {'total':>17} {'q alone':>17} {'q alone / fp16 total':>21}")
+    for rotation in args.rotation:
+        cap = capture(ckpt, ids, rotation, args.queries)
+        for kv in args.kv:
+            kb, vb = KV_FORMATS[kv]
+            per_layer = {name: [] for name in Q_FORMATS}
+            for q, k, v in cap.layers:
+                exact = attend(q, k, v, pos)
+                kq, vq = quantized(k, kb), quantized(v, vb)
+                base = attend(round_q(q, None), kq, vq, pos)
+                for name, levels in Q_FORMATS.items():
+                    got = attend(round_q(q, levels), kq, vq, pos)
+                    per_layer[name].append((rel(got, exact), rel(got, base), rel(base, exact)))
+            for name, errs in per_layer.items():
+                total = [e[0] for e in errs]
+                alone = [e[1] for e in errs]
+                share = [e[1] / max(e[2], 1e-30) for e in errs]
+                row = {"rotation": rotation, "kv": kv, "q": name, "total_mean": sum(total) / len(total),
+                       "total_max": max(total), "q_alone_mean": sum(alone) / len(alone), "q_alone_max": max(alone),
+                       "share_mean": sum(share) / len(share), "share_max": max(share)}
+                rows.append(row)
+                print(f"{rotation:>9} {kv:>5} {name:>6} {row['total_mean']:8.2e} ({row['total_max']:7.1e}) "
+                      f"{row['q_alone_mean']:8.2e} ({row['q_alone_max']:7.1e}) {row['share_mean']:10.3f} "
+                      f"({row['share_max']:6.3f})", flush=True)
+    cmd = "python benchmarks/q_precision.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"benchmark": "q_precision", "model": ckpt.name, "device": "cpu", "torch": torch.__version__,
+              "command": cmd, "config": vars(args), "rows": rows}
+    if args.out:
+        write_result(result, "q_precision", "cpu", args.out, args.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
