@@ -7,7 +7,9 @@ Per layer: the last --queries prompt positions attend causally to every earlier 
 of the attention output against float64 with unquantized K/V ("total"), and of each q's output against the fp16 q's
 on the same quantized K/V ("q alone"), whose ratio to fp16's total says how much the query's rounding adds to
 what the cache's quantization already costs. With --rotation hadamard the model's queries and keys are rotated as
-the engine serves quantized caches (engine/kv_rotation.py); key centering is not applied.
+the engine serves quantized caches (engine/kv_rotation.py); with --key-centering served, keys are centered as
+the engine centers them for a quantized cache (engine/key_centering.py: the model's calibrated centers, else its
+k_proj bias, else none).
 
 Usage:  python benchmarks/q_precision.py [--model qwen2.5-coder-1.5b] [--tokens 1024]   (CPU is enough; the
         default model is the embedded SmolLM2)
@@ -26,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
 
-from diffkv_serve.engine import kv_rotation  # noqa: E402
+from diffkv_serve.engine import key_centering, kv_rotation  # noqa: E402
 from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.model import CausalLM  # noqa: E402
+from diffkv_serve.engine.model_settings import load_model_settings  # noqa: E402
 from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E402
 
 Q_FORMATS = {"fp16": None, "int16": 32767, "int8": 127}  # q as the kernel rounds it: None = fp16, else levels
@@ -47,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--queries", type=int, default=32, help="last prompt positions that attend, per layer")
     ap.add_argument("--kv", nargs="+", default=["K4V4", "K4V2"], choices=list(KV_FORMATS))
     ap.add_argument("--rotation", nargs="+", default=["off", "hadamard"], choices=["off", "hadamard"])
+    ap.add_argument("--key-centering", choices=["off", "served"], default="off",
+                    help="served: the centers the engine installs for a quantized cache")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="the embedded model, 96 tokens, 8 queries")
     return ap.parse_args(argv)
@@ -100,10 +105,20 @@ class Capture:
         return o.transpose(0, 1)
 
 
+def served_centers(ckpt, model: CausalLM) -> torch.Tensor | None:
+    """The key centers a quantized cache gets (engine.model_runner's choice under key_centering 'auto')."""
+    settings = load_model_settings(ckpt.name)
+    if settings and key_centering.SETTINGS_KEY in settings:
+        return key_centering.check_centers(settings[key_centering.SETTINGS_KEY], ckpt.arch)
+    return key_centering.bias_centers(model) if ckpt.arch.attention_bias else None
+
+
 @torch.no_grad()
-def capture(ckpt, ids: torch.Tensor, rotation: str, queries: int) -> Capture:
+def capture(ckpt, ids: torch.Tensor, rotation: str, queries: int, centering: str = "off") -> Capture:
     model = CausalLM(ckpt.arch, ids.numel())
     model.load_weights(ckpt.weights)
+    if centering == "served":  # before the rotation: centers are measured in the model's own basis
+        key_centering.install(model, served_centers(ckpt, model))
     kv_rotation.install(model.eval(), rotation)
     cap = Capture(queries)
     model(ids, torch.arange(ids.numel()), cap)
@@ -120,11 +135,11 @@ def main(argv=None) -> int:
         raise ValueError(f"--tokens {args.tokens}: the prompt has {ids.numel()} tokens with this tokenizer")
     pos = torch.arange(args.tokens - args.queries, args.tokens)
     rows = []
-    print(f"{ckpt.name}, {args.tokens} prompt tokens, last {args.queries} attend; relative L2 of the attention output,"
-          " mean over layers (max)")
+    print(f"{ckpt.name}, {args.tokens} prompt tokens, last {args.queries} attend, key centering {args.key_centering}; "
+          "relative L2 of the attention output, mean over layers (max)")
     print(f"{'rotation':>9} {'kv':>5} {'q':>6} {'total':>17} {'q alone':>17} {'q alone / fp16 total':>21}")
     for rotation in args.rotation:
-        cap = capture(ckpt, ids, rotation, args.queries)
+        cap = capture(ckpt, ids, rotation, args.queries, args.key_centering)
         for kv in args.kv:
             kb, vb = KV_FORMATS[kv]
             per_layer = {name: [] for name in Q_FORMATS}

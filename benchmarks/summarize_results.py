@@ -124,8 +124,9 @@ MEASURED_ALTERNATIVES = {
     "decode_merge_H200.json": "benchmarks/decode_merge.py: the split merge alone (CUDA graph), merge_launch's "
                               "32-wide slices of head_dim against whole rows a program: 1.6-2.1 us against 2.5-3.4",
     "q_precision_qwen2.5-coder-1.5b_cpu.json": "benchmarks/q_precision.py on Qwen2.5-Coder-1.5B (1,024 prompt "
-        "tokens, CPU): the decode kernel's 16-bit q adds 0.1-0.4% of the attention-output error 4-bit K/V already "
-        "cost; an 8-bit q would add 2-8% (K4V2 / K4V4, rotation on or off) and 86-141% of K8V8's",
+        "tokens, served key centering, CPU): the decode kernel's 16-bit q adds 0.1-0.2% of the attention-output "
+        "error 4-bit K/V already cost; an 8-bit q would add 2-9% (K4V2 / K4V4, rotation on or off) and 91-153% of "
+        "K8V8's",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90 (the Triton "
                              "kernels and the CUDA kernel, decode_mma)",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",

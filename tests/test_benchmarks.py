@@ -78,8 +78,8 @@ def test_decode_merge_smoke(tmp_path):
 
 def test_q_precision_smoke(tmp_path):
     out = tmp_path / "q.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "q_precision.py"), "--smoke", "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=300)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "q_precision.py"), "--smoke", "--key-centering",
+                    "served", "--out", str(out)], check=True, cwd=ROOT, timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert {(r["rotation"], r["kv"], r["q"]) for r in rows} == {
         (rot, kv, q) for rot in ("off", "hadamard") for kv in ("K4V4", "K4V2") for q in ("fp16", "int16", "int8")}
