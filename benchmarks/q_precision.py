@@ -1,4 +1,4 @@
-"""How precise the query must be against low-bit keys: each layer's decode attention on a real prompt's own queries,
+"""How precise the query must be against low-bit keys: each layer's decode attention on a prompt's own queries,
 keys and values, with K/V quantized as the cache stores them and the query as the CUDA decode kernel's integer
 dot takes it -- integers at each head's own scale (amax / 32767: the 16-bit q the kernel uses; amax / 127: an 8-bit
 q, one integer mma chain instead of two) -- beside fp16 q.
@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.smoke:
         args.model, args.tokens, args.queries = None, 96, 8
+    if not 1 <= args.queries <= args.tokens:
+        raise ValueError(f"--queries {args.queries}: needs 1 <= queries <= --tokens ({args.tokens})")
     ckpt = load_checkpoint(args.model)
     ids = torch.tensor(ckpt.tokenizer.encode(PROMPT)[: args.tokens], dtype=torch.long)
     if ids.numel() < args.tokens:
