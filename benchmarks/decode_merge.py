@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import record_sweep  # noqa: E402
 
 from diffkv_serve.kernels._common import next_pow2  # noqa: E402
-from diffkv_serve.kernels.decode_attention.merge import MergeLaunch, merge_launch, merge_splits, merge_splits_ref  # noqa: E402
+from diffkv_serve.kernels.decode_attention.merge import (MAX_ROWS, MergeLaunch, merge_launch, merge_splits,  # noqa: E402
+                                                          merge_splits_ref)
 
 # batch x query heads x splits: Qwen2.5-1.5B's 12 heads at the split counts choose_num_splits gives its batches,
 # and Llama-3-8B's 32
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         out = torch.empty(B, Hq, D, device=dev, dtype=torch.float16)
         lse = torch.empty(B, Hq, device=dev)
         launch = merge_launch(S, D)
-        whole = MergeLaunch(max(1, min(16, 4096 // (next_pow2(S) * next_pow2(D)))), next_pow2(D), 4)
+        whole = MergeLaunch(max(1, min(MAX_ROWS, 4096 // (next_pow2(S) * next_pow2(D)))), next_pow2(D), 4)
         merge_splits(acc, ml, out, lse, S, True)
         want, _ = merge_splits_ref(acc.cpu(), ml.cpu())
         err = float((out.float().cpu() - want).abs().max())

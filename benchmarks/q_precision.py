@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 
 from diffkv_serve.engine import key_centering, kv_rotation  # noqa: E402
+from diffkv_serve.engine.config import CacheConfig  # noqa: E402
 from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.model import CausalLM  # noqa: E402
@@ -106,11 +107,10 @@ class Capture:
 
 
 def served_centers(ckpt, model: CausalLM) -> torch.Tensor | None:
-    """The key centers a quantized cache gets (engine.model_runner's choice under key_centering 'auto')."""
+    """The key centers the engine installs for a quantized cache (key_centering 'auto', an int4 cache)."""
     settings = load_model_settings(ckpt.name)
-    if settings and key_centering.SETTINGS_KEY in settings:
-        return key_centering.check_centers(settings[key_centering.SETTINGS_KEY], ckpt.arch)
-    return key_centering.bias_centers(model) if ckpt.arch.attention_bias else None
+    mode = key_centering.resolve_mode(CacheConfig(kv_mode="int4"), ckpt.arch, settings)
+    return key_centering.centers_for(mode, settings, ckpt.arch, model, (0, ckpt.arch.num_kv_heads))
 
 
 @torch.no_grad()

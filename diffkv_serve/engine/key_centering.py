@@ -86,6 +86,16 @@ def install(model: torch.nn.Module, centers: Optional[torch.Tensor]) -> None:
         layer.qk_shift = shift
 
 
+def centers_for(mode: str, settings: Optional[dict], arch: ModelArch, model: torch.nn.Module,
+                kv_heads: tuple[int, int]) -> Optional[torch.Tensor]:
+    """The centers [L, k1 - k0, D] of a resolved mode (resolve_mode) for KV heads [k0, k1), or None ('off')."""
+    if mode == "calibrated":
+        return rank_centers(check_centers(settings[SETTINGS_KEY], arch), kv_heads)
+    if mode == "bias":
+        return bias_centers(model)
+    return None
+
+
 def rank_centers(full: torch.Tensor, kv_heads: tuple[int, int]) -> torch.Tensor:
     """This rank's slice [L, k1 - k0, D] of the full-model centers [L, Hk, D]."""
     k0, k1 = kv_heads

@@ -144,12 +144,7 @@ class ModelRunner:
         """Install the key centering the config resolves to (engine.key_centering); what stats() reports."""
         settings = load_model_settings(model_name) if model_name else None
         mode = key_centering.resolve_mode(self.config.cache, self.arch, settings)
-        centers = None
-        if mode == "calibrated":
-            full = key_centering.check_centers(settings[key_centering.SETTINGS_KEY], self.arch)
-            centers = key_centering.rank_centers(full, pc.kv_heads(self.arch))
-        elif mode == "bias":
-            centers = key_centering.bias_centers(self.model)
+        centers = key_centering.centers_for(mode, settings, self.arch, self.model, pc.kv_heads(self.arch))
         key_centering.install(self.model, centers)
         return key_centering.describe(mode, centers)
 
