@@ -127,21 +127,41 @@ def test_variants_fit_the_sm():
     for kb in mma_cuda.KEY_BITS:
         for vb in mma_cuda.VALUE_BITS:
             for low in ((0, 2), (4, 2)):
-                var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, True)
-                assert var.shared_bytes <= 48 * 1024
-                cap = mma_cuda.MAX_PROGRAMS_TWO_SECTIONS if low[0] else mma_cuda.MAX_PROGRAMS
-                assert 1 <= var.min_programs <= cap
-                assert var.min_programs * (var.shared_bytes + 1024) <= mma_cuda.SHARED_PER_SM
-                assert f"#define KB_LO {low[0]}" in var.defines()
-    # int4's one section keeps 12 programs; the same pages as a high section beside a low one get 8
+                for stages in (1, 2):
+                    var = mma_cuda.Variant(kb, vb, *low, mma_cuda.MAX_PAGES, False, True, stages=stages)
+                    assert var.shared_bytes == stages * var.stage_bytes <= 48 * 1024
+                    two = low[0] and stages == 2
+                    assert 1 <= var.min_programs <= (mma_cuda.MAX_PROGRAMS_TWO_SECTIONS if two else mma_cuda.MAX_PROGRAMS)
+                    assert var.min_programs * (var.shared_bytes + 1024) <= mma_cuda.SHARED_PER_SM
+                    assert f"#define KB_LO {low[0]}" in var.defines() and f"#define STAGES {stages}" in var.defines()
+    # int4's one section keeps 12 programs; the same pages as a high section beside a low one get 8 (12 at one stage)
     assert mma_cuda.Variant(4, 4, 0, 2, 3, False, False).min_programs == 12
     assert mma_cuda.Variant(4, 4, 4, 2, 3, False, True).min_programs == 8
+    assert mma_cuda.Variant(8, 4, 4, 2, 3, False, True, stages=1).min_programs == 12
+    # K8V8's 16.5 KB tiles: 6 programs at two stages, 12 at one
+    assert mma_cuda.Variant(8, 8, 0, 2, 3, False, False).min_programs == 6
+    assert mma_cuda.Variant(8, 8, 0, 2, 3, False, False, stages=1).min_programs == 12
+
+
+def test_one_stage_rule():
+    """One stage exactly where the pairs overfill the two-stage residents and fit the one-stage ones (132 SMs off a
+    GPU): K8V8 792 < pairs <= 1,584, K8V4 and DiffKV's two sections 1,056 < pairs <= 1,584; never for int4 / K4V2."""
+    dev = torch.device("cpu")
+    k8v8, k8v4, k4v4, k4v2 = (mma_cuda.variant(formats(s, 128, 2)[0], None, False, False)
+                              for s in ("K8V8", "K8V4", "K4V4", "K4V2"))
+    mix = mma_cuda.variant(*formats("K8V4+K4V2", 128, 2), False, True)
+    cases = {k8v8: (792, 1584), k8v4: (1056, 1584), mix: (1056, 1584)}
+    for var, (lo, hi) in cases.items():
+        for pairs, want in ((lo, False), (lo + 8, True), (hi, True), (hi + 8, False), (64, False)):
+            assert mma_cuda.one_stage(var, pairs // 8, 8, dev) is want, (var, pairs)
+    for var in (k4v4, k4v2):
+        assert not any(mma_cuda.one_stage(var, b, 8, dev) for b in range(1, 400))
+    assert not mma_cuda.one_stage(k8v8._replace(stages=1), 128, 8, dev)  # already one stage
 
 
 def test_split_count_rule():
-    """K8V8 (6 resident programs an SM) takes half the quartered kernel's one-warp split count, a power of two, and
-    two splits where the unsplit grid overfills the SMs and each half is long (512 tokens with integer keys, 1,024
-    with e4m3); other precisions keep the one-warp count."""
+    """K8V8 (6 resident programs an SM) takes half the quartered kernel's one-warp split count, a power of two;
+    other precisions keep the one-warp count; a call one_stage takes goes unsplit."""
     from diffkv_serve.kernels.decode_attention.launch import choose_num_splits
     dev = torch.device("cpu")  # num_sms: 132 off a GPU
     k8v8, k4v2, e4m3 = (formats(s, 128, 2)[0] for s in ("K8V8", "K4V2", "K8V8-e4m3"))
@@ -154,13 +174,13 @@ def test_split_count_rule():
         assert mma_cuda.num_splits(e4m3, None, B, Hkv, S, dev) == want
     assert mma_cuda.num_splits(k8v8, None, 32, 8, 1024, dev) == 2
     assert mma_cuda.num_splits(k8v8, None, 8, 2, 4096, dev) == 32  # 33 for two warps, rounded down
-    # 1,024 (sequence, KV head) pairs overfill 132 SMs x 6 programs: 4,096 tokens split in two; 1,024 split in two
-    # halves of 512 with integer keys, not with e4m3 ones; 512 tokens never
-    assert mma_cuda.num_splits(k8v8, None, 128, 8, 4096, dev) == 2
-    assert mma_cuda.num_splits(e4m3, None, 128, 8, 4096, dev) == 2
-    assert mma_cuda.num_splits(k8v8, None, 128, 8, 1024, dev) == 2
-    assert mma_cuda.num_splits(e4m3, None, 128, 8, 1024, dev) == 1
-    assert mma_cuda.num_splits(k8v8, None, 128, 8, 512, dev) == 1
+    # 1,024 (sequence, KV head) pairs overfill 132 SMs x 6 two-stage programs and fit 12 one-stage ones: unsplit
+    k8v4 = formats("K8V4", 128, 2)[0]
+    for fmt, S in ((k8v8, 4096), (e4m3, 4096), (k8v8, 1024), (e4m3, 16384)):
+        assert mma_cuda.num_splits(fmt, None, 128, 8, S, dev) == 1
+    assert mma_cuda.num_splits(k8v4, None, 160, 8, 16384, dev) == 1
+    assert mma_cuda.num_splits(k8v4, None, 64, 2, 16384, dev) == choose_num_splits(64, 2, 16384, dev, 64, 1, 128) > 1
+    assert mma_cuda.num_splits(k8v8, None, 256, 8, 4096, dev) == 1  # past one stage's residents: the two-stage rule
     assert mma_cuda.num_splits(k4v2, None, 256, 8, 4096, dev) == 1  # the one-warp rule's count, overfull or not
 
 
@@ -354,3 +374,44 @@ def test_group_members_of_very_different_norms(spec):
     torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(logits.double().cpu(), _expected_logits(logits.shape, want_logits), atol=tol,
                                rtol=tol, equal_nan=True)
+
+
+@pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
+@pytest.mark.parametrize("spec", ["K8V8", "K8V8-e4m3", "K8V4", "K8V4+K4V2", "K4V2"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_one_stage_matches_two(spec, num_splits):
+    """One tile in flight (the call one_stage picks at large batches) runs the same tiles in the same order as two:
+    outputs, logits and lse equal bit for bit, and the reference holds, across partial tiles and page edges."""
+    fmt, low = formats(spec, 128, 2)
+    Hq, Hkv = 8, 2
+    lens = [[300, 129], [64, 1]]
+    pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, torch.float16, Hkv, lens, [[100, 0], [65, 200]] if low else None,
+                                              DEVICE, 11)
+    B = len(lens)
+    slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(B, Hq, 128, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.float16)
+    total = len_hi + (len_lo if len_lo is not None else 0)
+    nmax = int(total.max()) + NMAX_PAD
+    kernel = None if CUDA else _cuda_emu.compiled
+    results = []
+    for stages in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        logits = torch.full((B, Hq, nmax), float("nan"), device=DEVICE)
+        lse = torch.full((B, Hq), float("nan"), device=DEVICE)
+        mid_acc = torch.empty(B, Hq, num_splits, 128, device=DEVICE) if num_splits > 1 else out
+        mid_ml = torch.empty(B, Hq, num_splits, 2, device=DEVICE) if num_splits > 1 else out
+        mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, slots, out, mid_acc, mid_ml, logits, lse, 0,
+                            128 ** -0.5 * LOG2E, num_splits, compiled=kernel, stages=stages)
+        if num_splits > 1:
+            merge_splits(mid_acc, mid_ml, out, lse, num_splits, True)
+        results.append((out.cpu(), logits.cpu(), lse.cpu()))
+    (o1, l1, s1), (o2, l2, s2) = results
+    assert torch.equal(o1, o2) and torch.equal(s1, s2) and torch.equal(l1.nan_to_num(-7.0), l2.nan_to_num(-7.0))
+    want, _, want_lse = naive_sections(q, pool, fmt, low, torch.float16, pt, len_hi, len_lo, slots.cpu(), 0,
+                                       128 ** -0.5)
+    tol = QTOL[torch.float16]
+    torch.testing.assert_close(o1.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(s1.double(), want_lse, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="stages=3"):
+        mma_cuda.launch_mma(q, pool, fmt, low, pt, len_hi, len_lo, slots, o1.to(DEVICE), o1.to(DEVICE),
+                            o1.to(DEVICE), None, None, 0, 1.0, 1, compiled=kernel, stages=3)

@@ -403,8 +403,9 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   // first tile is unconditional, so that the compiler does not hoist the query's work above its branch).
   const int ntiles = (hi - lo + TILE - 1) / TILE;
   TileIds ids = tile_ids(sec, lo, hi);  // the pages of the next tile to copy
+  constexpr int AHEAD = STAGES > 1 ? STAGES - 1 : 1;  // tiles copied before the loop
 #pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j) {
+  for (int j = 0; j < AHEAD; ++j) {
     if (j == 0 || j < ntiles) {
       load_tile<KB, VB, F8>(smem + j * STAGE_BYTES, pool, sec, ids, lo + j * TILE, hi, page_bytes, lane);
       if (j + 1 < ntiles) ids = tile_ids(sec, lo + (j + 1) * TILE, hi);
@@ -490,9 +491,9 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     koff[sl] = ((lane & 7) + 8 * ((lane >> 3) & 1)) * KROW(KB) + (((2 * sl + (lane >> 4)) ^ (lane & 7)) << 4);
 
   for (int j = 0; j < ntiles; ++j) {
-    cp_wait<STAGES - 2>();
+    cp_wait<(STAGES > 1 ? STAGES - 2 : 0)>();
     __syncwarp();
-    {
+    if (STAGES > 1) {
       const int jn = j + STAGES - 1;
       if (jn < ntiles) {
         load_tile<KB, VB, F8>(smem + (jn % STAGES) * STAGE_BYTES, pool, sec, ids, lo + jn * TILE, hi, page_bytes, lane);
@@ -750,6 +751,14 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           }
         }
       }
+    }
+    if (STAGES == 1) {  // one buffer: the next tile's copy waits for this tile's last read
+      __syncwarp();
+      if (j + 1 < ntiles) {
+        load_tile<KB, VB, F8>(smem, pool, sec, ids, lo + (j + 1) * TILE, hi, page_bytes, lane);
+        if (j + 2 < ntiles) ids = tile_ids(sec, lo + (j + 2) * TILE, hi);
+      }
+      cp_commit();
     }
   }
   cp_wait<0>();

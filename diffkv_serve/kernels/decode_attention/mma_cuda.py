@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from diffkv_serve.kernels._common import num_sms
-from diffkv_serve.kernels.decode_attention.launch import WIDE_SPLIT_TOKENS, choose_num_splits
+from diffkv_serve.kernels.decode_attention.launch import choose_num_splits
 from diffkv_serve.kernels.page_layout import PageFormat
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,11 @@ MAX_PAGES = 4  # pages one tile may span (decode_mma.cu's MAXPAGES): pages must 
 MIN_TOKENS = -(-(TILE - 1) // (MAX_PAGES - 1))  # 21: then TILE tokens touch at most MAX_PAGES pages
 KEY_BITS, VALUE_BITS = (2, 4, 8), (2, 4, 8)
 MAX_GROUP = 8  # query heads per KV head: the mma's N
-STAGES = 2  # cp.async tiles in flight
+STAGES = 2  # cp.async tiles in flight in a program (Variant.stages; one_stage says when a call takes 1)
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
 # A variant with a low section compiles two sections' loops; held to 12 programs (170 registers) it ran 6-13% slower
-# than at 8 on an H100 (K4V4+K4V4 and K4V4+K4V2 sections, batch 128 and 256, 1,088 tokens a head).
+# than at 8 on an H100 (K4V4+K4V4 and K4V4+K4V2 sections, batch 128 and 256, 1,088 tokens a head), at two stages.
+# At one stage it takes 12 (one_stage): at 8, one tile in flight a program was 6-14% slower than two stages.
 MAX_PROGRAMS_TWO_SECTIONS = 8
 SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
 HEAD_DIM = 128
@@ -52,6 +53,7 @@ class Variant(NamedTuple):
     bf16: bool
     logits: bool  # writes each token's logit (stored from the mma fragments)
     f8: bool = False  # the high section's 8-bit sides are e4m3 codes (PageFormat.float8)
+    stages: int = STAGES  # tiles in flight a program: 1 or 2 (one_stage)
 
     @property
     def stage_bytes(self) -> int:
@@ -62,20 +64,42 @@ class Variant(NamedTuple):
 
     @property
     def shared_bytes(self) -> int:
-        return STAGES * self.stage_bytes
+        return self.stages * self.stage_bytes
 
     @property
     def min_programs(self) -> int:
         """Programs per SM the registers must allow: as many as shared memory lets reside, at most MAX_PROGRAMS
-        (K4V2: 12 -> 170 registers; K8V4: 8, no cap), or MAX_PROGRAMS_TWO_SECTIONS with a low section."""
-        cap = MAX_PROGRAMS_TWO_SECTIONS if self.kb_lo else MAX_PROGRAMS
+        (K4V2: 12 -> 170 registers; K8V4: 8, no cap), or MAX_PROGRAMS_TWO_SECTIONS with a low section at two
+        stages."""
+        cap = MAX_PROGRAMS_TWO_SECTIONS if self.kb_lo and self.stages > 1 else MAX_PROGRAMS
         return max(1, min(cap, SHARED_PER_SM // (self.shared_bytes + 1024)))
 
     def defines(self) -> str:
         d = dict(KB_HI=self.kb_hi, VB_HI=self.vb_hi, KB_LO=self.kb_lo, VB_LO=self.vb_lo, MAXPAGES=self.maxpages,
-                 STAGES=STAGES, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
+                 STAGES=self.stages, MINB=self.min_programs, Q_BF16=int(self.bf16), WRITE_LOGITS=int(self.logits),
                  F8_HI=int(self.f8))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
+
+
+def one_stage(var: Variant, batch: int, kv_heads: int, device: torch.device) -> bool:
+    """Whether a call runs with one tile in flight a program instead of two: where its (sequence, KV head) pairs
+    overfill the SMs' resident two-stage programs and one stage lets all of them reside at once. Programs a SM, two
+    stages -> one: K8V8 and e4m3 pages 6 -> 12, K8V4 8 -> 12, DiffKV's two sections 8 -> 12 (MAX_PROGRAMS_TWO_SECTIONS);
+    K4V4, K4V2 and K2V2 hold 12 either way. Such a call goes unsplit: one wave of programs that keep enough bytes
+    in flight between them, where two stages ran a second, part-empty wave.
+    Measured on an H200 with Llama-3-8B heads (8 KV heads; exp/run_stage1*.sh in the workspace,
+    do_bench_cudagraph), one stage against two:
+      K8V8, batch 128 (1,024 pairs): 72.9 against 81.7 us at 1,024 tokens, 138 / 147 at 2,048, 266 / 279 at
+        4,096; e4m3 73.7 / 80.9 at 1,024; batch 192: 105 against 107.
+      K8V4, batch 136-192 (1,088-1,536 pairs), 1,024-16,384 tokens: 7-21% faster (batch 160 x 16,384: 1,027
+        against 1,247 us).
+      K8V4 + K4V2, same shapes: 3-12% faster (batch 160 x 4,096: 223 against 247 us), but for batch 192 x 16,384
+        (981-996 against 983-1,007 us, within noise).
+    One stage lost 5-19% where the two-stage grid fits (K8V8 at batch 64, K8V4 + K4V2 at batch 128) and where
+    one stage's grid overfills too (K8V8 at batch 256: 156 against 142 us)."""
+    one = var._replace(stages=1)
+    pairs, sms = batch * kv_heads, num_sms(device)
+    return var.stages > 1 and sms * var.min_programs < pairs <= sms * one.min_programs
 
 
 def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads: int, max_len: int,
@@ -91,17 +115,12 @@ def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads
     int4, K8V4, K4V2 and DiffKV's two sections the one-warp pick was within 6% of the fastest of 1-64 splits up to
     16,384 tokens (the same sweep on random pages, not recorded)."""
     var = variant(fmt, fmt_low, False, False)
+    if one_stage(var, batch, kv_heads, device):
+        return 1
     if not (var.kb_hi == var.vb_hi == 8 and not var.kb_lo):
         return choose_num_splits(batch, kv_heads, max_len, device, TILE, 1, HEAD_DIM)
     splits = choose_num_splits(batch, kv_heads, max_len, device, TILE, 2, HEAD_DIM)
-    splits = 1 << (splits.bit_length() - 1)
-    overfull = batch * kv_heads > num_sms(device) * var.min_programs
-    # Integer keys lose more to that last wave than e4m3 ones: Llama-3-8B heads, batch 128 x 1,024 tokens took 86.1 us
-    # unsplit against 80.3 in two splits of 512 on an H200, where e4m3 pages took 80.0 against 80.8.
-    half = WIDE_SPLIT_TOKENS if var.f8 else WIDE_SPLIT_TOKENS // 2
-    if splits == 1 and overfull and max_len >= 2 * half:
-        return 2
-    return splits
+    return 1 << (splits.bit_length() - 1)
 
 
 def _format_reason(fmt: PageFormat, which: str) -> str | None:
@@ -168,13 +187,14 @@ def _compiled(device: torch.device, var: Variant):
 
 def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table, len_hi, len_lo, slots, out,
                mid_acc, mid_ml, logits, lse, layer: int, qk_scale: float, num_splits: int,
-               compiled=None, alpha_low_by_slot=None) -> None:
+               compiled=None, alpha_low_by_slot=None, stages: int | None = None) -> None:
     """One warp per (batch entry, KV head, split) over the split's tiles of the high then the low section. With
     num_splits > 1 it writes mid_acc [B, Hq, num_splits, D] / mid_ml [B, Hq, num_splits, 2] (log2-domain max,
     sum) for merge.merge_splits, else the normalized output into out (and lse, when given). qk_scale is in the
     log2 domain. logits (optional, f32 [B, Hq, >= max_len]) receives each token's natural-domain logit (high
     token j at j, low token j at len_hi + j); with alpha_low_by_slot (f32 [S]) a slot's low tokens get none where
-    it is 0 (nothing reads their scores). compiled: a stand-in for _compiled (the CPU emulation in tests)."""
+    it is 0 (nothing reads their scores). compiled: a stand-in for _compiled (the CPU emulation in tests). stages:
+    tiles in flight a program (default: 1 where one_stage says, else STAGES)."""
     B, Hq, _ = q.shape
     Hkv = page_table.shape[2]
     group = Hq // Hkv
@@ -189,6 +209,11 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
     if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
         q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
     var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
+    if stages is None:
+        stages = 1 if one_stage(var, B, Hkv, q.device) else STAGES
+    if stages not in (1, 2):
+        raise ValueError(f"launch_mma: stages={stages} (1 or 2)")
+    var = var._replace(stages=stages)
     kernel = (compiled or _compiled)(q.device, var)
     lo = fmt_low or fmt
     len_lo = len_lo if fmt_low is not None else len_hi
