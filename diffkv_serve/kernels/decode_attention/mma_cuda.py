@@ -6,8 +6,8 @@ compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant)
 
 It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
 the quartered and q8 Triton kernels wherever it can serve the call (dispatch.pick_kernel). On an H200
-(benchmarks/results/decode_mma_vs_triton_H200.json) it runs 1.18-1.76x quartered.py's speed, and on K8V8 pages
-(integer or e4m3), split as num_splits says, 1.12-1.38x q8.py's (under the quartered kernel's split rule it had been
+(benchmarks/results/decode_mma_vs_triton_H200.json) it runs 1.16-1.79x quartered.py's speed, and on K8V8 pages
+(integer or e4m3), split as num_splits says, 1.15-1.39x q8.py's (under the quartered kernel's split rule it had been
 0.81-0.96x q8's speed on an H100, decode_mma_vs_triton_H100.json). With several splits the partials are merged by
 merge.py's kernel.
 """
