@@ -50,8 +50,9 @@ MEASURED_ALTERNATIVES = {
     "decode_mma_vs_triton_H100.json": "decode_kernel_ab.py on an H100 before K8V8 moved to the CUDA kernel: 1.05-1.38x "
                                       "the quartered kernel; K8V8 under the quartered kernel's split rule 0.81-0.96x q8",
     "decode_splits_mma_cuda_llama3_8b_H200.json": "decode_splits.py, the CUDA kernel on K8V8 / fp8 pages at 1-32 "
-                                                  "splits, Llama-3-8B heads: the automatic count (mma_cuda.num_splits) "
-                                                  "is the fastest at every shape",
+                                                  "splits, Llama-3-8B heads, two tiles in flight: the automatic count "
+                                                  "(mma_cuda.num_splits) was the fastest at every shape (batch 128 "
+                                                  "now runs one stage unsplit: decode_stages_H200.json)",
     "decode_splits_mma_cuda_qwen2.5_1.5b_H200.json": "the same at Qwen2.5-1.5B's heads: the automatic count is the "
                                                      "fastest at every shape",
     "throughput_smollm2_H100.json.gz": "benchmarks/throughput.py on SmolLM2-135M (H100, 2026-11-22, an engine "
@@ -121,6 +122,11 @@ MEASURED_ALTERNATIVES = {
     "tune_decode_attention_H200.json": "decode tile size / warps / stages sweep (benchmarks/tune_decode_attention.py)",
     "tune_decode_attention_q8_H100.json": "the q8 kernel's tile size / warps / split count sweep behind "
                                           "launch.q8_launch (benchmarks/tune_decode_attention.py --graph)",
+    "decode_stages_H200.json": "benchmarks/decode_stages.py, Llama-3-8B heads, batch 128-192 x 1,024-16,384 "
+                               "tokens: the CUDA kernel at one and two tiles in flight, 1 / 2 / 4 splits. The "
+                               "automatic pick (mma_cuda.one_stage, num_splits) is the fastest or within 3.5%; "
+                               "against two stages unsplit, DiffKV's mix at batch 160 runs 1.25-1.29x, K8V8 at "
+                               "batch 128 x 1,024 1.19x (73 against 87 us)",
     "decode_merge_H200.json": "benchmarks/decode_merge.py: the split merge alone (CUDA graph), merge_launch's "
                               "32-wide slices of head_dim against whole rows a program: 1.6-2.1 us against 2.5-3.4",
     "q_precision_qwen2.5-coder-1.5b_cpu.json": "benchmarks/q_precision.py on Qwen2.5-Coder-1.5B (1,024 prompt "

@@ -53,6 +53,17 @@ def test_decode_splits_smoke(tmp_path):
     assert "score" not in rows[0] and {"1", "2"} <= set(score["us"]) and score["best_us"] == min(score["us"].values())
 
 
+def test_decode_stages_smoke(tmp_path):
+    out = tmp_path / "stages.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_stages.py"), "--smoke", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["precision"] for r in rows] == ["K8V8", "fp8", "K8V4", "mix"]
+    for r in rows:  # both stage counts at each split count, plus the automatic pick (2 pairs: two stages)
+        assert {"2st/1", "2st/2", "1st/1", "1st/2"} <= set(r["us"]) and r["auto"].startswith("2st/")
+        assert r["best_us"] == min(r["us"].values()) and r["auto_us"] == r["us"][r["auto"]] and r["pairs"] == 4
+
+
 def test_tune_decode_attention_smoke(tmp_path):
     out = tmp_path / "tune.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_decode_attention.py"), "--smoke", "--out",

@@ -87,16 +87,15 @@ def one_stage(var: Variant, batch: int, kv_heads: int, device: torch.device) -> 
     stages -> one: K8V8 and e4m3 pages 6 -> 12, K8V4 8 -> 12, DiffKV's two sections 8 -> 12 (MAX_PROGRAMS_TWO_SECTIONS);
     K4V4, K4V2 and K2V2 hold 12 either way. Such a call goes unsplit: one wave of programs that keep enough bytes
     in flight between them, where two stages ran a second, part-empty wave.
-    Measured on an H200 with Llama-3-8B heads (8 KV heads; exp/run_stage1*.sh in the workspace,
-    do_bench_cudagraph), one stage against two:
-      K8V8, batch 128 (1,024 pairs): 72.9 against 81.7 us at 1,024 tokens, 138 / 147 at 2,048, 266 / 279 at
-        4,096; e4m3 73.7 / 80.9 at 1,024; batch 192: 105 against 107.
-      K8V4, batch 136-192 (1,088-1,536 pairs), 1,024-16,384 tokens: 7-21% faster (batch 160 x 16,384: 1,027
-        against 1,247 us).
-      K8V4 + K4V2, same shapes: 3-12% faster (batch 160 x 4,096: 223 against 247 us), but for batch 192 x 16,384
-        (981-996 against 983-1,007 us, within noise).
-    One stage lost 5-19% where the two-stage grid fits (K8V8 at batch 64, K8V4 + K4V2 at batch 128) and where
-    one stage's grid overfills too (K8V8 at batch 256: 156 against 142 us)."""
+    Measured on an H200 with Llama-3-8B heads (8 KV heads), batch 128-192 x 1,024-16,384 tokens, one and two
+    stages at 1, 2 and 4 splits (benchmarks/decode_stages.py; decode_stages_H200.json in benchmarks/results): this
+    pick was the fastest or within 3.5% at every shape. Against two stages unsplit (the split rule's count there):
+    DiffKV's two sections with logits at batch 160 73 against 92 us at 1,024 tokens, 257 / 330 at 4,096, 983 /
+    1,265 at 16,384; K8V4 at batch 192 x 4,096 308 against 333; K8V8 at batch 128 x 1,024 73 against 87 (81 at two
+    stages in two splits, the rule before). One stage unsplit lost 1-5% where the two-stage grid fits (K8V4 and
+    DiffKV's sections at batch 128: 60 against 58 us at 1,024 tokens, 792 / 757 at 16,384), and in probes outside
+    that record 5-19% at batch 64 and 10% where one stage's grid overfills too (K8V8 at batch 256 x 1,024: 156
+    against 142 us)."""
     one = var._replace(stages=1)
     pairs, sms = batch * kv_heads, num_sms(device)
     return var.stages > 1 and sms * var.min_programs < pairs <= sms * one.min_programs
@@ -104,16 +103,16 @@ def one_stage(var: Variant, batch: int, kv_heads: int, device: torch.device) -> 
 
 def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads: int, max_len: int,
                device: torch.device) -> int:
-    """Splits per (sequence, KV head) of a call (max_len: a bound on a head's tokens). Every variant but K8V8 takes
-    the quartered kernel's rule (launch.choose_num_splits for one-warp programs: about 8 programs per SM). K8V8's
-    tiles leave 6 programs per SM, which run fastest at about 4: half the splits, rounded down to a power of two,
-    and two splits where the unsplit grid alone overfills the resident programs and each half stays
-    WIDE_SPLIT_TOKENS long (half that with integer keys): a shorter last wave.
+    """Splits per (sequence, KV head) of a call (max_len: a bound on a head's tokens): one where one_stage says.
+    Otherwise every variant but K8V8 takes the quartered kernel's rule (launch.choose_num_splits for one-warp
+    programs: about 8 programs per SM), and K8V8, whose tiles leave 6 programs per SM, half of it rounded down to a
+    power of two (it runs fastest at about 4 programs per SM).
     Measured on an H200 at 1-32 splits, Llama-3-8B and Qwen2.5-1.5B heads, batch 8-128 x 1,024-4,096 tokens
-    (benchmarks/decode_splits.py; decode_splits_mma_cuda_*_H200.json in benchmarks/results): the pick is the
-    fastest count for K8V8 and fp8 pages at every shape, where the one-warp rule's count was up to 23% slower. For
-    int4, K8V4, K4V2 and DiffKV's two sections the one-warp pick was within 6% of the fastest of 1-64 splits up to
-    16,384 tokens (the same sweep on random pages, not recorded)."""
+    (benchmarks/decode_splits.py; decode_splits_mma_cuda_*_H200.json in benchmarks/results, two stages): the pick
+    was the fastest count for K8V8 and fp8 pages at every shape, where the one-warp rule's count was up to 23%
+    slower (Llama-3-8B's batch 128 now takes one stage, unsplit). For int4, K8V4, K4V2 and DiffKV's two sections
+    the one-warp pick was within 6% of the fastest of 1-64 splits up to 16,384 tokens (the same sweep on random
+    pages, not recorded)."""
     var = variant(fmt, fmt_low, False, False)
     if one_stage(var, batch, kv_heads, device):
         return 1
