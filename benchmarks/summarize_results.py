@@ -124,9 +124,9 @@ MEASURED_ALTERNATIVES = {
                                           "launch.q8_launch (benchmarks/tune_decode_attention.py --graph)",
     "decode_stages_H200.json": "benchmarks/decode_stages.py, Llama-3-8B heads, batch 128-192 x 1,024-16,384 "
                                "tokens: the CUDA kernel at one and two tiles in flight, 1 / 2 / 4 splits. The "
-                               "automatic pick (mma_cuda.one_stage, num_splits) is the fastest or within 3.5%; "
+                               "automatic pick (mma_cuda.one_stage, num_splits) is the fastest or within 5.5%; "
                                "against two stages unsplit, DiffKV's mix at batch 160 runs 1.25-1.29x, K8V8 at "
-                               "batch 128 x 1,024 1.19x (73 against 87 us)",
+                               "batch 128 x 1,024 1.21x (71.5 against 86.7 us)",
     "decode_merge_H200.json": "benchmarks/decode_merge.py: the split merge alone (CUDA graph), merge_launch's "
                               "32-wide slices of head_dim against whole rows a program: 1.6-2.1 us against 2.5-3.4",
     "q_precision_qwen2.5-coder-1.5b_cpu.json": "benchmarks/q_precision.py on Qwen2.5-Coder-1.5B (1,024 prompt "

@@ -38,6 +38,10 @@ MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at 
 # than at 8 on an H100 (K4V4+K4V4 and K4V4+K4V2 sections, batch 128 and 256, 1,088 tokens a head), at two stages.
 # At one stage it takes 12 (one_stage): at 8, one tile in flight a program was 6-14% slower than two stages.
 MAX_PROGRAMS_TWO_SECTIONS = 8
+# one_stage: past 1.5 two-stage waves (a second wave at least half full) two stages keep up with one: K8V8 and fp8
+# at Llama-3-8B batch 160-192 (1.6-1.9 waves) within 5% either way (decode_stages_H200.json), and an engine decode
+# step on fp8 pages at batch 160 x 2,048 tokens ran 3% slower at one stage (Llama-3-8B random weights, H200).
+MAX_SECOND_WAVE = 1.5
 SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
 HEAD_DIM = 128
 
@@ -83,22 +87,26 @@ class Variant(NamedTuple):
 
 def one_stage(var: Variant, batch: int, kv_heads: int, device: torch.device) -> bool:
     """Whether a call runs with one tile in flight a program instead of two: where its (sequence, KV head) pairs
-    overfill the SMs' resident two-stage programs and one stage lets all of them reside at once. Programs a SM, two
+    overfill the SMs' resident two-stage programs, by at most half a wave (MAX_SECOND_WAVE), and one stage lets all
+    of them reside at once. Programs a SM, two
     stages -> one: K8V8 and e4m3 pages 6 -> 12, K8V4 8 -> 12, DiffKV's two sections 8 -> 12 (MAX_PROGRAMS_TWO_SECTIONS);
     K4V4, K4V2 and K2V2 hold 12 either way. Such a call goes unsplit: one wave of programs that keep enough bytes
     in flight between them, where two stages ran a second, part-empty wave.
     Measured on an H200 with Llama-3-8B heads (8 KV heads), batch 128-192 x 1,024-16,384 tokens, one and two
     stages at 1, 2 and 4 splits (benchmarks/decode_stages.py; decode_stages_H200.json in benchmarks/results): this
-    pick was the fastest or within 3.5% at every shape. Against two stages unsplit (the split rule's count there):
-    DiffKV's two sections with logits at batch 160 73 against 92 us at 1,024 tokens, 257 / 330 at 4,096, 983 /
-    1,265 at 16,384; K8V4 at batch 192 x 4,096 308 against 333; K8V8 at batch 128 x 1,024 73 against 87 (81 at two
-    stages in two splits, the rule before). One stage unsplit lost 1-5% where the two-stage grid fits (K8V4 and
-    DiffKV's sections at batch 128: 60 against 58 us at 1,024 tokens, 792 / 757 at 16,384), and in probes outside
-    that record 5-19% at batch 64 and 10% where one stage's grid overfills too (K8V8 at batch 256 x 1,024: 156
-    against 142 us)."""
+    pick was the fastest or within 5.5% at every shape. Against two stages unsplit (the split rule's count there):
+    DiffKV's two sections with logits at batch 160 72.5 against 90.8 us at 1,024 tokens, 256 / 328 at 4,096, 971 /
+    1,255 at 16,384; K8V4 at batch 192 x 4,096 300 against 326; K8V8 at batch 128 x 1,024 71.5 against 86.7 (80.3
+    at two stages in two splits, the rule before). End to end, Llama-3-8B random weights at batch 160 x 2,048
+    tokens (benchmarks/step_breakdown.py, one process, one stage switched off and on twice): a diffkv decode step
+    took 11.6-11.7 ms against 13.0-13.1, its attention 4.63-4.66 against 5.91-5.93 ms. One stage unsplit lost 1-6%
+    where the two-stage grid fits (K8V4 and DiffKV's sections at batch 128: 59.6 against 57.7 us at 1,024 tokens,
+    783 / 740 at 16,384), and in probes outside that record 5-19% at batch 64 and 10% where one stage's grid
+    overfills too (K8V8 at batch 256 x 1,024: 156 against 142 us)."""
     one = var._replace(stages=1)
     pairs, sms = batch * kv_heads, num_sms(device)
-    return var.stages > 1 and sms * var.min_programs < pairs <= sms * one.min_programs
+    two = sms * var.min_programs  # resident two-stage programs
+    return var.stages > 1 and two < pairs <= min(sms * one.min_programs, two * MAX_SECOND_WAVE)
 
 
 def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads: int, max_len: int,
