@@ -5,6 +5,8 @@
 #   kernel_ab       benchmarks/decode_kernel_ab.py: against the Triton kernel the dispatcher would pick, same calls
 #   attention       benchmarks/attention.py --repeats 2: every precision against the floor (the decode targets)
 #   step_breakdown  benchmarks/step_breakdown.py at the Llama-3-8B shape: int4 and diffkv beside fp16, end to end
+#   stages          benchmarks/decode_stages.py: one tile in flight against two where grids overfill the SMs (not
+#                   in the default list; ~65 s on an H200)
 # The engine (step_breakdown, the dispatcher tests' conftest) needs pydantic: carry .carry/w holding its cp312
 # wheels (pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions; see the device README).
 #   run: bash scripts/device/decode_kernel_check.sh [STAGE ...]   (carry: .carry/w). On an H200 tests take ~290 s,
@@ -13,7 +15,7 @@
 set -uo pipefail
 STAGES=" ${*:-tests kernel_ab attention step_breakdown} "
 for s in $STAGES; do
-  case $s in tests|kernel_ab|attention|step_breakdown) ;; *) echo "unknown stage: $s" >&2; exit 2 ;; esac
+  case $s in tests|kernel_ab|attention|step_breakdown|stages) ;; *) echo "unknown stage: $s" >&2; exit 2 ;; esac
 done
 
 export PYTHONUNBUFFERED=1
@@ -41,3 +43,5 @@ stage kernel_ab 100 python3 benchmarks/decode_kernel_ab.py --out "$OUT/decode_mm
 stage attention 130 python3 benchmarks/attention.py --repeats 2 --out "$OUT/attention_$gpu.json"
 stage step_breakdown 190 python3 benchmarks/step_breakdown.py --preset llama3-8b --modes fp16 int4 diffkv \
   --batches 64 256 --seq 1024 --steps 8 --out "$OUT/step_breakdown_llama3_8b_$gpu.json"
+stage stages 150 python3 benchmarks/decode_stages.py --batches 128 160 192 --seqs 1024 4096 16384 \
+  --out "$OUT/decode_stages_$gpu.json"
