@@ -207,6 +207,52 @@ def copies_for(footprint: int, l2_bytes: int, max_copies: int = 32) -> int:
     return max(2, min(max_copies, math.ceil(4 * l2_bytes / max(footprint, 1))))
 
 
+def decode_inputs(fmt_hi, fmt_lo, B: int, Hq: int, Hkv: int, S: int, dtype, device, l2_bytes: int, seed: int = 0):
+    """One layer's paged cache of S random tokens a (sequence, KV head), in enough copies to rotate past L2
+    (l2_bytes 0: one), and a decode call's buffers: pools, page_table, lengths, len_low, q, slots, out, logits and
+    lse (the last two where there is a low section, as the engine's diffkv decode writes them), and the bytes one
+    call reads (kv_bytes, qo_bytes)."""
+    from types import SimpleNamespace
+    D = fmt_hi.head_dim
+    K, V = make_kv(B, Hkv, S, D, dtype, device, seed=seed)
+    pool, pt, lens, len_lo = build_paged(K, V, fmt_hi, fmt_lo, dtype, 0, impl="auto")
+    del K, V
+    kv_bytes, qo_bytes = read_bytes(fmt_hi, fmt_lo, B, Hq, Hkv, S, torch.empty((), dtype=dtype).element_size())
+    n = copies_for(pool.numel(), int(l2_bytes))
+    q = torch.randn(B, Hq, D, device=device, dtype=dtype)
+    diffkv = fmt_lo is not None
+    return SimpleNamespace(
+        pools=[pool] + [pool.clone() for _ in range(n - 1)], page_table=pt, lengths=lens, len_low=len_lo, q=q,
+        slots=torch.arange(B, dtype=torch.int32, device=device), out=torch.empty_like(q),
+        logits=torch.empty(B, Hq, S, dtype=torch.float32, device=device) if diffkv else None,
+        lse=torch.empty(B, Hq, dtype=torch.float32, device=device) if diffkv else None,
+        kv_bytes=kv_bytes, qo_bytes=qo_bytes)
+
+
+def decode_cases(precisions, batches, seqs, Hq: int, Hkv: int, head_dim: int, block_size: int, dtype, device,
+                 l2_bytes: int):
+    """(precision, fmt_hi, fmt_lo, batch, seq, decode_inputs(...)) for every precision x batch x seq of a sweep,
+    pages sized as a fp16 page of block_size tokens; each case's cache is built as it is reached."""
+    page_bytes = page_bytes_for(block_size, head_dim, 2)
+    for prec in precisions:
+        fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), head_dim, page_bytes, 2)
+        for B in batches:
+            for S in seqs:
+                yield prec, fmt_hi, fmt_lo, B, S, decode_inputs(fmt_hi, fmt_lo, B, Hq, Hkv, S, dtype, device, l2_bytes)
+
+
+def agrees_with_first(ref, out, what: str):
+    """A sweep's check that every configuration computes the same call: returns the reference (out's copy when
+    ref is None, the first configuration); raises naming `what` where out differs from it beyond 4e-3 relative."""
+    got = out.float().clone()
+    if ref is None:
+        return got
+    err = float((got - ref).abs().max())
+    if err > 4e-3 * (1 + float(ref.abs().max())):
+        raise RuntimeError(f"{what} differs from the first configuration by {err:.3e}")
+    return ref
+
+
 def rotating(fn, n):
     i = [0]
 

@@ -24,11 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import record_sweep  # noqa: E402
-from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
+from attention import agrees_with_first, decode_cases, rotating  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel, planned_splits  # noqa: E402
-from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 from diffkv_serve.kernels.score_update import BLOCK_N as SCORE_BLOCK_N  # noqa: E402
 from diffkv_serve.kernels.score_update import accumulate_scores_ref, accumulate_scores_triton, choose_score_splits  # noqa: E402
 
@@ -89,62 +88,45 @@ def main(argv=None) -> int:
         args.batches, args.seqs, args.splits, args.hq, args.hkv, args.head_dim = [2], [40], [1, 2], 4, 2, 32
         args.score_splits = [1, 2]
     D, dt = args.head_dim, torch.float16
-    page_bytes = page_bytes_for(args.block_size, D, 2)
     rows = []
     print(f"{'prec':>6} {'B':>4} {'S':>6} {'auto':>5}  " + "  ".join(f"{'s=' + str(s):>8}" for s in args.splits)
           + "   best  GB/s(best)")
-    for prec in args.precisions:
-        fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), D, page_bytes, 2)
+    for prec, fmt_hi, fmt_lo, B, S, c in decode_cases(args.precisions, args.batches, args.seqs, args.hq, args.hkv, D,
+                                                     args.block_size, dt, dev, args.l2_bytes if cuda else 0):
         diffkv = fmt_lo is not None
-        for B in args.batches:
-            for S in args.seqs:
-                K, V = make_kv(B, args.hkv, S, D, dt, dev, seed=0)
-                pool, pt, lens, len_lo = build_paged(K, V, fmt_hi, fmt_lo, dt, 0, impl="auto")
-                del K, V
-                kv_bytes, qo = read_bytes(fmt_hi, fmt_lo, B, args.hq, args.hkv, S, 2)
-                n = copies_for(pool.numel(), int(args.l2_bytes)) if cuda else 1
-                pools = [pool] + [pool.clone() for _ in range(n - 1)]
-                q = torch.randn(B, args.hq, D, device=dev, dtype=dt)
-                slots = torch.arange(B, dtype=torch.int32, device=dev)
-                logits = torch.empty(B, args.hq, S, dtype=torch.float32, device=dev) if diffkv else None
-                lse = torch.empty(B, args.hq, dtype=torch.float32, device=dev) if diffkv else None
-                out = torch.empty_like(q)
-                kernel = pick_kernel(fmt_hi, fmt_lo, q, args.hq // args.hkv) if cuda else None
-                auto = planned_splits(kernel, fmt_hi, fmt_lo, B, args.hkv, S, dev, D) if cuda else 1
-                ref = None
-                times = {}
-                for splits in args.splits:
-                    def call(k, splits=splits):
-                        return paged_decode_attention(q, pools[k], fmt_hi, dt, pt, lens, slots, 0, num_splits=splits,
-                                                      max_len=S, out=out, fmt_low=fmt_lo, len_low=len_lo,
-                                                      logits_out=logits, lse_out=lse,
-                                                      impl="triton" if cuda else "ref")
-                    got = call(0).float().clone()
-                    ref = got if ref is None else ref
-                    err = float((got - ref).abs().max())
-                    if err > 4e-3 * (1 + float(ref.abs().max())):
-                        raise RuntimeError(f"{prec} B{B} S{S}: num_splits={splits} differs from num_splits="
-                                           f"{args.splits[0]} by {err:.3e}")
-                    if cuda:
-                        import triton.testing
-                        t = triton.testing.do_bench_cudagraph(rotating(call, n), rep=args.rep, return_mode="median")
-                        times[splits] = 1e3 * t
-                    else:
-                        import time
-                        t0 = time.perf_counter()
-                        call(0)
-                        times[splits] = 1e6 * (time.perf_counter() - t0)
-                best = min(times, key=times.get)
-                gbs = (kv_bytes + qo) / (times[best] * 1e-6) / 1e9
-                rows.append({"precision": prec, "kernel": kernel, "batch": B, "seq": S, "auto_splits": auto,
-                             "us": {str(k): v for k, v in times.items()}, "best_splits": best,
-                             "auto_us": times.get(auto), "best_us": times[best], "kv_bytes": kv_bytes,
-                             "best_pct_bw": 100 * (kv_bytes + qo) / (times[best] * 1e-6) / args.bandwidth})
-                print(f"{prec:>6} {B:>4} {S:>6} {auto:>5}  " + "  ".join(f"{times[s]:8.1f}" for s in args.splits)
-                      + f"   {best:>4}  {gbs:8.0f}", flush=True)
-                if diffkv and args.score_splits:
-                    rows[-1]["score"] = score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, lse,
-                                                    B, S, dev, cuda)
+        pools, pt, lens, len_lo, q, slots = c.pools, c.page_table, c.lengths, c.len_low, c.q, c.slots
+        out, logits, lse, kv_bytes, qo, n = c.out, c.logits, c.lse, c.kv_bytes, c.qo_bytes, len(c.pools)
+        kernel = pick_kernel(fmt_hi, fmt_lo, q, args.hq // args.hkv) if cuda else None
+        auto = planned_splits(kernel, fmt_hi, fmt_lo, B, args.hkv, S, dev, D) if cuda else 1
+        ref = None
+        times = {}
+        for splits in args.splits:
+            def call(k, splits=splits):
+                return paged_decode_attention(q, pools[k], fmt_hi, dt, pt, lens, slots, 0, num_splits=splits,
+                                              max_len=S, out=out, fmt_low=fmt_lo, len_low=len_lo,
+                                              logits_out=logits, lse_out=lse,
+                                              impl="triton" if cuda else "ref")
+            ref = agrees_with_first(ref, call(0), f"{prec} B{B} S{S}: num_splits={splits}")
+            if cuda:
+                import triton.testing
+                t = triton.testing.do_bench_cudagraph(rotating(call, n), rep=args.rep, return_mode="median")
+                times[splits] = 1e3 * t
+            else:
+                import time
+                t0 = time.perf_counter()
+                call(0)
+                times[splits] = 1e6 * (time.perf_counter() - t0)
+        best = min(times, key=times.get)
+        gbs = (kv_bytes + qo) / (times[best] * 1e-6) / 1e9
+        rows.append({"precision": prec, "kernel": kernel, "batch": B, "seq": S, "auto_splits": auto,
+                     "us": {str(k): v for k, v in times.items()}, "best_splits": best,
+                     "auto_us": times.get(auto), "best_us": times[best], "kv_bytes": kv_bytes,
+                     "best_pct_bw": 100 * (kv_bytes + qo) / (times[best] * 1e-6) / args.bandwidth})
+        print(f"{prec:>6} {B:>4} {S:>6} {auto:>5}  " + "  ".join(f"{times[s]:8.1f}" for s in args.splits)
+              + f"   {best:>4}  {gbs:8.0f}", flush=True)
+        if diffkv and args.score_splits:
+            rows[-1]["score"] = score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, lse,
+                                            B, S, dev, cuda)
     record_sweep("decode_splits", argv, args, rows, cuda)
     return 0
 

@@ -23,12 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import record_sweep  # noqa: E402
-from attention import PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
+from attention import agrees_with_first, decode_cases, rotating  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import mma_cuda, paged_decode_attention  # noqa: E402
 from diffkv_serve.kernels.decode_attention.merge import merge_splits  # noqa: E402
 from diffkv_serve.kernels.decode_attention.tiles import LOG2E  # noqa: E402
-from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -69,64 +68,46 @@ def main(argv=None) -> int:
     if args.smoke:
         args.batches, args.seqs, args.splits, args.hq, args.hkv = [2], [80], [1, 2], 4, 2
     D, dt = mma_cuda.HEAD_DIM, torch.float16
-    page_bytes = page_bytes_for(args.block_size, D, 2)
     configs = [(s, n) for s in (2, 1) for n in args.splits]
     rows = []
     print(f"{'prec':>6} {'B':>4} {'S':>6} {'auto':>6}  " + "  ".join(f"{f'{s}st/{n}':>8}" for s, n in configs)
           + "    best  auto/best")
-    for prec in args.precisions:
-        fmt_hi, fmt_lo = parse_spec(PRECISIONS.get(prec, prec), D, page_bytes, 2)
+    for prec, fmt_hi, fmt_lo, B, S, c in decode_cases(args.precisions, args.batches, args.seqs, args.hq, args.hkv, D,
+                                                     args.block_size, dt, dev, args.l2_bytes if cuda else 0):
         diffkv = fmt_lo is not None
-        for B in args.batches:
-            for S in args.seqs:
-                K, V = make_kv(B, args.hkv, S, D, dt, dev, seed=0)
-                pool, pt, lens, len_lo = build_paged(K, V, fmt_hi, fmt_lo, dt, 0, impl="auto")
-                del K, V
-                kv_bytes, qo = read_bytes(fmt_hi, fmt_lo, B, args.hq, args.hkv, S, 2)
-                n_copies = copies_for(pool.numel(), int(args.l2_bytes)) if cuda else 1
-                pools = [pool] + [pool.clone() for _ in range(n_copies - 1)]
-                q = torch.randn(B, args.hq, D, device=dev, dtype=dt)
-                slots = torch.arange(B, dtype=torch.int32, device=dev)
-                logits = torch.empty(B, args.hq, S, dtype=torch.float32, device=dev) if diffkv else None
-                lse = torch.empty(B, args.hq, dtype=torch.float32, device=dev) if diffkv else None
-                out = torch.empty_like(q)
-                var = mma_cuda.variant(fmt_hi, fmt_lo, False, diffkv)
-                auto = (1 if mma_cuda.one_stage(var, B, args.hkv, dev) else mma_cuda.STAGES,
-                        mma_cuda.num_splits(fmt_hi, fmt_lo, B, args.hkv, S, dev))
-                times, ref = {}, None
-                for stages, splits in sorted(set(configs) | {auto}):
-                    mid_acc = torch.empty(B, args.hq, splits, D, device=dev) if splits > 1 else out
-                    mid_ml = torch.empty(B, args.hq, splits, 2, device=dev) if splits > 1 else out
+        pools, pt, lens, len_lo, q, slots = c.pools, c.page_table, c.lengths, c.len_low, c.q, c.slots
+        out, logits, lse = c.out, c.logits, c.lse
+        var = mma_cuda.variant(fmt_hi, fmt_lo, False, diffkv)
+        auto = (1 if mma_cuda.one_stage(var, B, args.hkv, dev) else mma_cuda.STAGES,
+                mma_cuda.num_splits(fmt_hi, fmt_lo, B, args.hkv, S, dev))
+        times, ref = {}, None
+        for stages, splits in sorted(set(configs) | {auto}):
+            mid_acc = torch.empty(B, args.hq, splits, D, device=dev) if splits > 1 else out
+            mid_ml = torch.empty(B, args.hq, splits, 2, device=dev) if splits > 1 else out
 
-                    def call(k, stages=stages, splits=splits, mid_acc=mid_acc, mid_ml=mid_ml):
-                        if not cuda:  # --smoke: the torch reference (stages and splits are launch details)
-                            return paged_decode_attention(q, pools[k], fmt_hi, dt, pt, lens, slots, 0, max_len=S,
-                                                          out=out, fmt_low=fmt_lo, len_low=len_lo, logits_out=logits,
-                                                          lse_out=lse, impl="ref")
-                        mma_cuda.launch_mma(q, pools[k], fmt_hi, fmt_lo, pt, lens, len_lo if diffkv else lens, slots,
-                                            out, mid_acc, mid_ml, logits, lse, 0, D ** -0.5 * LOG2E, splits,
-                                            stages=stages)
-                        if splits > 1:
-                            merge_splits(mid_acc, mid_ml, out, lse if lse is not None else out, splits,
-                                         lse is not None)
-                        return out
-                    got = call(0).float().clone()
-                    ref = got if ref is None else ref
-                    err = float((got - ref).abs().max())
-                    if err > 4e-3 * (1 + float(ref.abs().max())):
-                        raise RuntimeError(f"{prec} B{B} S{S}: {stages} stage(s), {splits} split(s) differ from "
-                                           f"the first configuration by {err:.3e}")
-                    times[(stages, splits)] = timed(rotating(call, n_copies), cuda, args.rep)
-                best = min(times, key=times.get)
-                rows.append({"precision": prec, "batch": B, "seq": S, "pairs": B * args.hkv,
-                             "us": {f"{s}st/{n}": v for (s, n), v in times.items()},
-                             "auto": f"{auto[0]}st/{auto[1]}", "auto_us": times[auto],
-                             "best": f"{best[0]}st/{best[1]}", "best_us": times[best],
-                             "kv_bytes": kv_bytes, "qo_bytes": qo})
-                print(f"{prec:>6} {B:>4} {S:>6} {rows[-1]['auto']:>6}  "
-                      + "  ".join(f"{times[c]:8.1f}" for c in configs)
-                      + f"  {rows[-1]['best']:>6}  {times[auto] / times[best]:8.3f}", flush=True)
-                del pools, pool
+            def call(k, stages=stages, splits=splits, mid_acc=mid_acc, mid_ml=mid_ml):
+                if not cuda:  # --smoke: the torch reference (stages and splits are launch details)
+                    return paged_decode_attention(q, pools[k], fmt_hi, dt, pt, lens, slots, 0, max_len=S,
+                                                  out=out, fmt_low=fmt_lo, len_low=len_lo, logits_out=logits,
+                                                  lse_out=lse, impl="ref")
+                mma_cuda.launch_mma(q, pools[k], fmt_hi, fmt_lo, pt, lens, len_lo if diffkv else lens, slots,
+                                    out, mid_acc, mid_ml, logits, lse, 0, D ** -0.5 * LOG2E, splits,
+                                    stages=stages)
+                if splits > 1:
+                    merge_splits(mid_acc, mid_ml, out, lse if lse is not None else out, splits,
+                                 lse is not None)
+                return out
+            ref = agrees_with_first(ref, call(0), f"{prec} B{B} S{S}: {stages} stage(s), {splits} split(s)")
+            times[(stages, splits)] = timed(rotating(call, len(pools)), cuda, args.rep)
+        best = min(times, key=times.get)
+        rows.append({"precision": prec, "batch": B, "seq": S, "pairs": B * args.hkv,
+                     "us": {f"{s}st/{n}": v for (s, n), v in times.items()},
+                     "auto": f"{auto[0]}st/{auto[1]}", "auto_us": times[auto],
+                     "best": f"{best[0]}st/{best[1]}", "best_us": times[best],
+                     "kv_bytes": c.kv_bytes, "qo_bytes": c.qo_bytes})
+        print(f"{prec:>6} {B:>4} {S:>6} {rows[-1]['auto']:>6}  "
+              + "  ".join(f"{times[c]:8.1f}" for c in configs)
+              + f"  {rows[-1]['best']:>6}  {times[auto] / times[best]:8.3f}", flush=True)
     record_sweep("decode_stages", argv, args, rows, cuda)
     return 0
 
