@@ -36,7 +36,7 @@ STAGES = 2  # cp.async tiles in flight in a program (Variant.stages; one_stage s
 MAX_PROGRAMS = 12  # one-warp programs per SM the register allocation allows at most (__launch_bounds__)
 # A variant with a low section compiles two sections' loops; held to 12 programs (170 registers) it ran 6-13% slower
 # than at 8 on an H100 (K4V4+K4V4 and K4V4+K4V2 sections, batch 128 and 256, 1,088 tokens a head), at two stages.
-# At one stage it takes 12 (one_stage): at 8, one tile in flight a program was 6-14% slower than two stages.
+# At one stage it takes 12 (one_stage): at 8, one tile in flight a program was 4-14% slower than two stages.
 MAX_PROGRAMS_TWO_SECTIONS = 8
 # one_stage: past 1.5 two-stage waves (a second wave at least half full) two stages keep up with one: K8V8 and fp8
 # at Llama-3-8B batch 160-192 (1.6-1.9 waves) within 5% either way (decode_stages_H200.json), and an engine decode
