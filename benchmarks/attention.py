@@ -264,6 +264,17 @@ def rotating(fn, n):
     return call
 
 
+def sweep_us(call, cuda: bool, rep: float) -> float:
+    """A kernel sweep's time of one configuration, in microseconds: do_bench_cudagraph's median on a GPU (rep ms),
+    one wall-clock call on the CPU (--smoke runs)."""
+    if not cuda:
+        t0 = time.perf_counter()
+        call()
+        return 1e6 * (time.perf_counter() - t0)
+    import triton.testing
+    return 1e3 * triton.testing.do_bench_cudagraph(call, rep=rep, return_mode="median")
+
+
 def time_us(call, args, cuda: bool) -> tuple[float, list[float]]:
     """(do_bench median us, [do_bench_cudagraph median us] x --repeats, or [] without graphs); CPU:
     perf_counter median, no graph."""

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import record_sweep  # noqa: E402
-from attention import agrees_with_first, decode_cases, rotating  # noqa: E402
+from attention import agrees_with_first, decode_cases, rotating, sweep_us  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel, planned_splits  # noqa: E402
@@ -64,15 +64,7 @@ def score_sweep(args, pools, fmt_hi, fmt_lo, pt, lens, len_lo, slots, logits, ls
                                              len_low=len_lo)
             accumulate_scores_triton(pools[k], fmt_hi, pt, lens, slots, 0, logits, lse, fmt_low=fmt_lo,
                                      len_low=len_lo, num_splits=splits, block_n=block_n)
-        if cuda:
-            import triton.testing
-            times[splits] = 1e3 * triton.testing.do_bench_cudagraph(rotating(call, len(pools)), rep=args.rep,
-                                                                     return_mode="median")
-        else:
-            import time
-            t0 = time.perf_counter()
-            call(0)
-            times[splits] = 1e6 * (time.perf_counter() - t0)
+        times[splits] = sweep_us(rotating(call, len(pools)), cuda, args.rep)
     best = min(times, key=times.get)
     print(f"{'score':>6} {B:>4} {S:>6} {auto:>5}  " + "  ".join(f"s={k}:{v:.1f}" for k, v in times.items())
           + f"   {best:>4}", flush=True)
@@ -107,15 +99,7 @@ def main(argv=None) -> int:
                                               logits_out=logits, lse_out=lse,
                                               impl="triton" if cuda else "ref")
             ref = agrees_with_first(ref, call(0), f"{prec} B{B} S{S}: num_splits={splits}")
-            if cuda:
-                import triton.testing
-                t = triton.testing.do_bench_cudagraph(rotating(call, n), rep=args.rep, return_mode="median")
-                times[splits] = 1e3 * t
-            else:
-                import time
-                t0 = time.perf_counter()
-                call(0)
-                times[splits] = 1e6 * (time.perf_counter() - t0)
+            times[splits] = sweep_us(rotating(call, n), cuda, args.rep)
         best = min(times, key=times.get)
         gbs = (kv_bytes + qo) / (times[best] * 1e-6) / 1e9
         rows.append({"precision": prec, "kernel": kernel, "batch": B, "seq": S, "auto_splits": auto,

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import record_sweep  # noqa: E402
-from attention import agrees_with_first, decode_cases, rotating  # noqa: E402
+from attention import agrees_with_first, decode_cases, rotating, sweep_us  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import mma_cuda, paged_decode_attention  # noqa: E402
 from diffkv_serve.kernels.decode_attention.merge import merge_splits  # noqa: E402
@@ -50,17 +50,6 @@ def parse_args(argv=None):
     return args
 
 
-def timed(fn, cuda: bool, rep: float) -> float:
-    """Microseconds: do_bench_cudagraph's median on a GPU, one wall-clock call on the CPU."""
-    if cuda:
-        import triton.testing
-        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    import time
-    t0 = time.perf_counter()
-    fn()
-    return 1e6 * (time.perf_counter() - t0)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -78,8 +67,7 @@ def main(argv=None) -> int:
         pools, pt, lens, len_lo, q, slots = c.pools, c.page_table, c.lengths, c.len_low, c.q, c.slots
         out, logits, lse = c.out, c.logits, c.lse
         var = mma_cuda.variant(fmt_hi, fmt_lo, False, diffkv)
-        auto = (1 if mma_cuda.one_stage(var, B, args.hkv, dev) else mma_cuda.STAGES,
-                mma_cuda.num_splits(fmt_hi, fmt_lo, B, args.hkv, S, dev))
+        auto = (mma_cuda.stages_for(var, B, args.hkv, dev), mma_cuda.num_splits(fmt_hi, fmt_lo, B, args.hkv, S, dev))
         times, ref = {}, None
         for stages, splits in sorted(set(configs) | {auto}):
             mid_acc = torch.empty(B, args.hq, splits, D, device=dev) if splits > 1 else out
@@ -98,7 +86,7 @@ def main(argv=None) -> int:
                                  lse is not None)
                 return out
             ref = agrees_with_first(ref, call(0), f"{prec} B{B} S{S}: {stages} stage(s), {splits} split(s)")
-            times[(stages, splits)] = timed(rotating(call, len(pools)), cuda, args.rep)
+            times[(stages, splits)] = sweep_us(rotating(call, len(pools)), cuda, args.rep)
         best = min(times, key=times.get)
         rows.append({"precision": prec, "batch": B, "seq": S, "pairs": B * args.hkv,
                      "us": {f"{s}st/{n}": v for (s, n), v in times.items()},
@@ -106,7 +94,7 @@ def main(argv=None) -> int:
                      "best": f"{best[0]}st/{best[1]}", "best_us": times[best],
                      "kv_bytes": c.kv_bytes, "qo_bytes": c.qo_bytes})
         print(f"{prec:>6} {B:>4} {S:>6} {rows[-1]['auto']:>6}  "
-              + "  ".join(f"{times[c]:8.1f}" for c in configs)
+              + "  ".join(f"{times[cfg]:8.1f}" for cfg in configs)
               + f"  {rows[-1]['best']:>6}  {times[auto] / times[best]:8.3f}", flush=True)
     record_sweep("decode_stages", argv, args, rows, cuda)
     return 0

@@ -88,9 +88,8 @@ class Variant(NamedTuple):
 def one_stage(var: Variant, batch: int, kv_heads: int, device: torch.device) -> bool:
     """Whether a call runs with one tile in flight a program instead of two: where its (sequence, KV head) pairs
     overfill the SMs' resident two-stage programs, by at most half a wave (MAX_SECOND_WAVE), and one stage lets all
-    of them reside at once. Programs a SM, two
-    stages -> one: K8V8 and e4m3 pages 6 -> 12, K8V4 8 -> 12, DiffKV's two sections 8 -> 12 (MAX_PROGRAMS_TWO_SECTIONS);
-    K4V4, K4V2 and K2V2 hold 12 either way. Such a call goes unsplit: one wave of programs that keep enough bytes
+    of them reside at once. Programs a SM, two stages -> one: K8V8 and e4m3 pages 6 -> 12, K8V4 8 -> 12, DiffKV's
+    two sections 8 -> 12 (MAX_PROGRAMS_TWO_SECTIONS); K4V4, K4V2 and K2V2 hold 12 either way. Such a call goes unsplit: one wave of programs that keep enough bytes
     in flight between them, where two stages ran a second, part-empty wave.
     Measured on an H200 with Llama-3-8B heads (8 KV heads), batch 128-192 x 1,024-16,384 tokens, one and two
     stages at 1, 2 and 4 splits (benchmarks/decode_stages.py; decode_stages_H200.json in benchmarks/results): this
@@ -107,6 +106,11 @@ def one_stage(var: Variant, batch: int, kv_heads: int, device: torch.device) -> 
     pairs, sms = batch * kv_heads, num_sms(device)
     two = sms * var.min_programs  # resident two-stage programs
     return var.stages > 1 and two < pairs <= min(sms * one.min_programs, two * MAX_SECOND_WAVE)
+
+
+def stages_for(var: Variant, batch: int, kv_heads: int, device: torch.device) -> int:
+    """Tiles in flight a program of a call: 1 where one_stage says, else STAGES."""
+    return 1 if one_stage(var, batch, kv_heads, device) else STAGES
 
 
 def num_splits(fmt: PageFormat, fmt_low: PageFormat | None, batch: int, kv_heads: int, max_len: int,
@@ -201,7 +205,7 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
     log2 domain. logits (optional, f32 [B, Hq, >= max_len]) receives each token's natural-domain logit (high
     token j at j, low token j at len_hi + j); with alpha_low_by_slot (f32 [S]) a slot's low tokens get none where
     it is 0 (nothing reads their scores). compiled: a stand-in for _compiled (the CPU emulation in tests). stages:
-    tiles in flight a program (default: 1 where one_stage says, else STAGES)."""
+    tiles in flight a program (default: stages_for's)."""
     B, Hq, _ = q.shape
     Hkv = page_table.shape[2]
     group = Hq // Hkv
@@ -217,7 +221,7 @@ def launch_mma(q, pool, fmt: PageFormat, fmt_low: PageFormat | None, page_table,
         q = q.clone(memory_format=torch.contiguous_format)  # the kernel reads q rows in 16-byte loads
     var = variant(fmt, fmt_low, q.dtype == torch.bfloat16, logits is not None)
     if stages is None:
-        stages = 1 if one_stage(var, B, Hkv, q.device) else STAGES
+        stages = stages_for(var, B, Hkv, q.device)
     if stages not in (1, 2):
         raise ValueError(f"launch_mma: stages={stages} (1 or 2)")
     var = var._replace(stages=stages)
