@@ -34,6 +34,7 @@ from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
 from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.engine.model import CausalLM  # noqa: E402
 from diffkv_serve.engine.model_settings import load_model_settings  # noqa: E402
+from diffkv_serve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E402
 
 Q_FORMATS = {"fp16": None, "int16": 32767, "int8": 127}  # q as the kernel rounds it: None = fp16, else levels
@@ -90,8 +91,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Capture:
-    """An attention backend for one plain forward: keeps each layer's q (last positions), k and v, and returns
-    causal SDPA so the forward runs as the model's own."""
+    """An attention backend for one plain forward: keeps each layer's q (last positions), k and v, and returns the
+    engine's causal prompt attention (kernels/prefill_attention.py) so the forward runs as the model's own."""
 
     def __init__(self, queries: int):
         self.queries = queries
@@ -99,11 +100,7 @@ class Capture:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.layers.append((q[-self.queries:].double(), k.double(), v.double()))
-        group = q.shape[1] // k.shape[1]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-            v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True)
-        return o.transpose(0, 1)
+        return prefill_attention(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device))
 
 
 def served_centers(ckpt, model: CausalLM) -> torch.Tensor | None:
