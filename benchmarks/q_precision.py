@@ -1,7 +1,8 @@
 """How precise the query must be against low-bit keys: each layer's decode attention on a prompt's own queries,
 keys and values, with K/V quantized as the cache stores them and the query as the CUDA decode kernel's integer
-dot takes it -- integers at each head's own scale (amax / 32767: the 16-bit q the kernel uses; amax / 127: an 8-bit
-q, one integer mma chain instead of two) -- beside fp16 q.
+dot takes it -- integers at each head's own scale (amax / 32767: the 16-bit q the kernel uses; against 4-bit keys
+"int16/12", 16 times coarser on the dims of the keys' high nibbles, 64 and up, as the kernel takes them; amax / 127:
+an 8-bit q, one integer mma chain instead of two) -- beside fp16 q.
 
 Per layer: the last --queries prompt positions attend causally to every earlier token. Errors are relative L2 norms
 of the attention output against float64 with unquantized K/V ("total"), and of each q's output against the fp16 q's
@@ -37,7 +38,8 @@ from diffkv_serve.engine.model_settings import load_model_settings  # noqa: E402
 from diffkv_serve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E402
 
-Q_FORMATS = {"fp16": None, "int16": 32767, "int8": 127}  # q as the kernel rounds it: None = fp16, else levels
+# q as the kernel rounds it: None = fp16, else (levels, how much coarser the upper half of the dims is stepped)
+Q_FORMATS = {"fp16": None, "int16": (32767, 1), "int16/12": (32767, 16), "int8": (127, 1)}
 KV_FORMATS = {"K4V4": (4, 4), "K4V2": (4, 2), "K2V2": (2, 2), "K8V8": (8, 8)}
 PROMPT = ("Solve each problem, showing every step of the arithmetic.\n" + "".join(
     f"Problem {i}: A warehouse holds {17 * i + 3} crates of {i + 2} boxes each; {5 * i + 1} crates leave each day "
@@ -59,13 +61,17 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def round_q(q: torch.Tensor, levels: int | None) -> torch.Tensor:
-    """q [..., D] float64 as the kernel multiplies it: fp16, or integers at this row's scale amax / levels."""
-    if levels is None:
+def round_q(q: torch.Tensor, fmt: tuple[int, int] | None) -> torch.Tensor:
+    """q [..., D] float64 as the kernel multiplies it: fp16 (fmt None), or for fmt (levels, upper) integers at this
+    row's scale amax / levels, the upper half of the dims at upper times that step."""
+    if fmt is None:
         return q.half().double()
+    levels, upper = fmt
     amax = q.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
-    return torch.round(q / scale) * scale
+    step = torch.ones(q.shape[-1], dtype=q.dtype)
+    step[q.shape[-1] // 2:] = upper
+    return torch.round(q / (scale * step)) * (scale * step)
 
 
 def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -141,13 +147,14 @@ def main(argv=None) -> int:
         cap = capture(ckpt, ids, rotation, args.queries, args.key_centering)
         for kv in args.kv:
             kb, vb = KV_FORMATS[kv]
-            per_layer = {name: [] for name in Q_FORMATS}
+            formats = {n: f for n, f in Q_FORMATS.items() if n != "int16/12" or kb == 4}  # the 4-bit keys' q
+            per_layer = {name: [] for name in formats}
             for q, k, v in cap.layers:
                 exact = attend(q, k, v, pos)
                 kq, vq = quantized(k, kb), quantized(v, vb)
                 base = attend(round_q(q, None), kq, vq, pos)
-                for name, levels in Q_FORMATS.items():
-                    got = attend(round_q(q, levels), kq, vq, pos)
+                for name, fmt in formats.items():
+                    got = attend(round_q(q, fmt), kq, vq, pos)
                     per_layer[name].append((rel(got, exact), rel(got, base), rel(base, exact)))
             for name, errs in per_layer.items():
                 total = [e[0] for e in errs]
