@@ -1,8 +1,9 @@
 """How precise the query must be against low-bit keys: each layer's decode attention on a prompt's own queries,
 keys and values, with K/V quantized as the cache stores them and the query as the CUDA decode kernel's integer
 dot takes it -- integers at each head's own scale (amax / 32767: the 16-bit q the kernel uses; against 4-bit keys
-"int16/12", 16 times coarser on the dims of the keys' high nibbles, 64 and up, as the kernel takes them; amax / 127:
-an 8-bit q, one integer mma chain instead of two) -- beside fp16 q.
+"int16/12", 16 times coarser on the dims of the keys' high nibbles, 64 and up, the q of a kernel that leaves those
+nibbles in place instead of shifting them; amax / 127: an 8-bit q, one integer mma chain instead of two) -- beside
+fp16 q.
 
 Per layer: the last --queries prompt positions attend causally to every earlier token. Errors are relative L2 norms
 of the attention output against float64 with unquantized K/V ("total"), and of each q's output against the fp16 q's

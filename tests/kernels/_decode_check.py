@@ -8,7 +8,6 @@ import os
 import torch
 
 from diffkv_serve.kernels.decode_attention import launch_config, mma_cuda, paged_decode_attention, paged_decode_attention_triton
-from diffkv_serve.kernels.decode_attention.tiles import LOG2E
 from diffkv_serve.kernels.quant import dequantize_fp8_ref, dequantize_ref
 
 from _paged_cache import build_cache, formats
@@ -42,31 +41,8 @@ def _token_kv(pool, fmt, cache_dtype, p, r):
     return out
 
 
-def mma_query(q: torch.Tensor, fmt, scale: float) -> torch.Tensor:
-    """q float64 [B, Hq, D] as the CUDA kernel's q.k sees it against fmt's keys (decode_mma.cu): for integer keys,
-    each query head's q * scale * log2(e) rounded (half to even, in fp32) to 16-bit integers at that head's own
-    scale, max |.| / 32767, and where keys have 4 bits the dims of their high nibbles (64 and up) to multiples of 16
-    of it (12 bits); e4m3 keys see q as it is."""
-    q = q.cpu()
-    if fmt.side_float8("k"):
-        return q.double()
-    qk_scale = torch.tensor(scale * LOG2E, dtype=torch.float32)
-    x = q.float() * qk_scale
-    amax = x.abs().amax(-1, keepdim=True)
-    step = torch.where(amax > 0, amax * (1 / 32767), torch.ones_like(amax))
-    rsq = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
-    per_dim = torch.ones(q.shape[-1], dtype=torch.float32)
-    if fmt.key_bits == 4:
-        per_dim[q.shape[-1] // 2:] = 16
-    codes = torch.round(x * (rsq * (1 / per_dim)))  # as the kernel: x * (rsq * 1/16)
-    return (codes.double() * per_dim.double() * step.double()) / float(qk_scale)
-
-
-def naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len_lo, slots, layer, scale,
-                   kernel_q: bool = False):
-    """float64 loops: output [B, Hq, D], logits {(b, hq, idx): value}, lse [B, Hq]. kernel_q: each section's keys
-    meet q as the CUDA kernel rounds it for them (mma_query) instead of q itself."""
-    q_hi, q_lo = ((mma_query(q, f, scale) if kernel_q else q.double()).cpu() for f in (fmt_hi, fmt_lo or fmt_hi))
+def naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len_lo, slots, layer, scale):
+    """float64 loops: output [B, Hq, D], logits {(b, hq, idx): value}, lse [B, Hq]."""
     pool, page_table, q = pool.cpu(), page_table.cpu(), q.double().cpu()
     B, Hq, D = q.shape
     Hkv = page_table.shape[2]
@@ -91,7 +67,7 @@ def naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len
             keys = torch.stack([k for k, _ in kv])
             vals = torch.stack([v for _, v in kv])
             for hq in range(h * G, (h + 1) * G):
-                x = torch.cat([keys[:n_hi] @ q_hi[b, hq], keys[n_hi:] @ q_lo[b, hq]]) * scale
+                x = keys @ q[b, hq] * scale
                 lse[b, hq] = torch.logsumexp(x, 0)
                 out[b, hq] = torch.softmax(x, 0) @ vals
                 for i in range(len(rows)):
@@ -136,20 +112,15 @@ def run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, l
     if not plain_cuda:
         torch.testing.assert_close(plain, res["triton"][0], atol=1e-6, rtol=1e-5)
 
-    # the CUDA kernel (where it serves the Triton-path calls) is held to the float64 loops over q as it rounds it
-    expected = {}
-    for kernel_q in {False, plain_cuda and not tkw}:
-        n_out, n_logits, n_lse = naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
-                                                slots.cpu(), layer, scale, kernel_q=kernel_q)
-        expect_logits = torch.full((B, Hq, nmax), float("nan"), dtype=torch.float64)
-        for (b, hq, i), x in n_logits.items():
-            expect_logits[b, hq, i] = x
-        expected[kernel_q] = (n_out, expect_logits, n_lse)
+    n_out, n_logits, n_lse = naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
+                                            slots.cpu(), layer, scale)
     tol = QTOL[dtype]
     if plain_cuda:
-        torch.testing.assert_close(plain.double().cpu(), expected[not tkw][0], atol=tol, rtol=tol)
+        torch.testing.assert_close(plain.double().cpu(), n_out, atol=tol, rtol=tol)
+    expect_logits = torch.full((B, Hq, nmax), float("nan"), dtype=torch.float64)
+    for (b, hq, i), x in n_logits.items():
+        expect_logits[b, hq, i] = x
     for impl, (out, logits, lse) in res.items():
-        n_out, expect_logits, n_lse = expected[impl == "triton" and plain_cuda and not tkw]
         torch.testing.assert_close(out.double().cpu(), n_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double().cpu(), n_lse, atol=tol, rtol=tol)  # -inf where no token
         torch.testing.assert_close(logits.double().cpu(), expect_logits, atol=tol, rtol=tol, equal_nan=True)

@@ -247,8 +247,7 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed, q_norms
                             scale * LOG2E, splits, compiled=_cuda_emu.compiled)
         if splits > 1:
             merge_splits(mid_acc, mid_ml, out, lse if lse is not None else out, splits, lse is not None)
-    want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale,
-                                                 kernel_q=True)
+    want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale)
     return (fmt, low, q, pool, pt, len_hi, len_lo, slots, scale), (out, logits, lse), (want, want_logits, want_lse)
 
 
@@ -272,7 +271,7 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
     torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
     if outputs:
         torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)  # -inf where no token
-        # logits are fp32 from tensor-core dots over q rounded as the kernel rounds it (kernel_q: mma_query)
+        # logits are fp32 from tensor-core dots over q rounded to 16-bit integers (fp16 for e4m3 keys)
         torch.testing.assert_close(logits.double().cpu(), _expected_logits(logits.shape, want_logits), atol=tol,
                                    rtol=tol, equal_nan=True)
     if CUDA:  # the Triton kernel beside it
@@ -410,7 +409,7 @@ def test_one_stage_matches_two(spec, num_splits):
     (o1, l1, s1), (o2, l2, s2) = results
     assert torch.equal(o1, o2) and torch.equal(s1, s2) and torch.equal(l1.nan_to_num(-7.0), l2.nan_to_num(-7.0))
     want, _, want_lse = naive_sections(q, pool, fmt, low, torch.float16, pt, len_hi, len_lo, slots.cpu(), 0,
-                                       128 ** -0.5, kernel_q=True)
+                                       128 ** -0.5)
     tol = QTOL[torch.float16]
     torch.testing.assert_close(o1.double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(s1.double(), want_lse, atol=tol, rtol=tol)

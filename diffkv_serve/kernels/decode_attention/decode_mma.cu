@@ -10,12 +10,12 @@
 // (16 tokens x 8 query heads, no padding up to a group of 8), the logits' C fragments become p.v's B operand by one
 // movmatrix, and packed codes become A fragments in registers. Keys go to the integer mma (m16n8k32, u8 codes
 // against q as 16-bit integers in two 8-bit parts): 8-bit codes as ldmatrix loads them, 4- and 2-bit codes after a
-// mask (2-bit: and a shift); exact but for q's rounding, and 1.5-5% faster on an H200 than turning codes into fp16
-// for the fp16 mma (K4V2, int4, DiffKV's mix; e4m3 keys stay on the fp16 mma). Values: a mask (after a prmt for
-// 8-bit codes) leaves c * 2^s in the low bits of each fp16 half, the subnormal c * 2^(s - 24), which the fp16 mma
-// multiplies exactly: no bias to cancel, and the running sum is touched only where the softmax max or the top value
-// scale grows. (Codes as fp16 1024 + c * 2^s had needed a bias term and a rescale of the sum every tile: on an H200
-// up to 2% slower for int4, 0-1% for K4V2, K8V4 and DiffKV's mix.)
+// mask (and a shift); exact, and 1.5-5% faster on an H200 than turning codes into fp16 for the fp16 mma (K4V2, int4,
+// DiffKV's mix; e4m3 keys stay on the fp16 mma). Values: a mask (after a prmt for 8-bit codes) leaves c * 2^s in
+// the low bits of each fp16 half, the subnormal c * 2^(s - 24), which the fp16 mma multiplies exactly: no bias to
+// cancel, and the running sum is touched only where the softmax max or the top value scale grows. (Codes as fp16
+// 1024 + c * 2^s had needed a bias term and a rescale of the sum every tile: on an H200 up to 2% slower for int4,
+// 0-1% for K4V2, K8V4 and DiffKV's mix.)
 //
 // A split covers a run of 64-token tiles of the high section followed by the low one, so both sections share the
 // split's softmax state. Value codes of every width reach the same accumulator rows (dim 32 p + 4 gi + byte for
@@ -440,17 +440,20 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     q0 += x[i];
     amax = fmaxf(amax, fabsf(x[i]));
   }
+  q0 += __shfl_xor_sync(0xffffffff, q0, 1);
+  q0 += __shfl_xor_sync(0xffffffff, q0, 2);
+  // The C fragment's columns are members 2 t4, 2 t4 + 1: their sums sit at lanes 8 t4 and 8 t4 + 4.
+  float kq0[2];
+  kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
+  kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
   // Integer keys: q.k runs on the integer tensor cores (m16n8k32, u8 codes x 8-bit q), exact, with no dequantizing
-  // of codes into fp16 (8-bit keys go to the mma as loaded; 4-bit codes take a mask; 2-bit codes a mask, and a shift
-  // for all but the lowest field). q is one 16-bit integer Q per element at its member's own scale (sq = max |q| /
-  // 32767: finer than fp16's 11 bits; one scale for the whole group lost the precision of members 10^4 times smaller
-  // than another), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains per block,
-  // joined as 256 acc_h + acc_l (|.| < 2^31). 4-bit keys' high nibbles reach the mma unshifted, as 16 c, against
-  // q rounded to multiples of 16 Q steps (12 bits): the shift had cost 32 of an int4 tile's ~1,080 instructions, and
-  // on Qwen2.5-Coder-1.5B's own queries and keys q's rounding then moves the attention output by 0.5% of what 4-bit
-  // keys' quantization does (0.2% at 16 bits on every dim; benchmarks/q_precision.py). Slab s's B fragment is local
-  // elements 8 s .. 8 s + 3 and 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys (F8) stay on the fp16 mma: qb, q
-  // as fp16, slice s of lane t4 takes dims 32 t4 + 4 s + {0, 1} (b01) and + {2, 3} (b23).
+  // of codes into fp16 (8-bit keys go to the mma as loaded; 4- and 2-bit codes take a mask, and a shift for all but
+  // the lowest field). q is one 16-bit integer Q per element at its member's own scale (sq = max |q| / 32767: finer
+  // than fp16's 11 bits; one scale for the whole group lost the precision of members 10^4 times smaller than
+  // another), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains per block, joined as
+  // 256 acc_h + acc_l (|.| < 2^31). Slab s's B fragment is local elements 8 s .. 8 s + 3 and
+  // 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys (F8) stay on the fp16 mma: qb, q as fp16, slice s of lane t4
+  // takes dims 32 t4 + 4 s + {0, 1} (b01) and + {2, 3} (b23).
   u32 qbh[4][2], qbl[4][2], qb[8][2];
   float sq[2] = {1.f, 1.f};  // the scales of members 2 t4, 2 t4 + 1 (the C fragment's columns)
   if (IK) {
@@ -460,28 +463,18 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     const float own = amax > 0.f ? amax * (1.f / 32767.f) : 1.f;
     sq[0] = __shfl_sync(0xffffffff, own, 8 * t4);
     sq[1] = __shfl_sync(0xffffffff, own, 8 * t4 + 4);
-    int qsum = 0;  // this lane's share of the sum of the member's q as rounded here: the zero points' term below
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      // 4-bit keys: slabs 2, 3 take the high nibbles as stored (16 c, no shift) against Q / 16
-      const bool hi4 = KB == 4 && s >= 2;
-      const float rs = hi4 ? rsq * (1.f / 16.f) : rsq;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         u32 qi[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          qi[i] = (u32)__float2int_rn(x[8 * s + 4 * r + i] * rs);
-          qsum += hi4 ? 16 * (int)qi[i] : (int)qi[i];
-        }
+        for (int i = 0; i < 4; ++i) qi[i] = (u32)__float2int_rn(x[8 * s + 4 * r + i] * rsq);
         // bytes 1 (qh) and 0 (ql) of each 16-bit Q, four to a register
         qbh[s][r] = prmt(prmt(qi[0], qi[1], 0x0051), prmt(qi[2], qi[3], 0x0051), 0x5410);
         qbl[s][r] = prmt(prmt(qi[0], qi[1], 0x0040), prmt(qi[2], qi[3], 0x0040), 0x5410);
       }
     }
-    // The zero points meet the same q as the codes: a logit is then the dequantized key times the rounded q, and
-    // the rounding's error sum_i k_i e_i, not (key / scale)_i e_i with codes 0 .. 2^b - 1 (all of one sign).
-    q0 = (float)qsum * own;
   } else {
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -489,12 +482,6 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       qb[s][1] = pack_f16x2(x[4 * s + 2], x[4 * s + 3]);
     }
   }
-  q0 += __shfl_xor_sync(0xffffffff, q0, 1);
-  q0 += __shfl_xor_sync(0xffffffff, q0, 2);
-  // The C fragment's columns are members 2 t4, 2 t4 + 1: their sums sit at lanes 8 t4 and 8 t4 + 4.
-  float kq0[2];
-  kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
-  kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
 
   // integer 8-bit keys: ldmatrix.x4 of slab sl reads, for lane l, row (l % 8) + 8 ((l / 8) % 2) of a block, chunk
   // 2 sl + l / 16: matrices (rows 0-7 | 8-15) x (bytes 32 sl + 0-15 | 16-31), the A fragment's four registers
@@ -538,16 +525,15 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
           for (int sl = 0; sl < 4; ++sl) ldsm4(kaddr + koff[sl], A[sl][0], A[sl][1], A[sl][2], A[sl][3]);
         } else if (KB == 4) {
           // lane t4 holds key bytes 16 t4 .. 16 t4 + 15 of rows gi and gi + 8: low nibbles are dims 16 t4 + byte
-          // (slabs 0, 1), high nibbles dims 64 + 16 t4 + byte (slabs 2, 3), left in place as 16 c (their q is Q / 16):
-          // a mask each, no shift
+          // (slabs 0, 1), high nibbles dims 64 + 16 t4 + byte (slabs 2, 3)
           const U4 ka = *(const U4*)(kbuf + (blk * 16 + gi) * KROW(KB) + 16 * t4);
           const U4 kc = *(const U4*)(kbuf + (blk * 16 + gi + 8) * KROW(KB) + 16 * t4);
           const u32 wa[4] = {ka.x, ka.y, ka.z, ka.w}, wc[4] = {kc.x, kc.y, kc.z, kc.w};
 #pragma unroll
           for (int sl = 0; sl < 4; ++sl) {
-            const int w = 2 * (sl & 1);
-            const u32 mk = sl < 2 ? 0x0F0F0F0Fu : 0xF0F0F0F0u;
-            A[sl][0] = wa[w] & mk, A[sl][1] = wc[w] & mk, A[sl][2] = wa[w + 1] & mk, A[sl][3] = wc[w + 1] & mk;
+            const int w = 2 * (sl & 1), sh = 4 * (sl >> 1);
+            A[sl][0] = (wa[w] >> sh) & 0x0F0F0F0Fu, A[sl][1] = (wc[w] >> sh) & 0x0F0F0F0Fu;
+            A[sl][2] = (wa[w + 1] >> sh) & 0x0F0F0F0Fu, A[sl][3] = (wc[w + 1] >> sh) & 0x0F0F0F0Fu;
           }
         } else {
           // 2-bit keys: lane t4 holds bytes 8 t4 .. 8 t4 + 7 of rows gi and gi + 8 (32-byte rows: a half-warp's
