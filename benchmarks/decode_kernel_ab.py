@@ -4,8 +4,9 @@ CUDA-graph time per call for each precision they both serve, at the Llama-3-8B (
 (12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's K8V4 + K4V2 call (half the tokens
 in each section) is timed without and with the per-token logits / lse outputs its significance update reads.
 Both kernels' split counts are the dispatcher's, and their splits are merged by merge.py's kernel.
-Page contents are random bytes (the kernels' time does not depend on them; benchmarks/attention.py and the tests
-check values).
+Pages hold random normal keys and values quantized as the engine writes them (build): a call's time depends on
+its codes and scales (the softmax's running sum is rescaled in the tiles where a query's max grows; random bytes
+make NaN and infinite scales, which skip that path). benchmarks/attention.py and the tests check values.
 
 Usage: python benchmarks/decode_kernel_ab.py [--specs K8V4 K4V2 ...] [--shapes 8x4096 32x16384 ...] [--out PATH]
 """
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import parse_spec, section_lengths  # noqa: E402
+from attention import build_paged, make_kv, parse_spec  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
 from diffkv_serve.kernels.decode_attention import decode_kernel, paged_decode_attention_triton  # noqa: E402
 from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
@@ -28,21 +29,14 @@ from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
 
 
-def build(spec: str, B: int, S: int, hkv: int, device):
-    """A pool of random pages, a page table (low pages from the table's end, backwards) and section lengths."""
+def build(spec: str, B: int, S: int, hkv: int, device, seed: int = 0):
+    """One layer's paged cache of S tokens a (sequence, KV head): attention.make_kv's random normal keys and values
+    written into shuffled pages as the engine quantizes them (attention.build_paged: the high section first, the
+    low one from the table's end, backwards). Returns pool, page_table, the formats, lengths and low lengths."""
     pb = page_bytes_for(16, 128, 2)
     hi, lo = parse_spec(spec, 128, pb, 2)
-    sh, sl = section_lengths(S, lo is not None)
-    nh, nl = -(-sh // hi.tokens), (-(-sl // lo.tokens) if lo else 0)
-    P = nh + nl + 1
-    npg = B * hkv * (nh + nl)
-    pool = torch.randint(0, 256, (npg, pb), dtype=torch.uint8, device=device)
-    pt = torch.randperm(npg, device=device, dtype=torch.int32).view(B, 1, hkv, P - 1)
-    pt = torch.cat([pt, torch.zeros(B, 1, hkv, 1, dtype=torch.int32, device=device)], 3).contiguous()
-    if lo:
-        pt[..., P - 1 - nl:P - 1] = pt[..., nh:nh + nl].flip(-1).clone()
-    lh = torch.full((B, 1, hkv), sh, dtype=torch.int32, device=device)
-    ll = torch.full((B, 1, hkv), sl, dtype=torch.int32, device=device) if lo else None
+    K, V = make_kv(B, hkv, S, 128, torch.float16, device, seed)
+    pool, pt, lh, ll = build_paged(K, V, hi, lo, torch.float16, seed, impl="auto")
     return pool, pt, hi, lo, lh, ll
 
 
