@@ -4,8 +4,8 @@ CUDA-graph time per call for each precision they both serve, at the Llama-3-8B (
 (12 / 2) head layouts, head_dim 128, fp16 q, 16-token fp16 page size. DiffKV's K8V4 + K4V2 call (half the tokens
 in each section) is timed without and with the per-token logits / lse outputs its significance update reads.
 Both kernels' split counts are the dispatcher's, and their splits are merged by merge.py's kernel.
-Pages hold random normal keys and values quantized as the engine writes them (build): a call's time depends on
-its codes and scales (the softmax's running sum is rescaled in the tiles where a query's max grows; random bytes
+Pages hold random normal keys and values quantized as the engine writes them (attention.decode_inputs, the cache
+benchmarks/decode_splits.py and decode_stages.py time too): a call's time depends on its codes and scales (the softmax's running sum is rescaled in the tiles where a query's max grows; random bytes
 make NaN and infinite scales, which skip that path). benchmarks/attention.py and the tests check values.
 
 Usage: python benchmarks/decode_kernel_ab.py [--specs K8V4 K4V2 ...] [--shapes 8x4096 32x16384 ...] [--out PATH]
@@ -21,23 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import build_paged, make_kv, parse_spec  # noqa: E402
+from attention import decode_inputs, parse_spec  # noqa: E402
 from benchmarks._results import write_result  # noqa: E402
 from diffkv_serve.kernels.decode_attention import decode_kernel, paged_decode_attention_triton  # noqa: E402
 from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 
 HEADS = {"llama3-8b": (32, 8), "qwen2.5-1.5b": (12, 2)}
-
-
-def build(spec: str, B: int, S: int, hkv: int, device, seed: int = 0):
-    """One layer's paged cache of S tokens a (sequence, KV head): attention.make_kv's random normal keys and values
-    written into shuffled pages as the engine quantizes them (attention.build_paged: the high section first, the
-    low one from the table's end, backwards). Returns pool, page_table, the formats, lengths and low lengths."""
-    pb = page_bytes_for(16, 128, 2)
-    hi, lo = parse_spec(spec, 128, pb, 2)
-    K, V = make_kv(B, hkv, S, 128, torch.float16, device, seed)
-    pool, pt, lh, ll = build_paged(K, V, hi, lo, torch.float16, seed, impl="auto")
-    return pool, pt, hi, lo, lh, ll
 
 
 def main() -> None:
@@ -59,18 +48,16 @@ def main() -> None:
     rows = []
     for name, spec, B, S in tqdm(jobs, desc="calls"):
         hq, hkv = HEADS[name]
-        pool, pt, hi, lo, lh, ll = build(spec, B, S, hkv, dev)
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-        q = torch.randn(B, hq, 128, device=dev, dtype=torch.float16)
-        out = torch.empty_like(q)
+        hi, lo = parse_spec(spec, 128, page_bytes_for(16, 128, 2), 2)
+        c = decode_inputs(hi, lo, B, hq, hkv, S, torch.float16, dev, 0)
+        pool, pt, lh, ll, q, slots, out = c.pools[0], c.page_table, c.lengths, c.len_low, c.q, c.slots, c.out
         baseline = decode_kernel(hi, lo)  # the Triton kernel serving these pages
         row = dict(heads=name, spec=spec, B=B, S=S, baseline=baseline)
         timed = [("mma_cuda", False), (baseline, False)]  # (kernel, with the logits / lse outputs)
         if lo:  # DiffKV's call: also with the logits / lse outputs
             timed += [("mma_cuda", True), (baseline, True)]
         for k, with_logits in timed:
-            logits = torch.empty(B, hq, S, device=dev) if with_logits else None
-            lse = torch.empty(B, hq, device=dev) if with_logits else None
+            logits, lse = (c.logits, c.lse) if with_logits else (None, None)
 
             def call():
                 paged_decode_attention_triton(q, pool, hi, torch.float16, pt, lh, slots, 0, 0.088, max_len=S,
@@ -81,7 +68,7 @@ def main() -> None:
             torch.cuda.synchronize()
             row[k + ("+logits" if with_logits else "")] = round(do_bench_cudagraph(call, rep=args.rep) * 1e3, 2)
         rows.append(row)
-        del pool
+        del pool, c
     print(f"\n{'heads':<14}{'spec':<11}{'B':>5}{'S':>7}{'cuda us':>10}{'triton us':>11}{'(kernel)':>11}{'speedup':>9}"
           f"{'+logits':>10}{'+logits':>10}{'speedup':>9}")
     for r in rows:

@@ -247,29 +247,30 @@ def _load_script(name: str):
 
 
 @pytest.mark.parametrize("spec,bound", [("K8V4", 0.15), ("K8V4+K4V2", 0.4)])  # + half the tokens at 2-bit values
-def test_decode_kernel_ab_times_quantized_tokens(spec, bound):
-    """decode_kernel_ab.py's pages hold the engine's codes and finite scales of real keys and values (random bytes
-    had NaN / infinite scales, which skip the softmax's rescale path and so time a different kernel run): the
-    reference decode over them matches dense attention over the unquantized tokens to the format's error."""
+def test_decode_sweeps_time_quantized_tokens(spec, bound):
+    """The cache decode_kernel_ab.py, decode_splits.py and decode_stages.py time (attention.decode_inputs) holds the
+    engine's codes and finite scales of real keys and values (random bytes had NaN / infinite scales, which skip
+    the softmax's rescale path and so time a different kernel run): the reference decode over it matches dense
+    attention over the unquantized tokens to the format's error."""
     import math
 
     import torch
 
     from diffkv_serve.kernels.decode_attention import paged_decode_attention
+    from diffkv_serve.kernels.page_layout import page_bytes_for
 
-    ab = _load_script("decode_kernel_ab")
+    _load_script("decode_kernel_ab")
     attention = sys.modules["attention"]
     B, S, hkv, hq = 2, 300, 2, 4
-    pool, pt, hi, lo, lh, ll = ab.build(spec, B, S, hkv, "cpu", seed=3)
-    assert lh.flatten().tolist() == [S - S // 2 if lo else S] * (B * hkv)
-    assert ll is None if lo is None else ll.flatten().tolist() == [S // 2] * (B * hkv)
-    q = torch.randn(B, hq, 128, generator=torch.Generator().manual_seed(4)).half()
-    out = paged_decode_attention(q, pool, hi, torch.float16, pt, lh, torch.arange(B, dtype=torch.int32), 0,
-                                 1 / math.sqrt(128), fmt_low=lo, len_low=ll, impl="ref")
-    K, V = attention.make_kv(B, hkv, S, 128, torch.float16, "cpu", 3)  # the tokens build wrote
-    k, v = K.float().repeat_interleave(hq // hkv, 1), V.float().repeat_interleave(hq // hkv, 1)
-    w = torch.softmax(torch.einsum("bhd,bhsd->bhs", q.float(), k) / math.sqrt(128), -1)
-    want = torch.einsum("bhs,bhsd->bhd", w, v)
+    hi, lo = attention.parse_spec(spec, 128, page_bytes_for(16, 128, 2), 2)
+    c = attention.decode_inputs(hi, lo, B, hq, hkv, S, torch.float16, "cpu", 0, seed=3)
+    assert len(c.pools) == 1 and c.lengths.flatten().tolist() == [S - S // 2 if lo else S] * (B * hkv)
+    assert c.len_low is None if lo is None else c.len_low.flatten().tolist() == [S // 2] * (B * hkv)
+    q = torch.randn(B, hq, 128, generator=torch.Generator().manual_seed(4)).half()  # c.q is unseeded
+    out = paged_decode_attention(q, c.pools[0], hi, torch.float16, c.page_table, c.lengths, c.slots, 0,
+                                 1 / math.sqrt(128), fmt_low=lo, len_low=c.len_low, impl="ref")
+    K, V = attention.make_kv(B, hkv, S, 128, torch.float16, "cpu", 3)  # the tokens decode_inputs wrote
+    want = attention.sdpa(q.float(), K.float(), V.float(), "gqa")
     assert out.isfinite().all()
     rel = ((out.float() - want).norm(dim=-1) / want.norm(dim=-1)).max()
     assert rel < bound, rel  # measured 0.08 (K8V4) and 0.28 (with the K4V2 low section)
