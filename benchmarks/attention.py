@@ -68,7 +68,10 @@ from _gpu_power import PowerMonitor  # noqa: E402
 from _results import write_result  # noqa: E402
 
 from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from diffkv_serve.kernels.decode_attention import mma_cuda  # noqa: E402
 from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel  # noqa: E402
+from diffkv_serve.kernels.decode_attention.reference import paged_decode_attention_ref  # noqa: E402
+from diffkv_serve.kernels.decode_attention.tiles import LOG2E  # noqa: E402
 from diffkv_serve.kernels.kv_write import write_kv  # noqa: E402
 from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
@@ -328,6 +331,20 @@ def _close(name, got, want, tol=CHECK_TOL):
     return float(err.max())
 
 
+def reference_for(kernel: str, ref, q, pool, fmt_hi, dt, pt, lens, slots, max_len=None, fmt_low=None,
+                  len_low=None):
+    """The reference output a decode kernel is held to (default scale, layer 0): `ref` (impl='ref' over q as given)
+    for the Triton kernels; for the CUDA kernel, whose integer q.k rounds q per section (mma_cuda.query_levels), the
+    reference over that q."""
+    if kernel != "mma_cuda":
+        return ref
+    scale = 1.0 / math.sqrt(q.shape[-1])  # the dispatcher's default
+    q_hi, q_lo = (q if lv is None else mma_cuda.round_query(q, lv, scale * LOG2E).float()
+                  for lv in (mma_cuda.query_levels(fmt_hi), mma_cuda.query_levels(fmt_low or fmt_hi)))
+    return paged_decode_attention_ref(q_hi, pool, fmt_hi, dt, pt, lens, slots, 0, scale, max_len=max_len,
+                                      fmt_low=fmt_low, len_low=len_low, q_low=q_lo).to(ref.dtype)
+
+
 def check_small(args, heads, device, impl, page_bytes) -> list[dict]:
     """Each precision once on a small shape: Triton (default splits and num_splits=1) vs impl='ref', the fp16
     reference vs SDPA (same data), and every format's error vs SDPA (informational). Raises Mismatch."""
@@ -346,11 +363,13 @@ def check_small(args, heads, device, impl, page_bytes) -> list[dict]:
         ref = paged_decode_attention(q, pool, fmt_hi, dt, pt, lens, slots, 0, impl="ref", **kw)
         row = {"heads": name, "precision": prec, "batch": B, "seq": S}
         if impl == "triton":
+            kernel_ref = reference_for(pick_kernel(fmt_hi, fmt_lo, q, Hq // Hkv), ref, q, pool, fmt_hi, dt, pt,
+                                       lens, slots, **kw)
             for splits in (None, 1):
                 got = paged_decode_attention(q, pool, fmt_hi, dt, pt, lens, slots, 0, impl="triton",
                                              num_splits=splits, **kw)
                 row[f"triton_vs_ref_splits_{splits or 'auto'}"] = _close(
-                    f"{prec} triton (num_splits={splits}) vs ref", got, ref)
+                    f"{prec} triton (num_splits={splits}) vs ref", got, kernel_ref)
         for m in args.sdpa:
             if fmt_hi.key_bits == fmt_hi.value_bits == 16 and fmt_lo is None:
                 row[f"ref_vs_sdpa_{m}"] = _close(f"{prec} ref vs SDPA ({m})", ref, want[m])

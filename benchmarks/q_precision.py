@@ -1,9 +1,9 @@
 """How precise the query must be against low-bit keys: each layer's decode attention on a prompt's own queries,
 keys and values, with K/V quantized as the cache stores them and the query as the CUDA decode kernel's integer
-dot takes it -- integers at each head's own scale (amax / 32767: the 16-bit q the kernel uses; against 4-bit keys
-"int16/12", 16 times coarser on the dims of the keys' high nibbles, 64 and up, the q of a kernel that leaves those
-nibbles in place instead of shifting them; amax / 127: an 8-bit q, one integer mma chain instead of two) -- beside
-fp16 q.
+dot takes it -- integers at each head's own scale (mma_cuda.query_levels): amax / 32767, the 16-bit q it uses
+against 8-bit keys (two integer mma chains), and amax / 127, the 8-bit q it uses against 4- and 2-bit keys (one
+chain), whose zero points' term takes that rounded q too ("int8/zq": that term on q as given instead, so that q's
+rounding meets key - zero point rather than the key) -- beside fp16 q.
 
 Per layer: the last --queries prompt positions attend causally to every earlier token. Errors are relative L2 norms
 of the attention output against float64 with unquantized K/V ("total"), and of each q's output against the fp16 q's
@@ -39,8 +39,8 @@ from diffkv_serve.engine.model_settings import load_model_settings  # noqa: E402
 from diffkv_serve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E402
 
-# q as the kernel rounds it: None = fp16, else (levels, how much coarser the upper half of the dims is stepped)
-Q_FORMATS = {"fp16": None, "int16": (32767, 1), "int16/12": (32767, 16), "int8": (127, 1)}
+# q as the kernel rounds it: None = fp16, else (levels, whether the keys' zero-point term takes q as given)
+Q_FORMATS = {"fp16": None, "int16": (32767, False), "int8": (127, False), "int8/zq": (127, True)}
 KV_FORMATS = {"K4V4": (4, 4), "K4V2": (4, 2), "K2V2": (2, 2), "K8V8": (8, 8)}
 PROMPT = ("Solve each problem, showing every step of the arithmetic.\n" + "".join(
     f"Problem {i}: A warehouse holds {17 * i + 3} crates of {i + 2} boxes each; {5 * i + 1} crates leave each day "
@@ -62,34 +62,43 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def round_q(q: torch.Tensor, fmt: tuple[int, int] | None) -> torch.Tensor:
-    """q [..., D] float64 as the kernel multiplies it: fp16 (fmt None), or for fmt (levels, upper) integers at this
-    row's scale amax / levels, the upper half of the dims at upper times that step."""
-    if fmt is None:
+def round_q(q: torch.Tensor, levels: int | None) -> torch.Tensor:
+    """q [..., D] float64 as the kernel multiplies it: fp16 (levels None), else integers at this row's scale
+    amax / levels."""
+    if levels is None:
         return q.half().double()
-    levels, upper = fmt
     amax = q.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
-    step = torch.ones(q.shape[-1], dtype=q.dtype)
-    step[q.shape[-1] // 2:] = upper
-    return torch.round(q / (scale * step)) * (scale * step)
+    return torch.round(q / scale) * scale
 
 
-def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x [..., D] through the cache's min-max quantization per (token, head) and back, float64."""
+def quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] through the cache's min-max quantization per (token, head) and back, float64, and the zero points
+    [...] (0 at 16 bits)."""
     if bits == 16:
-        return x.half().double()
+        return x.half().double(), torch.zeros(x.shape[:-1], dtype=torch.float64)
     packed, scale, zero = quantize_ref(x.float(), bits)
-    return dequantize_ref(packed, scale, zero, bits, x.shape[-1]).double()
+    return dequantize_ref(packed, scale, zero, bits, x.shape[-1]).double(), zero.double()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """q [P, Hq, D] at prompt positions pos, k/v [N, Hkv, D] -> [P, Hq, D], causal, GQA, float64."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, extra=None) -> torch.Tensor:
+    """q [P, Hq, D] at prompt positions pos, k/v [N, Hkv, D] -> [P, Hq, D], causal, GQA, float64. extra: [Hq, P, N]
+    added to q.k before the scale (a kernel's own term)."""
     group = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [N, Hq, D]
-    logits = torch.einsum("phd,nhd->hpn", q, kk) * q.shape[-1] ** -0.5
+    logits = torch.einsum("phd,nhd->hpn", q, kk)
+    if extra is not None:
+        logits = logits + extra
+    logits = logits * q.shape[-1] ** -0.5
     logits = logits.masked_fill(torch.arange(k.shape[0])[None, None, :] > pos[None, :, None], float("-inf"))
     return torch.einsum("hpn,nhd->phd", logits.softmax(-1), vv)
+
+
+def zero_term_on_given_q(q: torch.Tensor, qr: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """[Hq, P, N]: what a logit gains where the keys' zero-point term takes q as given and the codes' term the
+    rounded qr, z * sum (q - qr), over the keys' zero points [N, Hkv]."""
+    group = q.shape[1] // zeros.shape[1]
+    return torch.einsum("ph,nh->hpn", (q - qr).sum(-1), zeros.repeat_interleave(group, 1))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -143,19 +152,20 @@ def main(argv=None) -> int:
     rows = []
     print(f"{ckpt.name}, {args.tokens} prompt tokens, last {args.queries} attend, key centering {args.key_centering}; "
           "relative L2 of the attention output, mean over layers (max)")
-    print(f"{'rotation':>9} {'kv':>5} {'q':>6} {'total':>17} {'q alone':>17} {'q alone / fp16 total':>21}")
+    print(f"{'rotation':>9} {'kv':>5} {'q':>7} {'total':>17} {'q alone':>17} {'q alone / fp16 total':>21}")
     for rotation in args.rotation:
         cap = capture(ckpt, ids, rotation, args.queries, args.key_centering)
         for kv in args.kv:
             kb, vb = KV_FORMATS[kv]
-            formats = {n: f for n, f in Q_FORMATS.items() if n != "int16/12" or kb == 4}  # the 4-bit keys' q
-            per_layer = {name: [] for name in formats}
+            per_layer = {name: [] for name in Q_FORMATS}
             for q, k, v in cap.layers:
                 exact = attend(q, k, v, pos)
-                kq, vq = quantized(k, kb), quantized(v, vb)
+                (kq, zeros), (vq, _) = quantized(k, kb), quantized(v, vb)
                 base = attend(round_q(q, None), kq, vq, pos)
-                for name, fmt in formats.items():
-                    got = attend(round_q(q, fmt), kq, vq, pos)
+                for name, fmt in Q_FORMATS.items():
+                    qr = round_q(q, fmt and fmt[0])
+                    extra = zero_term_on_given_q(q, qr, zeros) if fmt and fmt[1] else None
+                    got = attend(qr, kq, vq, pos, extra)
                     per_layer[name].append((rel(got, exact), rel(got, base), rel(base, exact)))
             for name, errs in per_layer.items():
                 total = [e[0] for e in errs]
@@ -165,7 +175,7 @@ def main(argv=None) -> int:
                        "total_max": max(total), "q_alone_mean": sum(alone) / len(alone), "q_alone_max": max(alone),
                        "share_mean": sum(share) / len(share), "share_max": max(share)}
                 rows.append(row)
-                print(f"{rotation:>9} {kv:>5} {name:>6} {row['total_mean']:8.2e} ({row['total_max']:7.1e}) "
+                print(f"{rotation:>9} {kv:>5} {name:>7} {row['total_mean']:8.2e} ({row['total_max']:7.1e}) "
                       f"{row['q_alone_mean']:8.2e} ({row['q_alone_max']:7.1e}) {row['share_mean']:10.3f} "
                       f"({row['share_max']:6.3f})", flush=True)
     cmd = "python benchmarks/q_precision.py " + " ".join(argv if argv is not None else sys.argv[1:])

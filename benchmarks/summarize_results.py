@@ -130,9 +130,10 @@ MEASURED_ALTERNATIVES = {
     "decode_merge_H200.json": "benchmarks/decode_merge.py: the split merge alone (CUDA graph), merge_launch's "
                               "32-wide slices of head_dim against whole rows a program: 1.6-2.1 us against 2.5-3.4",
     "q_precision_qwen2.5-coder-1.5b_cpu.json": "benchmarks/q_precision.py on Qwen2.5-Coder-1.5B (1,024 prompt "
-        "tokens, served key centering, CPU): the decode kernel's 16-bit q adds 0.1-0.2% of the attention-output "
-        "error 4-bit K/V already cost; an 8-bit q would add 2-9% (K4V2 / K4V4, rotation on or off) and 91-153% of "
-        "K8V8's",
+        "tokens, served key centering, CPU): the 8-bit q the decode kernel takes against 4- and 2-bit keys adds "
+        "2-9% of the attention-output error 4-bit K/V already cost (K4V2 / K4V4, rotation on or off; the total "
+        "error rises 0.03-0.45%), 1.15-1.9x that with the zero points' term on q as given; its 16-bit q against "
+        "8-bit keys adds 3-4% of K8V8's, where 8-bit q would add 91-153%",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90 (the Triton "
                              "kernels and the CUDA kernel, decode_mma)",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",

@@ -26,9 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
-from attention import HEADS, PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes, rotating  # noqa: E402
+from attention import (HEADS, PRECISIONS, build_paged, copies_for, make_kv, parse_spec, read_bytes,  # noqa: E402
+                       reference_for, rotating)
 
-from diffkv_serve.kernels.decode_attention import launch_config, paged_decode_attention, paged_decode_attention_triton  # noqa: E402
+from diffkv_serve.kernels.decode_attention import (decode_kernel, launch_config, paged_decode_attention,  # noqa: E402
+                                                   paged_decode_attention_triton)
+from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel  # noqa: E402
 from diffkv_serve.kernels.page_layout import page_bytes_for  # noqa: E402
 
 TOL = 4e-3  # atol = rtol vs impl="ref" (fp16 dots on the same dequantized data)
@@ -83,19 +86,26 @@ def main(argv=None) -> int:
             n = copies_for(pool.numel(), int(50e6) if cuda else 0)
             pools = [pool] + [pool.clone() for _ in range(n - 1)]
             kw = dict(max_len=S, fmt_low=fmt_lo, len_low=len_lo)
-            ref = paged_decode_attention(q, pool, fmt_hi, dt, pt, lens, slots, 0, impl="ref", **kw).float()
+            ref = paged_decode_attention(q, pool, fmt_hi, dt, pt, lens, slots, 0, impl="ref", **kw)
+            auto_ref = reference_for(pick_kernel(fmt_hi, fmt_lo, q, Hq // Hkv), ref, q, pool, fmt_hi, dt, pt, lens,
+                                     slots, **kw).float()  # what the dispatcher's pick is held to
+            ref = ref.float()
             kv_bytes, qo = read_bytes(fmt_hi, fmt_lo, B, Hq, Hkv, S, 2)
             launches = [(AUTO, 0)] + [(c, sp) for c in configs for sp in args.splits
                                       if sp == 0 or sp <= -(-S // c[0])]  # a split holds at least one tile
             for cfg, sp in launches:
-                over = {} if cfg == AUTO else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+                # a swept configuration is the Triton kernel's: named, or the dispatcher would give the call to the
+                # CUDA kernel where that serves it (and drop the configuration)
+                over = {} if cfg == AUTO else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2],
+                                                   kernel=decode_kernel(fmt_hi, fmt_lo))
 
                 def run(k, over=over, sp=sp):
                     return paged_decode_attention_triton(q, pools[k], fmt_hi, dt, pt, lens, slots, 0, D ** -0.5,
                                                          num_splits=sp or None, **over, **kw)
                 got = run(0).float()
-                err = float((got - ref).abs().max())
-                if not torch.allclose(got, ref, atol=TOL, rtol=TOL):
+                want = auto_ref if cfg == AUTO else ref
+                err = float((got - want).abs().max())
+                if not torch.allclose(got, want, atol=TOL, rtol=TOL):
                     print(f"MISMATCH {heads} {prec} B={B} S={S} config={cfg} splits={sp}: max err {err:.3e}")
                     return 2
                 t = _time_us(rotating(run, n), args) if cuda else float("nan")

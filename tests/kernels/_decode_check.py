@@ -8,6 +8,7 @@ import os
 import torch
 
 from diffkv_serve.kernels.decode_attention import launch_config, mma_cuda, paged_decode_attention, paged_decode_attention_triton
+from diffkv_serve.kernels.decode_attention.tiles import LOG2E
 from diffkv_serve.kernels.quant import dequantize_fp8_ref, dequantize_ref
 
 from _paged_cache import build_cache, formats
@@ -41,8 +42,19 @@ def _token_kv(pool, fmt, cache_dtype, p, r):
     return out
 
 
-def naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len_lo, slots, layer, scale):
-    """float64 loops: output [B, Hq, D], logits {(b, hq, idx): value}, lse [B, Hq]."""
+def _key_zero(pool, fmt, p, r) -> float:
+    """The zero point of one page row's integer keys (0 for e4m3 or fp16 keys)."""
+    if fmt.key_bits == 16 or fmt.side_float8("k"):
+        return 0.0
+    return float(pool[p, fmt.k_meta_off + 4 * r: fmt.k_meta_off + 4 * r + 4].view(torch.float16)[1])
+
+
+def naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len_lo, slots, layer, scale,
+                   q_levels=None):
+    """float64 loops: output [B, Hq, D], logits {(b, hq, idx): value}, lse [B, Hq]. q_levels (fmt -> levels or
+    None, e.g. mma_cuda.query_levels): a section's keys meet q rounded as the CUDA kernel's integer q.k rounds it
+    (mma_cuda.round_query), in their scaled codes (key - zero point) and, where mma_cuda.zero_term_rounded says
+    so, in the zero point's term too (else that term takes q as given)."""
     pool, page_table, q = pool.cpu(), page_table.cpu(), q.double().cpu()
     B, Hq, D = q.shape
     Hkv = page_table.shape[2]
@@ -66,8 +78,18 @@ def naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len
             kv = [_token_kv(pool, f, cache_dtype, p, r) for f, p, r in rows]
             keys = torch.stack([k for k, _ in kv])
             vals = torch.stack([v for _, v in kv])
+            levels = [q_levels(f) if q_levels else None for f, _, _ in rows]
+            zeros = torch.tensor([_key_zero(pool, f, p, r) for f, p, r in rows], dtype=torch.float64)
             for hq in range(h * G, (h + 1) * G):
-                x = keys @ q[b, hq] * scale
+                x = keys @ q[b, hq]
+                for lv in set(levels) - {None}:
+                    m = torch.tensor([v == lv for v in levels])
+                    qr = mma_cuda.round_query(q[b, hq], lv, scale * LOG2E)
+                    if mma_cuda.zero_term_rounded(lv):  # the key as dequantized, times q as rounded
+                        x[m] = keys[m] @ qr
+                    else:
+                        x[m] = (keys[m] - zeros[m, None]) @ qr + zeros[m] * q[b, hq].sum()
+                x = x * scale
                 lse[b, hq] = torch.logsumexp(x, 0)
                 out[b, hq] = torch.softmax(x, 0) @ vals
                 for i in range(len(rows)):
@@ -111,18 +133,27 @@ def run_sections(spec, dtype, Hq, Hkv, D, lens_hi, lens_lo, slots, num_splits, l
     plain_cuda = mma_cuda.usable(fmt_hi, fmt_lo, q, Hq // Hkv) is None
     if not plain_cuda:
         torch.testing.assert_close(plain, res["triton"][0], atol=1e-6, rtol=1e-5)
-
-    n_out, n_logits, n_lse = naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
-                                            slots.cpu(), layer, scale)
+    # Unforced calls the CUDA kernel can serve are its own: its integer q.k rounds q (mma_cuda.query_levels), so
+    # they are held to float64 loops over that q, the torch reference to loops over q as given.
+    cuda_serves = plain_cuda and not tkw
     tol = QTOL[dtype]
+    want = {}
+    for rounded in {False, cuda_serves}:
+        n_out, n_logits, n_lse = naive_sections(q, pool, fmt_hi, fmt_lo, dtype, page_table, len_hi, len_lo,
+                                                slots.cpu(), layer, scale,
+                                                q_levels=mma_cuda.query_levels if rounded else None)
+        expect_logits = torch.full((B, Hq, nmax), float("nan"), dtype=torch.float64)
+        for (b, hq, i), x in n_logits.items():
+            expect_logits[b, hq, i] = x
+        want[rounded] = (n_out, expect_logits, n_lse)
     if plain_cuda:
-        torch.testing.assert_close(plain.double().cpu(), n_out, atol=tol, rtol=tol)
-    expect_logits = torch.full((B, Hq, nmax), float("nan"), dtype=torch.float64)
-    for (b, hq, i), x in n_logits.items():
-        expect_logits[b, hq, i] = x
+        torch.testing.assert_close(plain.double().cpu(), want[cuda_serves][0], atol=tol, rtol=tol)
     for impl, (out, logits, lse) in res.items():
+        n_out, expect_logits, n_lse = want[cuda_serves and impl == "triton"]
         torch.testing.assert_close(out.double().cpu(), n_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double().cpu(), n_lse, atol=tol, rtol=tol)  # -inf where no token
         torch.testing.assert_close(logits.double().cpu(), expect_logits, atol=tol, rtol=tol, equal_nan=True)
-    torch.testing.assert_close(res["triton"][0].double().cpu(), res["ref"][0].double().cpu(), atol=tol, rtol=tol)
+    if not cuda_serves:
+        torch.testing.assert_close(res["triton"][0].double().cpu(), res["ref"][0].double().cpu(), atol=tol,
+                                   rtol=tol)
     return res, total[slots.long(), layer]

@@ -185,6 +185,109 @@ def test_split_count_rule():
     assert mma_cuda.num_splits(k4v2, None, 256, 8, 4096, dev) == 1  # the one-warp rule's count, overfull or not
 
 
+def test_query_levels_follow_the_key_width():
+    """q meets 8-bit integer keys as 16-bit integers (two mma chains), 4- and 2-bit keys as 8-bit ones (one chain),
+    e4m3 keys in fp16: None."""
+    assert mma_cuda.query_levels(formats("K8V4", 128, 2)[0]) == mma_cuda.query_levels(formats("K8V8", 128, 2)[0]) == 32767
+    for spec in ("K4V2", "K4V4", "K2V2", "K4V8"):
+        assert mma_cuda.query_levels(formats(spec, 128, 2)[0]) == 127, spec
+    assert mma_cuda.query_levels(formats("K8V8-e4m3", 128, 2)[0]) is None
+    assert mma_cuda.zero_term_rounded(127) and not mma_cuda.zero_term_rounded(32767)
+
+
+def test_round_query_takes_the_kernels_float32_steps():
+    """round_query: integers at each row's own scale max |x| / levels (x = q * qk_scale), the largest element at
+    +-levels, a zero row zero; an element at exactly half a step rounds as float32 arithmetic takes it (the kernel's),
+    which can differ from rounding the exact quotient."""
+    qk = 128 ** -0.5 * LOG2E
+    q = torch.randn(6, 128, generator=torch.Generator().manual_seed(1)).half()
+    q[3] = 0
+    for levels in (127, 32767):
+        r = mma_cuda.round_query(q, levels, qk)
+        assert r.dtype == torch.float64 and torch.equal(r[3], torch.zeros(128, dtype=torch.float64))
+        step = q.double().abs().amax(-1, keepdim=True) / levels
+        ints = r / step
+        live = step[:, 0] > 0
+        assert (ints[live] - ints[live].round()).abs().max() < levels * 1e-6  # whole steps, up to float32's scale
+        assert (r - q.double()).abs().max() <= (step / 2 * 1.001).max()
+        assert torch.allclose(ints[live].abs().amax(-1), torch.full((int(live.sum()),), float(levels), dtype=torch.float64))
+    tie = torch.randn(128, generator=torch.Generator().manual_seed(4)).half()  # a row where float32 steps differ
+    tie[7] = tie.abs().max() / 2  # 63.5 steps exactly; float32's x * (127 / max |x|) is 63.499996
+    x = tie.float() * torch.tensor(qk, dtype=torch.float32)
+    want = float(torch.round(x[7] * (torch.tensor(127.0) / x.abs().max())))
+    assert abs(want) == 63.0 and float(torch.round(tie[7].double() / (tie.double().abs().max() / 127))) != want
+    got = mma_cuda.round_query(tie, 127, qk)[7] / (tie.double().abs().max() / 127)
+    assert abs(float(got) - want) < 1e-3
+
+
+def test_reference_q_low_applies_to_the_low_section_only():
+    """The reference's q_low (a model of a kernel that rounds q per section): the low section's logits take it, the
+    high section's keep q; q_low = q changes nothing."""
+    from diffkv_serve.kernels.decode_attention.reference import paged_decode_attention_ref
+
+    fmt, low = formats("K8V4+K4V2", 128, 2)
+    pool, pt, len_hi, len_lo, _ = build_cache(fmt, low, torch.float16, 2, [[70, 40]], [[90, 3]], "cpu", 4)
+    slots = torch.zeros(1, dtype=torch.int32)
+    q = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(2)).half()
+    q_low = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(3)).half()
+    runs = []
+    for ql in (None, q, q_low):
+        logits = torch.full((1, 4, 200), float("nan"))
+        out = paged_decode_attention_ref(q, pool, fmt, torch.float16, pt, len_hi, slots, 0, 0.088, fmt_low=low,
+                                         len_low=len_lo, logits_out=logits, q_low=ql)
+        runs.append((out, logits))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1].nan_to_num(7), runs[1][1].nan_to_num(7))
+    (_, lg), (_, lg_low) = runs[0], runs[2]
+    for h in range(2):  # KV head h: query heads 2h, 2h + 1
+        n_hi, n_lo = int(len_hi[0, 0, h]), int(len_lo[0, 0, h])
+        hs = slice(2 * h, 2 * h + 2)
+        assert torch.equal(lg[0, hs, :n_hi], lg_low[0, hs, :n_hi])
+        assert not torch.allclose(lg[0, hs, n_hi:n_hi + n_lo], lg_low[0, hs, n_hi:n_hi + n_lo])
+    alone = paged_decode_attention_ref(q_low, pool, fmt, torch.float16, pt, len_hi, slots, 0, 0.088, fmt_low=low,
+                                       len_low=len_lo, logits_out=(lg2 := torch.full((1, 4, 200), float("nan"))))
+    for h in range(2):
+        n_hi, n_lo = int(len_hi[0, 0, h]), int(len_lo[0, 0, h])
+        hs = slice(2 * h, 2 * h + 2)
+        torch.testing.assert_close(lg_low[0, hs, n_hi:n_hi + n_lo], lg2[0, hs, n_hi:n_hi + n_lo])
+    assert alone.isfinite().all()
+
+
+@pytest.mark.skipif(CUDA or _cuda_emu.compiler() is None, reason="the CPU emulation (needs g++)")
+def test_attention_check_holds_the_kernel_to_its_rounded_q():
+    """benchmarks/attention.py's correctness check holds the CUDA kernel (emulated) to attention.reference_for: the
+    reference over q as the kernel rounds it per section, within the check's tolerance, where the reference over q
+    as given is further off for 4- and 2-bit keys (8-bit q) and as close for 8-bit keys (16-bit q)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import attention
+    from diffkv_serve.kernels.decode_attention import paged_decode_attention
+    from diffkv_serve.kernels.page_layout import page_bytes_for
+
+    B, S, Hq, Hkv = 3, 300, 8, 2
+    K, V = attention.make_kv(B, Hkv, S, 128, torch.float16, "cpu", seed=7)
+    q = torch.randn(B, Hq, 128, generator=torch.Generator().manual_seed(8)).half()
+    slots = torch.arange(B, dtype=torch.int32)
+    err = {}
+    for prec in ("K4V4", "K8V4+K4V2", "K8V4"):
+        hi, lo = attention.parse_spec(prec, 128, page_bytes_for(16, 128, 2), 2)
+        pool, pt, lens, len_lo = attention.build_paged(K, V, hi, lo, torch.float16, 0, impl="auto")
+        kw = dict(max_len=S, fmt_low=lo, len_low=len_lo)
+        ref = paged_decode_attention(q, pool, hi, torch.float16, pt, lens, slots, 0, impl="ref", **kw)
+        kernel_ref = attention.reference_for("mma_cuda", ref, q, pool, hi, torch.float16, pt, lens, slots, **kw)
+        assert attention.reference_for("quartered", ref, q, pool, hi, torch.float16, pt, lens, slots, **kw) is ref
+        out = torch.full_like(q, float("nan"))
+        mma_cuda.launch_mma(q, pool, hi, lo, pt, lens, len_lo if lo else lens, slots, out, out, out, None, None, 0,
+                            128 ** -0.5 * LOG2E, 1, compiled=_cuda_emu.compiled)
+        tol = attention.CHECK_TOL
+        attention._close(prec, out, kernel_ref)  # raises past the check's tolerance
+        err[prec] = [float(((out.float() - r.float()).abs() / (tol + tol * r.float().abs())).max())
+                     for r in (kernel_ref, ref)]
+    assert err["K4V4"][1] > 2 * err["K4V4"][0] and err["K8V4+K4V2"][1] > 2 * err["K8V4+K4V2"][0], err
+    assert abs(err["K8V4"][1] - err["K8V4"][0]) < 0.05, err
+
+
 # (spec, Hq, Hkv, high lengths per slot and KV head, low lengths or None, splits)
 CASES = [
     ("K4V2", 8, 2, [[1000, 777], [64, 0]], None, 1),          # GQA 4: partial last tile, a head without tokens
@@ -247,7 +350,8 @@ def _run(spec, Hq, Hkv, lens, lens_lo, num_splits, dtype, outputs, seed, q_norms
                             scale * LOG2E, splits, compiled=_cuda_emu.compiled)
         if splits > 1:
             merge_splits(mid_acc, mid_ml, out, lse if lse is not None else out, splits, lse is not None)
-    want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale)
+    want, want_logits, want_lse = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale,
+                                                 q_levels=mma_cuda.query_levels)
     return (fmt, low, q, pool, pt, len_hi, len_lo, slots, scale), (out, logits, lse), (want, want_logits, want_lse)
 
 
@@ -271,10 +375,11 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
     torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
     if outputs:
         torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)  # -inf where no token
-        # logits are fp32 from tensor-core dots over q rounded to 16-bit integers (fp16 for e4m3 keys)
+        # logits are fp32 from tensor-core dots over q rounded to integers as mma_cuda.query_levels says (fp16 for
+        # e4m3 keys); the float64 loops round q alike
         torch.testing.assert_close(logits.double().cpu(), _expected_logits(logits.shape, want_logits), atol=tol,
                                    rtol=tol, equal_nan=True)
-    if CUDA:  # the Triton kernel beside it
+    if CUDA:  # the Triton kernel beside it, held to float64 loops over q as given (it does not round q)
         fmt, low, q, pool, pt, len_hi, len_lo, slots, scale = call
         assert mma_cuda.usable(fmt, low, q, Hq // Hkv) is None
         assert pick_kernel(fmt, low, q, Hq // Hkv) == "mma_cuda"
@@ -283,7 +388,8 @@ def test_matches_float64_loops(dtype, spec, Hq, Hkv, lens, lens_lo, num_splits):
             tri = paged_decode_attention_triton(q, pool, fmt, dtype, pt, len_hi, slots, 0, scale,
                                                 num_splits=num_splits, fmt_low=low, len_low=len_lo,
                                                 kernel=triton_kernel)
-            torch.testing.assert_close(out, tri, atol=tol, rtol=tol)
+            exact, _, _ = naive_sections(q, pool, fmt, low, dtype, pt, len_hi, len_lo, slots.cpu(), 0, scale)
+            torch.testing.assert_close(tri.double().cpu(), exact, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(CUDA or _cuda_emu.compiler() is None, reason="the CPU emulation (needs g++); CUDA runs above")
@@ -365,7 +471,7 @@ def test_alpha_low_zero_slots_get_no_low_logits(num_splits):
 @pytest.mark.skipif(not CUDA and _cuda_emu.compiler() is None, reason="the CPU emulation needs g++")
 @pytest.mark.parametrize("spec", ["K4V2", "K8V8", "K8V4+K4V2"])
 def test_group_members_of_very_different_norms(spec):
-    """q reaches the integer mma as 16-bit integers at each member's own scale: a member whose query is 10^4 times
+    """q reaches the integer mma as integers at each member's own scale: a member whose query is 10^4 times
     smaller than another's of the same KV group keeps its precision (logits and output within the fp16 tolerance)."""
     lens, lens_lo = [[300, 77], [64, 5]], ([[100, 5], [0, 70]] if "+" in spec else None)
     norms = torch.tensor([30.0, 0.003, 1.0, 0.1]).repeat(2)[:, None]  # per query head, within each of 2 KV groups
@@ -409,7 +515,7 @@ def test_one_stage_matches_two(spec, num_splits):
     (o1, l1, s1), (o2, l2, s2) = results
     assert torch.equal(o1, o2) and torch.equal(s1, s2) and torch.equal(l1.nan_to_num(-7.0), l2.nan_to_num(-7.0))
     want, _, want_lse = naive_sections(q, pool, fmt, low, torch.float16, pt, len_hi, len_lo, slots.cpu(), 0,
-                                       128 ** -0.5)
+                                       128 ** -0.5, q_levels=mma_cuda.query_levels)
     tol = QTOL[torch.float16]
     torch.testing.assert_close(o1.double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(s1.double(), want_lse, atol=tol, rtol=tol)

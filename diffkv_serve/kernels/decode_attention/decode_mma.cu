@@ -9,9 +9,10 @@
 // codes to the value dot through a shared-memory transpose read byte by byte. Here tokens are the M side of q.k
 // (16 tokens x 8 query heads, no padding up to a group of 8), the logits' C fragments become p.v's B operand by one
 // movmatrix, and packed codes become A fragments in registers. Keys go to the integer mma (m16n8k32, u8 codes
-// against q as 16-bit integers in two 8-bit parts): 8-bit codes as ldmatrix loads them, 4- and 2-bit codes after a
-// mask (and a shift); exact, and 1.5-5% faster on an H200 than turning codes into fp16 for the fp16 mma (K4V2, int4,
-// DiffKV's mix; e4m3 keys stay on the fp16 mma). Values: a mask (after a prmt for 8-bit codes) leaves c * 2^s in
+// against q as integers: 16-bit in two 8-bit parts against 8-bit codes, 8-bit against 4- and 2-bit codes): 8-bit
+// codes as ldmatrix loads them, 4- and 2-bit codes after a mask (and a shift); exact, and 1.5-5% faster on an
+// H200 than turning codes into fp16 for the fp16 mma (K4V2, int4, DiffKV's mix; e4m3 keys stay on the fp16 mma).
+// Values: a mask (after a prmt for 8-bit codes) leaves c * 2^s in
 // the low bits of each fp16 half, the subnormal c * 2^(s - 24), which the fp16 mma multiplies exactly: no bias to
 // cancel, and the running sum is touched only where the softmax max or the top value scale grows. (Codes as fp16
 // 1024 + c * 2^s had needed a bias term and a rescale of the sum every tile: on an H200 up to 2% slower for int4,
@@ -440,29 +441,31 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
     q0 += x[i];
     amax = fmaxf(amax, fabsf(x[i]));
   }
-  q0 += __shfl_xor_sync(0xffffffff, q0, 1);
-  q0 += __shfl_xor_sync(0xffffffff, q0, 2);
-  // The C fragment's columns are members 2 t4, 2 t4 + 1: their sums sit at lanes 8 t4 and 8 t4 + 4.
-  float kq0[2];
-  kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
-  kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
   // Integer keys: q.k runs on the integer tensor cores (m16n8k32, u8 codes x 8-bit q), exact, with no dequantizing
   // of codes into fp16 (8-bit keys go to the mma as loaded; 4- and 2-bit codes take a mask, and a shift for all but
-  // the lowest field). q is one 16-bit integer Q per element at its member's own scale (sq = max |q| / 32767: finer
-  // than fp16's 11 bits; one scale for the whole group lost the precision of members 10^4 times smaller than
-  // another), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains per block, joined as
-  // 256 acc_h + acc_l (|.| < 2^31). Slab s's B fragment is local elements 8 s .. 8 s + 3 and
-  // 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys (F8) stay on the fp16 mma: qb, q as fp16, slice s of lane t4
-  // takes dims 32 t4 + 4 s + {0, 1} (b01) and + {2, 3} (b23).
+  // the lowest field). q is integers Q at each member's own scale (one scale for the whole group lost the precision
+  // of members 10^4 times smaller than another). Against 8-bit keys, Q has 16 bits (sq = max |q| / 32767: finer than
+  // fp16's 11 bits), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains per block,
+  // joined as 256 acc_h + acc_l (|.| < 2^31). Against 4- and 2-bit keys, Q has 8 bits (sq = max |q| / 127): one
+  // chain. There the keys' quantization dwarfs q's rounding (on Qwen2.5-Coder-1.5B's activations, as served, it adds
+  // 0.2% to the attention-output error of 4-bit keys and values; benchmarks/q_precision.py), and a second chain's
+  // mmas held an H200 at its power cap: 4-5.5% off int4's and K4V2's largest calls. The zero points' term, z * sum
+  // of q, takes the 8-bit q's sum, so that a logit is the dequantized key times that q (with q as given in that
+  // term, q's rounding meets key - z instead of the key: on those activations 1.9x the error, 1.15x rotated). Slab
+  // s's B fragment is local elements 8 s .. 8 s + 3 and 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys (F8) stay on the fp16 mma: qb,
+  // q as fp16, slice s of lane t4 takes dims 32 t4 + 4 s + {0, 1} (b01) and + {2, 3} (b23).
+  constexpr bool Q16 = IK && KB == 8;  // two chains (16-bit q), else one (8-bit q)
+  constexpr float QMAX = Q16 ? 32767.f : 127.f;
   u32 qbh[4][2], qbl[4][2], qb[8][2];
   float sq[2] = {1.f, 1.f};  // the scales of members 2 t4, 2 t4 + 1 (the C fragment's columns)
   if (IK) {
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));  // member gi's lanes 4 gi .. 4 gi + 3
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
-    const float rsq = amax > 0.f ? 32767.f / amax : 0.f;
-    const float own = amax > 0.f ? amax * (1.f / 32767.f) : 1.f;
+    const float rsq = amax > 0.f ? QMAX / amax : 0.f;
+    const float own = amax > 0.f ? amax * (1.f / QMAX) : 1.f;
     sq[0] = __shfl_sync(0xffffffff, own, 8 * t4);
     sq[1] = __shfl_sync(0xffffffff, own, 8 * t4 + 4);
+    int qsum = 0;  // 8-bit Q: this lane's share of the member's sum of Q
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
 #pragma unroll
@@ -470,11 +473,17 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
         u32 qi[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) qi[i] = (u32)__float2int_rn(x[8 * s + 4 * r + i] * rsq);
-        // bytes 1 (qh) and 0 (ql) of each 16-bit Q, four to a register
-        qbh[s][r] = prmt(prmt(qi[0], qi[1], 0x0051), prmt(qi[2], qi[3], 0x0051), 0x5410);
-        qbl[s][r] = prmt(prmt(qi[0], qi[1], 0x0040), prmt(qi[2], qi[3], 0x0040), 0x5410);
+        // 16-bit Q: bytes 1 (qh) and 0 (ql) of each, four to a register; 8-bit Q: byte 0 (signed), in qbh
+        if (Q16) {
+          qbh[s][r] = prmt(prmt(qi[0], qi[1], 0x0051), prmt(qi[2], qi[3], 0x0051), 0x5410);
+          qbl[s][r] = prmt(prmt(qi[0], qi[1], 0x0040), prmt(qi[2], qi[3], 0x0040), 0x5410);
+        } else {
+          qbh[s][r] = prmt(prmt(qi[0], qi[1], 0x0040), prmt(qi[2], qi[3], 0x0040), 0x5410);
+          qsum += (int)qi[0] + (int)qi[1] + (int)qi[2] + (int)qi[3];
+        }
       }
     }
+    if (!Q16) q0 = own * (float)qsum;
   } else {
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -482,6 +491,12 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
       qb[s][1] = pack_f16x2(x[4 * s + 2], x[4 * s + 3]);
     }
   }
+  q0 += __shfl_xor_sync(0xffffffff, q0, 1);
+  q0 += __shfl_xor_sync(0xffffffff, q0, 2);
+  // The C fragment's columns are members 2 t4, 2 t4 + 1: their sums sit at lanes 8 t4 and 8 t4 + 4.
+  float kq0[2];
+  kq0[0] = __shfl_sync(0xffffffff, q0, 8 * t4);
+  kq0[1] = __shfl_sync(0xffffffff, q0, 8 * t4 + 4);
 
   // integer 8-bit keys: ldmatrix.x4 of slab sl reads, for lane l, row (l % 8) + 8 ((l / 8) % 2) of a block, chunk
   // 2 sl + l / 16: matrices (rows 0-7 | 8-15) x (bytes 32 sl + 0-15 | 16-31), the A fragment's four registers
@@ -550,12 +565,15 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
 #pragma unroll
         for (int sl = 0; sl < 4; ++sl) {
           imma_s8(ah, A[sl][0], A[sl][1], A[sl][2], A[sl][3], qbh[sl][0], qbh[sl][1]);
-          imma_u8(al, A[sl][0], A[sl][1], A[sl][2], A[sl][3], qbl[sl][0], qbl[sl][1]);
+          if (Q16) imma_u8(al, A[sl][0], A[sl][1], A[sl][2], A[sl][3], qbl[sl][0], qbl[sl][1]);
         }
 #pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (Q16) ah[e] = (ah[e] << 8) + al[e];
+#pragma unroll
         for (int e = 0; e < 2; ++e) {
-          s[blk][e] = (sa * sq[e]) * (float)((ah[e] << 8) + al[e]) + za * kq0[e];
-          s[blk][2 + e] = (sc * sq[e]) * (float)((ah[2 + e] << 8) + al[2 + e]) + zc * kq0[e];
+          s[blk][e] = (sa * sq[e]) * (float)ah[e] + za * kq0[e];
+          s[blk][2 + e] = (sc * sq[e]) * (float)ah[2 + e] + zc * kq0[e];
         }
       } else {
         // e4m3 keys: lane t4 holds chunks 2 t4, 2 t4 + 1 of a row (stored swapped on odd rows); cvt turns two codes

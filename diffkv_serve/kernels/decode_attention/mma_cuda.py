@@ -4,10 +4,11 @@ kv_mode fp8), with or without a low section of another such precision (DiffKV's 
 per-token logits / lse outputs DiffKV's significance update reads: when it serves a call (usable), how it is
 compiled (NVRTC through torch.cuda._compile_kernel, once per device and variant) and launched (launch_mma).
 
-It computes what the Triton kernels compute (reference: reference.py). On CUDA GPUs the dispatcher picks it over
+It computes what the Triton kernels compute (reference: reference.py), with q rounded to integers where q.k runs on
+the integer tensor cores (query_levels, round_query). On CUDA GPUs the dispatcher picks it over
 the quartered and q8 Triton kernels wherever it can serve the call (dispatch.pick_kernel). On an H200
-(benchmarks/results/decode_mma_vs_triton_H200.json) it runs 1.16-1.79x quartered.py's speed, and on K8V8 pages
-(integer or e4m3), split as num_splits says, 1.15-1.39x q8.py's (under the quartered kernel's split rule it had been
+(benchmarks/results/decode_mma_vs_triton_H200.json) it runs 1.20-1.78x quartered.py's speed, and on K8V8 pages
+(integer or e4m3), split as num_splits says, 1.16-1.38x q8.py's (under the quartered kernel's split rule it had been
 0.81-0.96x q8's speed on an H100, decode_mma_vs_triton_H100.json). With several splits the partials are merged by
 merge.py's kernel.
 """
@@ -44,6 +45,34 @@ MAX_PROGRAMS_TWO_SECTIONS = 8
 MAX_SECOND_WAVE = 1.5
 SHARED_PER_SM = 228 * 1024  # H100 / A100-class SMs; each resident block also takes 1 KB of it
 HEAD_DIM = 128
+# q.k on the integer mma takes q as integers at each query head's own scale, max |q| / levels: 16-bit (two mma
+# chains) against 8-bit keys, 8-bit (one chain) against 4- and 2-bit keys, whose own rounding dwarfs q's
+# (benchmarks/q_precision.py; decode_mma.cu says what the second chain cost)
+Q_LEVELS_8BIT_KEYS, Q_LEVELS_LOW_KEYS = 32767, 127
+
+
+def query_levels(fmt: PageFormat) -> int | None:
+    """The integer levels the kernel rounds q to against fmt's keys; None for e4m3 keys (q in fp16, fp16 mma) and
+    for keys it does not serve."""
+    if fmt.side_float8("k") or fmt.key_bits not in KEY_BITS:
+        return None
+    return Q_LEVELS_8BIT_KEYS if fmt.key_bits == 8 else Q_LEVELS_LOW_KEYS
+
+
+def zero_term_rounded(levels: int) -> bool:
+    """Whether the keys' zero-point term, z * sum of q, takes the rounded q (8-bit q: a logit is then the dequantized
+    key times that q) or q as given (16-bit q)."""
+    return levels == Q_LEVELS_LOW_KEYS
+
+
+def round_query(q: torch.Tensor, levels: int, qk_scale: float) -> torch.Tensor:
+    """q [..., D] as the kernel's integer q.k sees it, float64: Q * max |x| / levels / qk_scale, where x = q * qk_scale
+    and Q = round(x * (levels / max |x|)) in float32 steps, the kernel's own (an element at exactly half a step
+    rounds the way the kernel's float32 arithmetic takes it; a row of zeros stays zeros)."""
+    x = q.float() * torch.tensor(qk_scale, dtype=torch.float32)
+    amax = x.abs().amax(-1, keepdim=True)
+    rsq = torch.where(amax > 0, torch.tensor(float(levels), dtype=torch.float32) / amax, torch.zeros_like(amax))
+    return torch.round(x * rsq).double() * (amax.double() / levels) / qk_scale
 
 
 class Variant(NamedTuple):

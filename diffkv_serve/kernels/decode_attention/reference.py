@@ -44,9 +44,11 @@ def gather_section_ref(pool, fmt: PageFormat, cache_dtype, page_table, slots, la
 
 
 def paged_decode_attention_ref(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer,
-                               scale, max_len=None, fmt_low=None, len_low=None, logits_out=None, lse_out=None):
+                               scale, max_len=None, fmt_low=None, len_low=None, logits_out=None, lse_out=None,
+                               q_low=None):
     """Vectorized torch: gather + dequantize both sections -> [B, Hkv, n, D], mask by length, GQA attention
-    in fp32."""
+    in fp32. q_low: the query the low section's keys meet (default q), for checking a kernel that rounds q per
+    section (mma_cuda.round_query)."""
     check_supported(fmt, cache_dtype)
     has_low = check_low_section(fmt, fmt_low, len_low, cache_dtype, False)
     B, Hq, D = q.shape
@@ -71,7 +73,11 @@ def paged_decode_attention_ref(q, pool, fmt: PageFormat, cache_dtype, page_table
     index = torch.cat(index, 2)  # where each token's logit goes in logits_out
     vals = vals.masked_fill(~valid[..., None], 0.0)  # rows past the length may hold NaN garbage
     qg = q.float().view(B, Hkv, group, D)
-    scores = (qg @ keys.transpose(-1, -2)) * scale  # [B, Hkv, G, n]
+    scores = qg @ keys.transpose(-1, -2)  # [B, Hkv, G, n]
+    if has_low and q_low is not None:
+        n_hi_cols = parts[0][0].shape[2]
+        scores[..., n_hi_cols:] = q_low.float().view(B, Hkv, group, D) @ keys[:, :, n_hi_cols:].transpose(-1, -2)
+    scores = scores * scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     if logits_out is not None:
         bi, hi, ji = valid.nonzero(as_tuple=True)
