@@ -68,7 +68,7 @@ def main() -> None:
             torch.cuda.synchronize()
             row[k + ("+logits" if with_logits else "")] = round(do_bench_cudagraph(call, rep=args.rep) * 1e3, 2)
         rows.append(row)
-        del pool, c
+        pool = c = None  # frees this cache before the next is built (`call` still names pool: no del)
     print(f"\n{'heads':<14}{'spec':<11}{'B':>5}{'S':>7}{'cuda us':>10}{'triton us':>11}{'(kernel)':>11}{'speedup':>9}"
           f"{'+logits':>10}{'+logits':>10}{'speedup':>9}")
     for r in rows:

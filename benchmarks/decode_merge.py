@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:  # the Triton interpreter runs the kernel on the CPU; it must be chosen before the import
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import record_sweep  # noqa: E402
+from attention import sweep_us  # noqa: E402
 
 from diffkv_serve.kernels._common import next_pow2  # noqa: E402
 from diffkv_serve.kernels.decode_attention.merge import (MAX_ROWS, MergeLaunch, merge_launch, merge_splits,  # noqa: E402
@@ -68,13 +68,7 @@ def main(argv=None) -> int:
         for name, how in (("launch", launch), ("whole", whole)):
             def call(how=how):
                 merge_splits(acc, ml, out, lse, S, True, launch=how)
-            if cuda:
-                import triton.testing
-                times[name] = 1e3 * triton.testing.do_bench_cudagraph(call, rep=args.rep, return_mode="median")
-            else:
-                t0 = time.perf_counter()
-                call()
-                times[name] = 1e6 * (time.perf_counter() - t0)
+            times[name] = sweep_us(call, cuda, args.rep)
         rows_out.append({"batch": B, "heads": Hq, "splits": S, "head_dim": D, "rows": launch.rows,
                          "chunk": launch.chunk, "warps": launch.warps, "us": times["launch"],
                          "us_whole_rows": times["whole"], "max_err": err, "acc_bytes": acc.numel() * 4})
