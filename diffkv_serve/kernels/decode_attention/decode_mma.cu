@@ -447,13 +447,15 @@ __device__ __forceinline__ void attend(State& st, const unsigned short* qrow, bo
   // of members 10^4 times smaller than another). Against 8-bit keys, Q has 16 bits (sq = max |q| / 32767: finer than
   // fp16's 11 bits), sent as two 8-bit parts, Q = 256 qh + ql (qh signed, ql unsigned): two mma chains per block,
   // joined as 256 acc_h + acc_l (|.| < 2^31). Against 4- and 2-bit keys, Q has 8 bits (sq = max |q| / 127): one
-  // chain. There the keys' quantization dwarfs q's rounding (on Qwen2.5-Coder-1.5B's activations, as served, it adds
-  // 0.2% to the attention-output error of 4-bit keys and values; benchmarks/q_precision.py), and a second chain's
-  // mmas held an H200 at its power cap: 4-5.5% off int4's and K4V2's largest calls. The zero points' term, z * sum
-  // of q, takes the 8-bit q's sum, so that a logit is the dequantized key times that q (with q as given in that
-  // term, q's rounding meets key - z instead of the key: on those activations 1.9x the error, 1.15x rotated). Slab
-  // s's B fragment is local elements 8 s .. 8 s + 3 and 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys (F8) stay on the fp16 mma: qb,
-  // q as fp16, slice s of lane t4 takes dims 32 t4 + 4 s + {0, 1} (b01) and + {2, 3} (b23).
+  // chain. There the keys' own rounding dwarfs q's (on Qwen2.5-Coder-1.5B's activations, as served, the total
+  // attention-output error of 4-bit keys rises 0.03-0.45%: benchmarks/q_precision.py), and the second chain's mmas,
+  // a quarter of an int4 tile's tensor-core work, cost clock where calls run at an H200's power cap: without it int4
+  // and K4V2 at Llama-3-8B batch 128 x 16,384 ran 4.7-5.3% faster, smaller calls 1.8-5.3%. The zero points' term,
+  // z * sum of q, takes the 8-bit q's sum, so that a logit is the dequantized key times that q (with q as given in
+  // that term, q's rounding meets key - z instead of the key: 1.9x the error on those activations, 1.15x rotated).
+  // Slab s's B fragment is local elements 8 s .. 8 s + 3 and 8 s + 4 .. 8 s + 7, for every key width. e4m3 keys
+  // (F8) stay on the fp16 mma: qb, q as fp16, slice s of lane t4 takes dims 32 t4 + 4 s + {0, 1} (b01) and
+  // + {2, 3} (b23).
   constexpr bool Q16 = IK && KB == 8;  // two chains (16-bit q), else one (8-bit q)
   constexpr float QMAX = Q16 ? 32767.f : 127.f;
   u32 qbh[4][2], qbl[4][2], qb[8][2];
