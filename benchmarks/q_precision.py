@@ -41,7 +41,7 @@ from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E40
 
 # q as the kernel rounds it: None = fp16, else (levels, whether the keys' zero-point term takes q as given)
 Q_FORMATS = {"fp16": None, "int16": (32767, False), "int8": (127, False), "int8/zq": (127, True)}
-KV_FORMATS = {"K4V4": (4, 4), "K4V2": (4, 2), "K2V2": (2, 2), "K8V8": (8, 8)}
+KV_FORMATS = {"K4V4": (4, 4), "K4V2": (4, 2), "K2V2": (2, 2), "K8V8": (8, 8), "K8V4": (8, 4), "K8V2": (8, 2)}
 PROMPT = ("Solve each problem, showing every step of the arithmetic.\n" + "".join(
     f"Problem {i}: A warehouse holds {17 * i + 3} crates of {i + 2} boxes each; {5 * i + 1} crates leave each day "
     f"and {2 * i + 7} arrive. How many boxes are there after {i % 5 + 2} days?\n"

@@ -133,7 +133,8 @@ MEASURED_ALTERNATIVES = {
         "tokens, served key centering, CPU): the 8-bit q the decode kernel takes against 4- and 2-bit keys adds "
         "2-9% of the attention-output error 4-bit K/V already cost (K4V2 / K4V4, rotation on or off; the total "
         "error rises 0.03-0.45%), 1.15-1.9x that with the zero points' term on q as given; its 16-bit q against "
-        "8-bit keys adds 3-4% of K8V8's, where 8-bit q would add 91-153%",
+        "8-bit keys adds 3-4% of K8V8's, where 8-bit q would add 91-153% (and 11-20% of K8V4's, DiffKV's high "
+        "section: total +1.0-3.1%)",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90 (the Triton "
                              "kernels and the CUDA kernel, decode_mma)",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",
