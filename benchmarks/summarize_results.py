@@ -135,6 +135,10 @@ MEASURED_ALTERNATIVES = {
         "error rises 0.03-0.45%), 1.15-1.9x that with the zero points' term on q as given; its 16-bit q against "
         "8-bit keys adds 3-4% of K8V8's, where 8-bit q would add 91-153% (and 11-20% of K8V4's, DiffKV's high "
         "section: total +1.0-3.1%)",
+    "p_precision_qwen2.5-coder-1.5b_cpu.json": "benchmarks/p_precision.py on Qwen2.5-Coder-1.5B (1,024 prompt "
+        "tokens, served key centering, CPU): the p.v weights as 8-bit integers at one scale per 64-token tile, what "
+        "an integer p.v mma would take, add 1.1-3.7% of the attention-output error 4-bit K/V cost and 6.5-7.4% of "
+        "K8V4's (the total moving -0.01 to +0.29%) against the fp16 weights the decode kernel uses; 7 bits, twice that",
     "decode_sass_sm90.json": "main-loop instruction counts of the decode kernels compiled for sm_90 (the Triton "
                              "kernels and the CUDA kernel, decode_mma)",
     "prefix_cache_overhead_cpu.json": "prefix caching on/off, CPU (docs/PREFIX_CACHING.md)",

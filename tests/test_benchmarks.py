@@ -107,6 +107,22 @@ def test_q_precision_smoke(tmp_path):
             assert by[rot, kv, "int8/zq"]["q_alone_mean"] > by[rot, kv, "int8"]["q_alone_mean"]
 
 
+def test_p_precision_smoke(tmp_path):
+    out = tmp_path / "p.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "p_precision.py"), "--smoke", "--kv", "K4V4", "K8V4",
+                    "--out", str(out)], check=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    by = {(r["rotation"], r["kv"], r["p"]): r for r in rows}
+    assert set(by) == {(rot, kv, p) for rot in ("off", "hadamard") for kv in ("K4V4", "K8V4")
+                       for p in ("fp16", "u8/tile", "u7/tile")}
+    for rot in ("off", "hadamard"):
+        for kv in ("K4V4", "K8V4"):
+            assert by[rot, kv, "fp16"]["p_alone_max"] == 0 and by[rot, kv, "fp16"]["total_mean"] > 0
+            # integer weights add a small share of what the cache's quantization costs, 7 bits about twice 8 bits'
+            assert 0 < by[rot, kv, "u8/tile"]["share_max"] < 0.2
+            assert 1.5 < by[rot, kv, "u7/tile"]["p_alone_mean"] / by[rot, kv, "u8/tile"]["p_alone_mean"] < 2.6
+
+
 def test_decode_sass_smoke(tmp_path):
     """The decode kernel compiled for sm_90 on this (GPU-less) machine: its main loop holds the tile's mmas."""
     out = tmp_path / "sass.json"
