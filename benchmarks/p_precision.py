@@ -14,7 +14,6 @@ Smoke:  python benchmarks/p_precision.py --smoke
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,11 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import write_result  # noqa: E402
-from q_precision import KV_FORMATS, PROMPT, attend, capture, rel  # noqa: E402
+from q_precision import attend, run, run_flags  # noqa: E402
 
-from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
-from diffkv_serve.engine.loader import load_checkpoint  # noqa: E402
 from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E402
 
 TILE = 64  # tokens a tile of the decode kernel
@@ -35,17 +31,7 @@ P_FORMATS = {"fp16": None, "u8/tile": 255, "u7/tile": 127}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_engine_flags(ap, only=("model",))
-    ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens")
-    ap.add_argument("--queries", type=int, default=32, help="last prompt positions that attend, per layer")
-    ap.add_argument("--kv", nargs="+", default=["K4V4", "K4V2", "K8V4"], choices=list(KV_FORMATS))
-    ap.add_argument("--rotation", nargs="+", default=["off", "hadamard"], choices=["off", "hadamard"])
-    ap.add_argument("--key-centering", choices=["off", "served"], default="served",
-                    help="served: the centers the engine installs for a quantized cache")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="the embedded model, 96 tokens, 8 queries")
-    return ap.parse_args(argv)
+    return run_flags(__doc__, ["K4V4", "K4V2", "K8V4"], "served").parse_args(argv)
 
 
 def round_weights(pw: torch.Tensor, levels: int | None) -> torch.Tensor:
@@ -74,52 +60,18 @@ def attend_weights(q, k, v, vscale, pos, levels):
     return torch.einsum("hpn,nhd->phd", w / p.sum(-1, keepdim=True), vv)
 
 
+def p_outputs(q, k, v, kb: int, vb: int, pos):
+    """Exact attention, fp16 p' on the quantized cache (the baseline), and p' as each of P_FORMATS rounds it."""
+    pk, sk, zk = quantize_ref(k.float(), kb)
+    pv, sv, zv = quantize_ref(v.float(), vb)
+    kq = dequantize_ref(pk, sk, zk, kb, k.shape[-1]).double()
+    vq = dequantize_ref(pv, sv, zv, vb, v.shape[-1]).double()
+    got = {name: attend_weights(q, kq, vq, sv.double(), pos, levels) for name, levels in P_FORMATS.items()}
+    return attend(q, k, v, pos), got["fp16"], got
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.smoke:
-        args.model, args.tokens, args.queries = None, 96, 8
-    if not 1 <= args.queries <= args.tokens:
-        raise ValueError(f"--queries {args.queries}: needs 1 <= queries <= --tokens ({args.tokens})")
-    ckpt = load_checkpoint(args.model)
-    ids = torch.tensor(ckpt.tokenizer.encode(PROMPT)[: args.tokens], dtype=torch.long)
-    if ids.numel() < args.tokens:
-        raise ValueError(f"--tokens {args.tokens}: the prompt has {ids.numel()} tokens with this tokenizer")
-    pos = torch.arange(args.tokens - args.queries, args.tokens)
-    rows = []
-    print(f"{ckpt.name}, {args.tokens} prompt tokens, last {args.queries} attend, key centering {args.key_centering}; "
-          "relative L2 of the attention output, mean over layers (max)")
-    print(f"{'rotation':>9} {'kv':>5} {'p':>8} {'total':>17} {'p alone':>17} {'p alone / fp16 total':>21}")
-    for rotation in args.rotation:
-        cap = capture(ckpt, ids, rotation, args.queries, args.key_centering)
-        for kv in args.kv:
-            kb, vb = KV_FORMATS[kv]
-            per_layer = {name: [] for name in P_FORMATS}
-            for q, k, v in cap.layers:
-                exact = attend(q, k, v, pos)
-                pk, sk, zk = quantize_ref(k.float(), kb)
-                pv, sv, zv = quantize_ref(v.float(), vb)
-                kq = dequantize_ref(pk, sk, zk, kb, k.shape[-1]).double()
-                vq = dequantize_ref(pv, sv, zv, vb, v.shape[-1]).double()
-                base = attend_weights(q, kq, vq, sv.double(), pos, None)
-                for name, levels in P_FORMATS.items():
-                    got = attend_weights(q, kq, vq, sv.double(), pos, levels)
-                    per_layer[name].append((rel(got, exact), rel(got, base), rel(base, exact)))
-            for name, errs in per_layer.items():
-                total, alone = [e[0] for e in errs], [e[1] for e in errs]
-                share = [e[1] / max(e[2], 1e-30) for e in errs]
-                row = {"rotation": rotation, "kv": kv, "p": name, "total_mean": sum(total) / len(total),
-                       "total_max": max(total), "p_alone_mean": sum(alone) / len(alone), "p_alone_max": max(alone),
-                       "share_mean": sum(share) / len(share), "share_max": max(share)}
-                rows.append(row)
-                print(f"{rotation:>9} {kv:>5} {name:>8} {row['total_mean']:8.2e} ({row['total_max']:7.1e}) "
-                      f"{row['p_alone_mean']:8.2e} ({row['p_alone_max']:7.1e}) {row['share_mean']:10.3f} "
-                      f"({row['share_max']:6.3f})", flush=True)
-    cmd = "python benchmarks/p_precision.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"benchmark": "p_precision", "model": ckpt.name, "device": "cpu", "torch": torch.__version__,
-              "command": cmd, "config": vars(args), "rows": rows}
-    if args.out:
-        write_result(result, "p_precision", "cpu", args.out, args.smoke)
-    return 0
+    return run(parse_args(argv), argv, "p_precision", "p", p_outputs)
 
 
 if __name__ == "__main__":

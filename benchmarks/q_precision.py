@@ -49,17 +49,22 @@ PROMPT = ("Solve each problem, showing every step of the arithmetic.\n" + "".joi
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    return run_flags(__doc__, ["K4V4", "K4V2"], "off").parse_args(argv)
+
+
+def run_flags(doc: str, kv: list[str], centering: str) -> argparse.ArgumentParser:
+    """The flags of a run over a model's own attention (this script's, p_precision.py's), with their defaults."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     add_engine_flags(ap, only=("model",))
     ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens")
     ap.add_argument("--queries", type=int, default=32, help="last prompt positions that attend, per layer")
-    ap.add_argument("--kv", nargs="+", default=["K4V4", "K4V2"], choices=list(KV_FORMATS))
+    ap.add_argument("--kv", nargs="+", default=kv, choices=list(KV_FORMATS))
     ap.add_argument("--rotation", nargs="+", default=["off", "hadamard"], choices=["off", "hadamard"])
-    ap.add_argument("--key-centering", choices=["off", "served"], default="off",
+    ap.add_argument("--key-centering", choices=["off", "served"], default=centering,
                     help="served: the centers the engine installs for a quantized cache")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="the embedded model, 96 tokens, 8 queries")
-    return ap.parse_args(argv)
+    return ap
 
 
 def round_q(q: torch.Tensor, levels: int | None) -> torch.Tensor:
@@ -138,8 +143,9 @@ def capture(ckpt, ids: torch.Tensor, rotation: str, queries: int, centering: str
     return cap
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def prompt_of(args):
+    """(checkpoint, prompt token ids, the positions that attend) for a run's --model / --tokens / --queries (--smoke:
+    the embedded model, 96 tokens, 8 queries); prints the run's header line."""
     if args.smoke:
         args.model, args.tokens, args.queries = None, 96, 8
     if not 1 <= args.queries <= args.tokens:
@@ -148,42 +154,76 @@ def main(argv=None) -> int:
     ids = torch.tensor(ckpt.tokenizer.encode(PROMPT)[: args.tokens], dtype=torch.long)
     if ids.numel() < args.tokens:
         raise ValueError(f"--tokens {args.tokens}: the prompt has {ids.numel()} tokens with this tokenizer")
-    pos = torch.arange(args.tokens - args.queries, args.tokens)
-    rows = []
     print(f"{ckpt.name}, {args.tokens} prompt tokens, last {args.queries} attend, key centering {args.key_centering}; "
           "relative L2 of the attention output, mean over layers (max)")
-    print(f"{'rotation':>9} {'kv':>5} {'q':>7} {'total':>17} {'q alone':>17} {'q alone / fp16 total':>21}")
+    return ckpt, ids, torch.arange(args.tokens - args.queries, args.tokens)
+
+
+def configs(args, ckpt, ids):
+    """(rotation, kv, key bits, value bits, the captured layers' q / k / v) for every --rotation x --kv of a run."""
     for rotation in args.rotation:
         cap = capture(ckpt, ids, rotation, args.queries, args.key_centering)
         for kv in args.kv:
-            kb, vb = KV_FORMATS[kv]
-            per_layer = {name: [] for name in Q_FORMATS}
-            for q, k, v in cap.layers:
-                exact = attend(q, k, v, pos)
-                (kq, zeros), (vq, _) = quantized(k, kb), quantized(v, vb)
-                base = attend(round_q(q, None), kq, vq, pos)
-                for name, fmt in Q_FORMATS.items():
-                    qr = round_q(q, fmt and fmt[0])
-                    extra = zero_term_on_given_q(q, qr, zeros) if fmt and fmt[1] else None
-                    got = attend(qr, kq, vq, pos, extra)
-                    per_layer[name].append((rel(got, exact), rel(got, base), rel(base, exact)))
-            for name, errs in per_layer.items():
-                total = [e[0] for e in errs]
-                alone = [e[1] for e in errs]
-                share = [e[1] / max(e[2], 1e-30) for e in errs]
-                row = {"rotation": rotation, "kv": kv, "q": name, "total_mean": sum(total) / len(total),
-                       "total_max": max(total), "q_alone_mean": sum(alone) / len(alone), "q_alone_max": max(alone),
-                       "share_mean": sum(share) / len(share), "share_max": max(share)}
-                rows.append(row)
-                print(f"{rotation:>9} {kv:>5} {name:>7} {row['total_mean']:8.2e} ({row['total_max']:7.1e}) "
-                      f"{row['q_alone_mean']:8.2e} ({row['q_alone_max']:7.1e}) {row['share_mean']:10.3f} "
-                      f"({row['share_max']:6.3f})", flush=True)
-    cmd = "python benchmarks/q_precision.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"benchmark": "q_precision", "model": ckpt.name, "device": "cpu", "torch": torch.__version__,
-              "command": cmd, "config": vars(args), "rows": rows}
+            yield (rotation, kv, *KV_FORMATS[kv], cap.layers)
+
+
+def error_row(what: str, rotation: str, kv: str, name: str, errs: list[tuple[float, float, float]]) -> dict:
+    """One table row from each layer's (error vs exact, error vs the baseline, baseline's error vs exact), where
+    `what` ('q', 'p') is the rounded operand; printed as it is made."""
+    total, alone = [e[0] for e in errs], [e[1] for e in errs]
+    share = [e[1] / max(e[2], 1e-30) for e in errs]
+    row = {"rotation": rotation, "kv": kv, what: name, "total_mean": sum(total) / len(total), "total_max": max(total),
+           f"{what}_alone_mean": sum(alone) / len(alone), f"{what}_alone_max": max(alone),
+           "share_mean": sum(share) / len(share), "share_max": max(share)}
+    print(f"{rotation:>9} {kv:>5} {name:>8} {row['total_mean']:8.2e} ({row['total_max']:7.1e}) "
+          f"{row[what + '_alone_mean']:8.2e} ({row[what + '_alone_max']:7.1e}) {row['share_mean']:10.3f} "
+          f"({row['share_max']:6.3f})", flush=True)
+    return row
+
+
+def error_header(what: str) -> None:
+    print(f"{'rotation':>9} {'kv':>5} {what:>8} {'total':>17} {what + ' alone':>17} {what + ' alone / fp16 total':>21}")
+
+
+def record(name: str, ckpt, args, argv, rows: list) -> None:
+    """The run's JSON (with --out): benchmark, model, the command line, the flags and the rows."""
+    cmd = f"python benchmarks/{name}.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"benchmark": name, "model": ckpt.name, "device": "cpu", "torch": torch.__version__, "command": cmd,
+              "config": vars(args), "rows": rows}
     if args.out:
-        write_result(result, "q_precision", "cpu", args.out, args.smoke)
+        write_result(result, name, "cpu", args.out, args.smoke)
+
+
+def run(args, argv, name: str, what: str, outputs) -> int:
+    """A run over every --rotation x --kv: outputs(q, k, v, key bits, value bits, pos) gives each layer's exact
+    attention output, the baseline's and {format: output} for the formats of `what` (the rounded operand); prints
+    and records a row per (rotation, kv, format)."""
+    ckpt, ids, pos = prompt_of(args)
+    rows = []
+    error_header(what)
+    for rotation, kv, kb, vb, layers in configs(args, ckpt, ids):
+        per_layer = {}
+        for q, k, v in layers:
+            exact, base, got = outputs(q, k, v, kb, vb, pos)
+            for fmt, out in got.items():
+                per_layer.setdefault(fmt, []).append((rel(out, exact), rel(out, base), rel(base, exact)))
+        rows += [error_row(what, rotation, kv, fmt, errs) for fmt, errs in per_layer.items()]
+    record(name, ckpt, args, argv, rows)
     return 0
+
+
+def q_outputs(q, k, v, kb: int, vb: int, pos):
+    """Exact attention, fp16 q on the quantized cache (the baseline), and q as each of Q_FORMATS rounds it."""
+    (kq, zeros), (vq, _) = quantized(k, kb), quantized(v, vb)
+    got = {}
+    for name, fmt in Q_FORMATS.items():
+        qr = round_q(q, fmt and fmt[0])
+        got[name] = attend(qr, kq, vq, pos, zero_term_on_given_q(q, qr, zeros) if fmt and fmt[1] else None)
+    return attend(q, k, v, pos), got["fp16"], got
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv), argv, "q_precision", "q", q_outputs)
 
 
 if __name__ == "__main__":
