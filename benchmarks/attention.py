@@ -70,8 +70,6 @@ from _results import write_result  # noqa: E402
 from diffkv_serve.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from diffkv_serve.kernels.decode_attention import mma_cuda  # noqa: E402
 from diffkv_serve.kernels.decode_attention.dispatch import pick_kernel  # noqa: E402
-from diffkv_serve.kernels.decode_attention.reference import paged_decode_attention_ref  # noqa: E402
-from diffkv_serve.kernels.decode_attention.tiles import LOG2E  # noqa: E402
 from diffkv_serve.kernels.kv_write import write_kv  # noqa: E402
 from diffkv_serve.kernels.page_layout import PageFormat, page_bytes_for  # noqa: E402
 from diffkv_serve.engine.flags import add_engine_flags  # noqa: E402
@@ -338,11 +336,8 @@ def reference_for(kernel: str, ref, q, pool, fmt_hi, dt, pt, lens, slots, max_le
     reference over that q."""
     if kernel != "mma_cuda":
         return ref
-    scale = 1.0 / math.sqrt(q.shape[-1])  # the dispatcher's default
-    q_hi, q_lo = (q if lv is None else mma_cuda.round_query(q, lv, scale * LOG2E).float()
-                  for lv in (mma_cuda.query_levels(fmt_hi), mma_cuda.query_levels(fmt_low or fmt_hi)))
-    return paged_decode_attention_ref(q_hi, pool, fmt_hi, dt, pt, lens, slots, 0, scale, max_len=max_len,
-                                      fmt_low=fmt_low, len_low=len_low, q_low=q_lo).to(ref.dtype)
+    return mma_cuda.kernel_reference(q, pool, fmt_hi, dt, pt, lens, slots, 0, 1.0 / math.sqrt(q.shape[-1]),
+                                     max_len=max_len, fmt_low=fmt_low, len_low=len_low).to(ref.dtype)
 
 
 def check_small(args, heads, device, impl, page_bytes) -> list[dict]:

@@ -5,8 +5,9 @@ CUDA-graph time per call for each precision they both serve, at the Llama-3-8B (
 in each section) is timed without and with the per-token logits / lse outputs its significance update reads.
 Both kernels' split counts are the dispatcher's, and their splits are merged by merge.py's kernel.
 Pages hold random normal keys and values quantized as the engine writes them (attention.decode_inputs, the cache
-benchmarks/decode_splits.py and decode_stages.py time too): a call's time depends on its codes and scales (the softmax's running sum is rescaled in the tiles where a query's max grows; random bytes
-make NaN and infinite scales, which skip that path). benchmarks/attention.py and the tests check values.
+benchmarks/decode_splits.py and decode_stages.py time too): a call's time depends on its codes and scales (the
+softmax's running sum is rescaled in the tiles where a query's max grows; random bytes make NaN and infinite
+scales, which skip that path). benchmarks/attention.py and the tests check values.
 
 Usage: python benchmarks/decode_kernel_ab.py [--specs K8V4 K4V2 ...] [--shapes 8x4096 32x16384 ...] [--out PATH]
 """

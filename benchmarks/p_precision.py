@@ -22,9 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from q_precision import attend, run, run_flags  # noqa: E402
-
-from diffkv_serve.kernels.quant import dequantize_ref, quantize_ref  # noqa: E402
+from q_precision import attend, quantized, run, run_flags  # noqa: E402
 
 TILE = 64  # tokens a tile of the decode kernel
 P_FORMATS = {"fp16": None, "u8/tile": 255, "u7/tile": 127}
@@ -62,11 +60,8 @@ def attend_weights(q, k, v, vscale, pos, levels):
 
 def p_outputs(q, k, v, kb: int, vb: int, pos):
     """Exact attention, fp16 p' on the quantized cache (the baseline), and p' as each of P_FORMATS rounds it."""
-    pk, sk, zk = quantize_ref(k.float(), kb)
-    pv, sv, zv = quantize_ref(v.float(), vb)
-    kq = dequantize_ref(pk, sk, zk, kb, k.shape[-1]).double()
-    vq = dequantize_ref(pv, sv, zv, vb, v.shape[-1]).double()
-    got = {name: attend_weights(q, kq, vq, sv.double(), pos, levels) for name, levels in P_FORMATS.items()}
+    (kq, _, _), (vq, vscale, _) = quantized(k, kb), quantized(v, vb)
+    got = {name: attend_weights(q, kq, vq, vscale, pos, levels) for name, levels in P_FORMATS.items()}
     return attend(q, k, v, pos), got["fp16"], got
 
 

@@ -77,13 +77,14 @@ def round_q(q: torch.Tensor, levels: int | None) -> torch.Tensor:
     return torch.round(q / scale) * scale
 
 
-def quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] through the cache's min-max quantization per (token, head) and back, float64, and the zero points
-    [...] (0 at 16 bits)."""
+def quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., D] through the cache's min-max quantization per (token, head) and back, float64, with the scales and
+    zero points [...] (1 and 0 at 16 bits)."""
     if bits == 16:
-        return x.half().double(), torch.zeros(x.shape[:-1], dtype=torch.float64)
+        return x.half().double(), torch.ones(x.shape[:-1], dtype=torch.float64), torch.zeros(x.shape[:-1],
+                                                                                             dtype=torch.float64)
     packed, scale, zero = quantize_ref(x.float(), bits)
-    return dequantize_ref(packed, scale, zero, bits, x.shape[-1]).double(), zero.double()
+    return dequantize_ref(packed, scale, zero, bits, x.shape[-1]).double(), scale.double(), zero.double()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, extra=None) -> torch.Tensor:
@@ -214,7 +215,7 @@ def run(args, argv, name: str, what: str, outputs) -> int:
 
 def q_outputs(q, k, v, kb: int, vb: int, pos):
     """Exact attention, fp16 q on the quantized cache (the baseline), and q as each of Q_FORMATS rounds it."""
-    (kq, zeros), (vq, _) = quantized(k, kb), quantized(v, vb)
+    (kq, _, zeros), (vq, _, _) = quantized(k, kb), quantized(v, vb)
     got = {}
     for name, fmt in Q_FORMATS.items():
         qr = round_q(q, fmt and fmt[0])

@@ -16,7 +16,6 @@ from diffkv_serve.engine.llm_engine import LLMEngine
 from diffkv_serve.engine.loader import load_checkpoint
 from engine_helpers import assert_all_pages_free, run_all
 from diffkv_serve.kernels.decode_attention import mma_cuda
-from diffkv_serve.kernels.decode_attention.reference import paged_decode_attention_ref
 from diffkv_serve.kernels.decode_attention.tiles import LOG2E
 
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))
@@ -68,17 +67,12 @@ def test_every_engine_decode_call_matches_the_reference(mode, monkeypatch):
         assert mma_cuda._format_reason(fmt, "high") is None
         nmax = max_len or int(page_table.shape[3] * fmt.tokens)
         B, Hq, _ = q.shape
-        # the kernel's q: fp16, and on the integer mma rounded per section (mma_cuda.round_query); compare against
-        # the reference on that q
-        q16 = q.half().float()
-        q_hi, q_lo = (q16 if f is None or mma_cuda.query_levels(f) is None
-                      else mma_cuda.round_query(q16, mma_cuda.query_levels(f), scale * LOG2E).float()
-                      for f in (fmt, fmt_low))
+        # the kernel's q (fp16, rounded per section where q.k runs on the integer mma): the reference on that q
         want_logits = torch.full((B, Hq, nmax), float("nan"))
         want_lse = torch.empty(B, Hq)
-        want = paged_decode_attention_ref(q_hi, pool, fmt, cache_dtype, page_table, lengths, slots, layer, scale,
-                                          max_len=max_len, fmt_low=fmt_low, len_low=len_low, logits_out=want_logits,
-                                          lse_out=want_lse, q_low=q_lo)
+        want = mma_cuda.kernel_reference(q.half().float(), pool, fmt, cache_dtype, page_table, lengths, slots, layer,
+                                         scale, max_len=max_len, fmt_low=fmt_low, len_low=len_low,
+                                         logits_out=want_logits, lse_out=want_lse)
         out, logits, lse = _emulated(q, pool, fmt, page_table, lengths, slots, layer, scale, fmt_low, len_low, nmax)
         torch.testing.assert_close(out, want, atol=QTOL, rtol=QTOL)
         torch.testing.assert_close(lse, want_lse, atol=QTOL, rtol=QTOL)

@@ -79,11 +79,11 @@ def naive_sections(q, pool, fmt_hi, fmt_lo, cache_dtype, page_table, len_hi, len
             keys = torch.stack([k for k, _ in kv])
             vals = torch.stack([v for _, v in kv])
             levels = [q_levels(f) if q_levels else None for f, _, _ in rows]
+            rounded = {lv: torch.tensor([v == lv for v in levels]) for lv in set(levels) - {None}}  # rows per level
             zeros = torch.tensor([_key_zero(pool, f, p, r) for f, p, r in rows], dtype=torch.float64)
             for hq in range(h * G, (h + 1) * G):
                 x = keys @ q[b, hq]
-                for lv in set(levels) - {None}:
-                    m = torch.tensor([v == lv for v in levels])
+                for lv, m in rounded.items():
                     qr = mma_cuda.round_query(q[b, hq], lv, scale * LOG2E)
                     if mma_cuda.zero_term_rounded(lv):  # the key as dequantized, times q as rounded
                         x[m] = keys[m] @ qr

@@ -23,6 +23,8 @@ import torch
 
 from diffkv_serve.kernels._common import num_sms
 from diffkv_serve.kernels.decode_attention.launch import choose_num_splits
+from diffkv_serve.kernels.decode_attention.reference import paged_decode_attention_ref
+from diffkv_serve.kernels.decode_attention.tiles import LOG2E
 from diffkv_serve.kernels.page_layout import PageFormat
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,18 @@ def round_query(q: torch.Tensor, levels: int, qk_scale: float) -> torch.Tensor:
     amax = x.abs().amax(-1, keepdim=True)
     rsq = torch.where(amax > 0, torch.tensor(float(levels), dtype=torch.float32) / amax, torch.zeros_like(amax))
     return torch.round(x * rsq).double() * (amax.double() / levels) / qk_scale
+
+
+def kernel_reference(q, pool, fmt: PageFormat, cache_dtype, page_table, lengths, slots, layer, scale, max_len=None,
+                     fmt_low=None, len_low=None, logits_out=None, lse_out=None):
+    """The torch reference (reference.py) over q as this kernel's q.k takes it: each section's keys against q
+    rounded to that section's query_levels (q as given against e4m3 keys). What the kernel is held to."""
+    qk = scale * LOG2E
+    q_hi, q_lo = (q if f is None or query_levels(f) is None else round_query(q, query_levels(f), qk).float()
+                  for f in (fmt, fmt_low))
+    return paged_decode_attention_ref(q_hi, pool, fmt, cache_dtype, page_table, lengths, slots, layer, scale,
+                                      max_len=max_len, fmt_low=fmt_low, len_low=len_low, logits_out=logits_out,
+                                      lse_out=lse_out, q_low=q_lo)
 
 
 class Variant(NamedTuple):
