@@ -211,8 +211,8 @@ def attention_section() -> list[str]:
     below = sorted({tuple(x[:2]) for x in f["failing"]})
     below_text = "; below it: " + ", ".join(f"{p} ({h})" for h, p in below) if below else ""
     out += [f"Targets: every compressed precision at >= {f['target']} of the floor where batch x tokens >= "
-            f"{f['min_tokens']}: {'met' if f['pass'] else 'not met'} (lowest {f['min']:.2f}{below_text}"
-            + f"); >= {100 * big['target']:.0f}% of {bw:.2f} TB/s where a "
+            f"{f['min_tokens']}: {'met' if f['pass'] else 'not met'} (lowest {f['min']:.2f}{below_text}); "
+            f">= {100 * big['target']:.0f}% of {bw:.2f} TB/s where a "
             f"call reads >= {big['min_bytes'] / 1e6:.0f} MB: {'met' if big['pass'] else 'not met'} (lowest "
             f"{100 * big['min']:.0f}%).", ""]
     out += gpu_state_lines(a)
