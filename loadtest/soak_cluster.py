@@ -38,6 +38,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+START_ATTEMPTS = 3
+
+
+def init_local_ray(num_cpus: int, attempts: int = START_ATTEMPTS) -> int:
+    """ray.init of a new local node (no dashboard, metrics reported every second) that exports its metrics on a free
+    loopback port; returns that port. A port found free can be taken by another process before Ray's agent binds
+    it (seen right after another Ray node on the machine shut down): the agent then fails, the node times out during
+    startup, and the start is tried again on a new port, up to `attempts` times."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        metrics_port = free_port()
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port,
+                     _system_config={"metrics_report_interval_ms": 1000}, logging_level="warning")
+            return metrics_port
+        except Exception as e:  # Ray raises a bare Exception when the node times out at startup
+            ray.shutdown()
+            if attempt == attempts:
+                raise
+            print(f"ray.init failed ({str(e)[:200]}); starting again on a new metrics port "
+                  f"(attempt {attempt + 1} of {attempts})", flush=True)
+    raise ValueError(f"init_local_ray: attempts={attempts} (at least 1)")
+
+
 @dataclass
 class Replica:
     deployment: str
@@ -57,14 +82,12 @@ class Target:
 def start_local(config: dict, app: str = "diffkv", num_cpus: int = 8) -> Target:
     """A local Ray (loopback HTTP, metrics reported every second) and the service app at /."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
     from ray import serve
 
     from diffkv_serve.service.app import build_app
 
-    http_port, metrics_port = free_port(), free_port()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000}, logging_level="warning")
+    metrics_port = init_local_ray(num_cpus)
+    http_port = free_port()
     quiet = {"enable_access_log": False, "log_level": "WARNING"}  # thousands of requests: no line for each
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, logging_config=quiet)
     serve.run(build_app(config), name=app, route_prefix="/", logging_config=quiet)

@@ -4,6 +4,8 @@ import asyncio
 import json
 import math
 import random
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -401,6 +403,32 @@ def test_soak_reads_the_page_gauges_per_replica():
     assert soak_cluster.in_flight(samples) == 4.0
     assert soak_cluster.in_flight(samples[:2]) is None
     assert soak_cluster.retried(samples) == 3.0 and soak_cluster.retried(samples[:2]) is None
+
+
+def test_a_local_ray_node_that_fails_to_start_is_started_again_on_a_new_port(monkeypatch, capsys):
+    """A metrics port found free can be taken before Ray's agent binds it, and the node then times out at startup:
+    init_local_ray shuts the attempt down and starts again on a newly picked port; past the last attempt it raises."""
+    ports, shutdowns, failures = [], [], {"left": 1}
+
+    def init(**kw):
+        assert kw["address"] == "local" and kw["num_cpus"] == 2
+        ports.append(kw["_metrics_export_port"])
+        if failures["left"]:
+            failures["left"] -= 1
+            raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(init=init, shutdown=lambda: shutdowns.append(1)))
+    assert soak_cluster.init_local_ray(2) == ports[-1]
+    assert len(ports) == 2 and len(shutdowns) == 1
+    assert "attempt 2 of 3" in capsys.readouterr().out
+
+    ports.clear(), shutdowns.clear()
+    failures["left"] = 5
+    with pytest.raises(Exception, match="timed out during startup"):
+        soak_cluster.init_local_ray(2)
+    assert len(ports) == len(shutdowns) == soak_cluster.START_ATTEMPTS
+    with pytest.raises(ValueError, match="attempts=0"):
+        soak_cluster.init_local_ray(2, attempts=0)
 
 
 def test_soak_report_json_round_trips_with_one_line_per_request(tmp_path):

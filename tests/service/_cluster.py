@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
-# One Prometheus text parser and one port picker (the soak uses them too).
-from loadtest.soak_cluster import free_port, parse_metrics  # noqa: F401  (free_port: re-exported)
+# One Prometheus text parser, one port picker and one local Ray start (the soak uses them too).
+from loadtest.soak_cluster import free_port, init_local_ray, parse_metrics  # noqa: F401  (free_port: re-exported)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("DIFFKV_CACHE_DIR", os.path.expanduser("~/.cache/diffkv"))
@@ -34,12 +34,10 @@ class Cluster:
 
 
 def start_cluster(num_cpus: int = 8) -> Cluster:
-    import ray
     from ray import serve
 
-    http_port, metrics_port = free_port(), free_port()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000}, logging_level="warning")
+    metrics_port = init_local_ray(num_cpus)
+    http_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     return Cluster(http_port, metrics_port)
 
