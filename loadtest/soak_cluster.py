@@ -41,26 +41,35 @@ def free_port() -> int:
 START_ATTEMPTS = 3
 
 
-def init_local_ray(num_cpus: int, attempts: int = START_ATTEMPTS) -> int:
-    """ray.init of a new local node (no dashboard, metrics reported every second) that exports its metrics on a free
-    loopback port; returns that port. A port found free can be taken by another process before Ray's agent binds
-    it (seen right after another Ray node on the machine shut down): the agent then fails, the node times out during
-    startup, and the start is tried again on a new port, up to `attempts` times."""
+def on_a_free_port(start, attempts: int = START_ATTEMPTS):
+    """(start(port), port) for a free loopback port. A port found free can be taken by another process before the
+    Ray agent that start() launches binds it (seen right after another Ray node on the machine shut down): the agent
+    fails, the node times out during startup, and start() is tried again on a new port, up to `attempts` times."""
     import ray
 
     for attempt in range(1, attempts + 1):
-        metrics_port = free_port()
+        port = free_port()
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port,
-                     _system_config={"metrics_report_interval_ms": 1000}, logging_level="warning")
-            return metrics_port
-        except Exception as e:  # Ray raises a bare Exception when the node times out at startup
+            return start(port), port
+        except Exception as e:  # Ray raises a bare Exception when a node times out at startup
             ray.shutdown()
             if attempt == attempts:
                 raise
-            print(f"ray.init failed ({str(e)[:200]}); starting again on a new metrics port "
+            print(f"a Ray node failed to start ({str(e)[:200]}); starting again on a new port "
                   f"(attempt {attempt + 1} of {attempts})", flush=True)
-    raise ValueError(f"init_local_ray: attempts={attempts} (at least 1)")
+    raise ValueError(f"on_a_free_port: attempts={attempts} (at least 1)")
+
+
+def init_local_ray(num_cpus: int, attempts: int = START_ATTEMPTS) -> int:
+    """ray.init of a new local node (no dashboard, metrics reported every second) exporting its metrics on a free
+    loopback port (on_a_free_port); returns that port."""
+    import ray
+
+    def start(port: int) -> None:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=port,
+                 _system_config={"metrics_report_interval_ms": 1000}, logging_level="warning")
+
+    return on_a_free_port(start, attempts)[1]
 
 
 @dataclass

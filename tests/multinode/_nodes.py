@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _cluster import free_port
+from _cluster import free_port, on_a_free_port
 
 WORKER_CPUS = 1.0  # one engine replica of TP=2: 0.5 (replica) + 2 x 0.25 (ranks)
 FAKE_GPUS_PER_NODE = 2
@@ -44,11 +44,10 @@ def start_nodes(num_workers: int) -> Nodes:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    http_port, metrics_port = free_port(), free_port()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"ingress": 1}, "include_dashboard": False,
-        "metrics_export_port": metrics_port,
-        "_system_config": {**NODE_DEATH, "metrics_report_interval_ms": 1000}})
+    cluster, metrics_port = on_a_free_port(lambda port: Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"ingress": 1}, "include_dashboard": False, "metrics_export_port": port,
+        "_system_config": {**NODE_DEATH, "metrics_report_interval_ms": 1000}}))
+    http_port = free_port()
     nodes = Nodes(cluster, http_port, metrics_port)
     for _ in range(num_workers):
         nodes.add_worker()

@@ -428,7 +428,7 @@ def test_a_local_ray_node_that_fails_to_start_is_started_again_on_a_new_port(mon
         soak_cluster.init_local_ray(2)
     assert len(ports) == len(shutdowns) == soak_cluster.START_ATTEMPTS
     with pytest.raises(ValueError, match="attempts=0"):
-        soak_cluster.init_local_ray(2, attempts=0)
+        soak_cluster.on_a_free_port(lambda port: port, attempts=0)
 
 
 def test_soak_report_json_round_trips_with_one_line_per_request(tmp_path):

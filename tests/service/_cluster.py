@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 # One Prometheus text parser, one port picker and one local Ray start (the soak uses them too).
-from loadtest.soak_cluster import free_port, init_local_ray, parse_metrics  # noqa: F401  (free_port: re-exported)
+from loadtest.soak_cluster import free_port, init_local_ray, on_a_free_port, parse_metrics  # noqa: F401  (re-exported)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("DIFFKV_CACHE_DIR", os.path.expanduser("~/.cache/diffkv"))
